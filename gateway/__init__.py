@@ -1,0 +1,1 @@
+"""pagedserve gateway package."""

@@ -1,0 +1,62 @@
+"""A stand-in model runner for scheduler tests: it stores token ids as "KV" in paged slots.
+
+It executes a StepPlan the way the real runner must (swap out, swap in, copy-on-write copies,
+write the step's tokens into their slots) and "samples" the next token as a hash of the context
+it reads back through the block table. A wrong table, slot, copy or swap therefore changes the
+output, which ``reference_output`` computes without any paging.
+"""
+
+from __future__ import annotations
+
+from worker.plan import SampledToken, StepPlan
+
+VOCAB = 97
+
+
+def next_token(context: list[int], salt: int = 0) -> int:
+    h = 7 + salt * 1_000_003
+    for t in context:
+        h = (h * 31 + t + 1) % 1_000_000_007
+    return h % VOCAB
+
+
+def reference_output(prompt: list[int], index: int, max_tokens: int, eos: int | None, min_tokens: int = 0) -> list[int]:
+    """What sequence ``index`` of a request must generate, computed without the engine."""
+    tokens = list(prompt)
+    out: list[int] = []
+    while True:
+        out.append(next_token(tokens, salt=index if not out else 0))
+        tokens.append(out[-1])
+        if len(out) >= min_tokens and eos is not None and out[-1] == eos:
+            return out
+        if len(out) >= max_tokens:
+            return out
+
+
+class KVSimulator:
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.block_size = block_size
+        self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
+        self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
+
+    def execute(self, plan: StepPlan) -> dict[int, list[SampledToken]]:
+        for src, dst in plan.swap_out:
+            self.cpu[dst] = list(self.gpu[src])
+        for src, dst in plan.swap_in:
+            self.gpu[dst] = list(self.cpu[src])
+        for src, dst in plan.copies:
+            self.gpu[dst] = list(self.gpu[src])
+        bs = self.block_size
+        for item in plan.seqs:
+            for token, slot in zip(item.token_ids, item.slot_mapping(bs)):
+                self.gpu[slot // bs][slot % bs] = token
+        samples = {}
+        for item in plan.seqs:
+            if item.num_samples:
+                table = item.block_table
+                context = [self.gpu[table[p // bs]][p % bs] for p in range(item.context_len)]
+                assert None not in context, f"seq {item.seq_id} reads unwritten KV"
+                # Forks draw their first token with salt = output index; everything else salt 0.
+                samples[item.seq_id] = [SampledToken(next_token(context, salt=k)) for k in range(item.num_samples)]
+        return samples
+

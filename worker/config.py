@@ -1,0 +1,31 @@
+"""Frozen, validated configuration of the scheduler and KV cache (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PreemptionMode = Literal["recompute", "swap"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_gpu_blocks: int
+    block_size: int = 16
+    num_cpu_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+
+    def __post_init__(self) -> None:
+        positive = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.num_cpu_blocks, bool) or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")

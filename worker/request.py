@@ -1,0 +1,111 @@
+"""Engine-side request state: a Request is a group of Sequences that share a prompt.
+
+These are in-memory engine types; the wire types live in shared/protocol.py.
+A request with ``n > 1`` holds one sequence until its prompt is prefilled, then forks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # no blocks (new, or preempted by recompute)
+    RUNNING = "running"  # blocks on the GPU
+    SWAPPED = "swapped"  # blocks on the CPU
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One output stream: prompt + generated tokens, and how many of them have KV computed."""
+
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    index: int = 0  # position among the request's n outputs
+    num_computed: int = 0
+    finish_reason: FinishReason | None = None
+    logprobs: list = field(default_factory=list)  # one entry per output token when asked
+    cumulative_logprob: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def token_stop(self, params: SamplingParams, eos_token_ids: frozenset[int]) -> FinishReason | None:
+        """The reason the last appended token ends this sequence, judged on token ids alone."""
+        if self.num_output < params.min_tokens:
+            return None
+        last = self.token_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+            return FinishReason.STOP
+        if self.num_output >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+
+@dataclass(eq=False)
+class Request:
+    """A sequence group: one prompt, ``params.n`` outputs, scheduled and preempted as a unit."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    order: int  # tie-breaker: submission order
+    priority: int = 0  # lower runs first
+    deadline: float | None = None  # absolute time on the scheduler's clock
+    extra_key: Hashable = None  # prefix-cache salt (e.g. a tenant id)
+    seqs: list[Sequence] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    forked: bool = False
+    error: str | None = None
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrival, self.order)
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def seq_slots(self) -> int:
+        """Batch slots the request needs once forked; reserved from admission on."""
+        return len(self.live_seqs) if self.forked else self.params.n
+
+    @property
+    def needs_fork(self) -> bool:
+        return self.params.n > 1 and not self.forked

@@ -1,0 +1,335 @@
+"""Continuous batching: every step decides which sequences compute how many tokens.
+
+Order of a step (``schedule``):
+
+1. Requests past their deadline are aborted.
+2. Running requests, most important first (lower ``priority``, then earlier arrival), get their
+   decode token or next prefill chunk under the token budget. When blocks run out, the least
+   important running request is preempted (recompute: blocks freed, requeued; swap: blocks moved
+   to the CPU pool); if none is left to preempt, the request itself is.
+3. If nothing was preempted, swapped requests come back in, then waiting requests are admitted
+   (taking prefix-cache hits) while budget, ``max_num_seqs`` and blocks last.
+
+``update`` applies the sampled tokens: it advances computed counts, publishes full blocks to the
+prefix cache, forks ``n > 1`` requests once their prompt is done, and checks token-level stops.
+No I/O and no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Mapping, Sequence as Seq
+
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from worker.block_manager import BlockManager
+from worker.config import SchedulerConfig
+from worker.plan import SampledToken, ScheduledSeq, StepPlan
+from worker.request import FinishReason, Request, RequestStatus, Sequence
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+@dataclass
+class _Step:
+    """What one ``schedule`` call has decided so far."""
+
+    budget: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_ids: frozenset[int] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.blocks = BlockManager(
+            config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, config.enable_prefix_caching
+        )
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._seqs: dict[int, Sequence] = {}
+        self._owner: dict[int, Request] = {}
+        self._seq_ids = itertools.count()
+        self._orders = itertools.count()
+        self._finished_outside_update: list[Request] = []
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        extra_key: Hashable = None,
+    ) -> Request:
+        """Queue a request. Raises InvalidRequestError if it could never be served."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "id")
+        self._check_fits(len(prompt_ids), params)
+        req = Request(
+            request_id, list(prompt_ids), params, arrival=self.clock(), order=next(self._orders),
+            priority=priority, deadline=deadline, extra_key=extra_key,
+        )
+        self._new_seq(req, list(prompt_ids), index=0)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        cfg = self.config
+        if prompt_len == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if prompt_len + params.max_tokens > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"maximum length of {cfg.max_model_len} tokens", "max_tokens",
+            )
+        if params.n > cfg.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}", "n")
+        # Worst case: every output sequence recomputed privately after a preemption.
+        worst = params.n * self.blocks.blocks_for(prompt_len + params.max_tokens)
+        if worst > cfg.num_gpu_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {worst} KV blocks but the cache holds {cfg.num_gpu_blocks}; "
+                "lower max_tokens or n", "max_tokens",
+            )
+
+    def _new_seq(self, req: Request, token_ids: list[int], index: int) -> Sequence:
+        seq = Sequence(next(self._seq_ids), token_ids, len(req.prompt_ids), index=index)
+        req.seqs.append(seq)
+        self._seqs[seq.seq_id] = seq
+        self._owner[seq.seq_id] = req
+        return seq
+
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Finish a request in any state and free its blocks. False if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish_request(req, FinishReason.ERROR if error else FinishReason.ABORT, error)
+        self._finished_outside_update.append(req)
+        return True
+
+    def finish_seq(self, seq_id: int, reason: FinishReason) -> None:
+        """End one sequence (e.g. a stop string found by the detokenizer)."""
+        seq = self._seqs[seq_id]
+        if seq.finished:
+            return
+        seq.finish_reason = reason
+        self.blocks.free(seq_id)
+        req = self._owner[seq_id]
+        if not req.live_seqs:
+            self._finish_request(req, reason, None)
+
+    def _finish_request(self, req: Request, reason: FinishReason, error: str | None) -> None:
+        for seq in req.seqs:
+            if not seq.finished:
+                seq.finish_reason = reason
+            self.blocks.free(seq.seq_id)
+            self._seqs.pop(seq.seq_id, None)
+            self._owner.pop(seq.seq_id, None)
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
+        req.status, req.error = RequestStatus.FINISHED, error
+        self.requests.pop(req.request_id, None)
+
+    def seq(self, seq_id: int) -> Sequence:
+        return self._seqs[seq_id]
+
+    def owner(self, seq_id: int) -> Request:
+        return self._owner[seq_id]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests or self._finished_outside_update)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(r.seq_slots for r in self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> StepPlan:
+        self._expire_deadlines()
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+        if not step.preempted and not self.swapped:
+            self._schedule_waiting(step)
+        return StepPlan(
+            tuple(step.seqs), self.config.block_size, tuple(step.copies),
+            tuple(step.swap_out), tuple(step.swap_in), step.preempted,
+        )
+
+    def _expire_deadlines(self) -> None:
+        now = self.clock()
+        for req in list(self.requests.values()):
+            if req.deadline is not None and now >= req.deadline:
+                self._finish_request(req, FinishReason.ABORT, "deadline exceeded")
+                self._finished_outside_update.append(req)
+
+    def _chunk_sizes(self, req: Request, budget: int) -> list[tuple[int, int]]:
+        """(seq_id, tokens) for each live seq, taking from ``budget`` in order."""
+        sizes = []
+        for seq in req.live_seqs:
+            count = min(seq.num_uncomputed, budget)
+            budget -= count
+            sizes.append((seq.seq_id, count))
+        return sizes
+
+    def _schedule_running(self, step: _Step) -> None:
+        self.running.sort(key=lambda r: r.sort_key)
+        queue = list(self.running)
+        while queue and step.budget > 0:
+            req = queue.pop(0)
+            sizes = self._chunk_sizes(req, step.budget)
+            while self.blocks.cost_to_grow(sizes) > self.blocks.num_free_blocks:
+                victim = queue.pop() if queue else req
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            else:
+                self._emit(req, sizes, step)
+
+    def _schedule_swapped(self, step: _Step) -> None:
+        self.swapped.sort(key=lambda r: r.sort_key)
+        for req in list(self.swapped):
+            ids = [s.seq_id for s in req.live_seqs]
+            sizes = self._chunk_sizes(req, step.budget)
+            cost = self.blocks.swap_in_cost(ids) + self.blocks.cost_to_grow(sizes)
+            if not self._may_start(req, step) or cost > self.blocks.num_free_blocks:
+                return
+            step.swap_in.extend(self.blocks.swap_in(ids))
+            self.swapped.remove(req)
+            self._run(req)
+            self._emit(req, sizes, step)
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        self.waiting.sort(key=lambda r: r.sort_key)
+        for req in list(self.waiting):
+            if not self._may_start(req, step):
+                return
+            hits = {s.seq_id: self.blocks.match_prefix(s.token_ids, req.extra_key) for s in req.live_seqs}
+            reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
+            sizes, budget, new_blocks = [], step.budget, 0
+            for seq in req.live_seqs:
+                cached = len(hits[seq.seq_id].blocks) * self.config.block_size
+                count = min(seq.num_tokens - cached, budget)
+                budget -= count
+                sizes.append((seq.seq_id, count))
+                new_blocks += self.blocks.blocks_for(cached + count) - len(hits[seq.seq_id].blocks)
+            if len(reclaimed) + new_blocks > self.blocks.num_free_blocks:
+                return
+            for seq in req.live_seqs:
+                seq.num_computed = self.blocks.start(seq.seq_id, hits[seq.seq_id])
+                self.stats.prefix_query_tokens += seq.num_tokens
+                self.stats.prefix_hit_tokens += seq.num_computed
+            self.waiting.remove(req)
+            self._run(req)
+            self._emit(req, sizes, step)
+
+    def _may_start(self, req: Request, step: _Step) -> bool:
+        return step.budget > 0 and self.num_running_seqs + req.seq_slots <= self.config.max_num_seqs
+
+    def _run(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: _Step) -> None:
+        """Grow the seqs' tables and add their work to the step."""
+        for seq_id, count in sizes:
+            if count <= 0:
+                continue
+            seq = self._seqs[seq_id]
+            step.copies.extend(self.blocks.grow(seq_id, count))
+            start = seq.num_computed
+            samples = 0
+            if start + count == seq.num_tokens:
+                samples = req.params.n if req.needs_fork else 1
+            step.seqs.append(ScheduledSeq(
+                seq_id, req.request_id, tuple(seq.token_ids[start : start + count]), start,
+                self.blocks.block_table(seq_id), samples, req.params, seq.num_output,
+            ))
+            step.budget -= count
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        ids = [s.seq_id for s in req.live_seqs]
+        self.running.remove(req)
+        step.preempted += 1
+        self.stats.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.blocks.swap_out_cost(ids) <= self.blocks.cpu.num_free:
+            step.swap_out.extend(self.blocks.swap_out(ids))
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            return
+        for seq in req.live_seqs:
+            self.blocks.free(seq.seq_id)
+            seq.num_computed = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, plan: StepPlan, samples: Mapping[int, Seq[SampledToken]]) -> list[Request]:
+        """Apply a step's results. Returns the requests that got tokens or finished, in plan order."""
+        touched: dict[str, Request] = {r.request_id: r for r in self._finished_outside_update}
+        self._finished_outside_update.clear()
+        for item in plan.seqs:
+            seq = self._seqs.get(item.seq_id)
+            if seq is None or seq.finished:
+                continue  # aborted after it was scheduled
+            req = self._owner[item.seq_id]
+            seq.num_computed += item.num_tokens
+            self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, req.extra_key)
+            if item.num_samples == 0:
+                continue
+            tokens = list(samples[item.seq_id])
+            if len(tokens) != item.num_samples:
+                raise ValueError(f"seq {item.seq_id}: expected {item.num_samples} samples, got {len(tokens)}")
+            targets = [seq] + (self._fork(req, seq, len(tokens) - 1) if req.needs_fork else [])
+            for target, token in zip(targets, tokens):
+                self._append(req, target, token)
+            touched[req.request_id] = req
+        return list(touched.values())
+
+    def _fork(self, req: Request, parent: Sequence, count: int) -> list[Sequence]:
+        req.forked = True
+        children = []
+        for i in range(count):
+            child = self._new_seq(req, list(parent.token_ids), index=i + 1)
+            child.num_computed = parent.num_computed
+            self.blocks.fork(parent.seq_id, child.seq_id)
+            children.append(child)
+        return children
+
+    def _append(self, req: Request, seq: Sequence, token: SampledToken) -> None:
+        seq.token_ids.append(token.token_id)
+        if token.logprob is not None:
+            seq.cumulative_logprob += token.logprob
+        if req.params.logprobs is not None:
+            seq.logprobs.append(token)
+        reason = seq.token_stop(req.params, self.eos_token_ids)
+        if reason is not None:
+            self.finish_seq(seq.seq_id, reason)
