@@ -34,6 +34,7 @@ class BlockUsage:
     cached: int
     cpu_total: int
     cpu_used: int
+    logical: int  # block-table entries on the GPU; logical - used = blocks saved by sharing
     tokens_held: int
     slot_utilization: float  # tokens held / (used blocks * block_size); 1.0 when nothing is used
 
@@ -247,6 +248,7 @@ class BlockManager:
             cached=self.gpu.num_cached,
             cpu_total=self.cpu.num_blocks,
             cpu_used=self.cpu.num_used,
+            logical=sum(len(t) for t in self._tables.values()),
             tokens_held=tokens,
             slot_utilization=tokens / (used * self.block_size) if used else 1.0,
         )

@@ -1,0 +1,74 @@
+"""Shared fixtures: small random-weight models of each family, built once per session, and
+Hugging Face transformers greedy references for them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+MODEL_SPECS = {
+    "llama-gqa": dict(family="llama", num_heads=4, num_kv_heads=2),
+    "llama-mha": dict(family="llama", num_heads=4, num_kv_heads=4),
+    "llama-tied": dict(family="llama", num_heads=4, num_kv_heads=1, tie_word_embeddings=True),
+    "llama3-rope": dict(
+        family="llama", num_heads=4, num_kv_heads=2,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    ),
+    "mistral": dict(family="mistral", num_heads=4, num_kv_heads=2),
+    "qwen2": dict(family="qwen2", num_heads=4, num_kv_heads=2),
+    "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
+}
+
+
+class ModelZoo:
+    """Builds each test model on first use, in the session's temporary directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._paths: dict[str, Path] = {}
+        self._hf: dict[str, object] = {}
+        self._refs: dict[tuple, list[int]] = {}
+
+    def path(self, name: str) -> Path:
+        if name not in self._paths:
+            from worker.demo_model import build_model
+
+            self._paths[name] = build_model(self.root / name, **MODEL_SPECS[name], seed=len(self._paths))
+        return self._paths[name]
+
+    def hf_greedy(self, name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """transformers ``generate`` (greedy, float32, one prompt at a time: no padding)."""
+        key = (name, tuple(prompt), max_new_tokens)
+        if key not in self._refs:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            if name not in self._hf:
+                self._hf[name] = AutoModelForCausalLM.from_pretrained(self.path(name), dtype=torch.float32).eval()
+            model = self._hf[name]
+            ids = torch.tensor([prompt])
+            with torch.inference_mode():
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                    pad_token_id=model.config.pad_token_id,
+                )
+            self._refs[key] = out[0, len(prompt):].tolist()
+        return self._refs[key]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory) -> ModelZoo:
+    return ModelZoo(tmp_path_factory.mktemp("models"))
+
+
+def random_prompts(seed: int, count: int, max_len: int, vocab: int, max_new: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, new tokens) pairs: lengths spread from 1 to ``max_len``; special ids avoided."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        length = 1 if i == 0 else rng.randint(1, max_len)
+        out.append(([rng.randint(10, vocab - 1) for _ in range(length)], rng.randint(1, max_new)))
+    return out

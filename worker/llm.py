@@ -1,0 +1,87 @@
+"""Offline generation: ``LLM(model).generate(prompts, params)``, no Redis, no server.
+
+    from worker import LLM, SamplingParams
+    llm = LLM("path/or/hub-id", dtype="float32", num_gpu_blocks=512)
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from shared.sampling import SamplingParams
+from worker.engine import Engine
+from worker.engine_config import EngineConfig
+from worker.outputs import RequestOutput
+
+Prompt = str | Seq[int]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine = Engine(EngineConfig(model=str(model), **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = _broadcast(params or SamplingParams(), len(prompts))
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids.append(f"offline-{next(self._ids)}")
+                self.engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            for request_id in ids:  # one bad prompt: nothing of this call stays queued
+                self.engine.abort(request_id)
+            self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Seq[list[dict]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while wanted - done.keys():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+
+def _broadcast(params: SamplingParams | Seq[SamplingParams], count: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

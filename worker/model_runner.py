@@ -1,0 +1,110 @@
+"""Executes a StepPlan: block moves first, then one forward over the whole mixed batch.
+
+The runner owns the KV tensors (one K and one V per layer on the device, and a CPU pool for swap)
+and turns the plan into tensors: input ids, positions, slot mapping, block tables. It returns
+logits only for the sequences that sample this step. It makes no scheduling decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from worker.attention import AttentionMetadata, AttentionOps
+from worker.models.llama import LlamaForCausalLM
+from worker.plan import ScheduledSeq, StepPlan
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    logits: torch.Tensor  # float32 [num_rows, vocab]
+    items: tuple[ScheduledSeq, ...]  # the sampling sequence of each row
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V, all layers, for one block."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(model.model.layers) * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype,
+        block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+    ) -> None:
+        self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
+        shape = (block_size, model.num_kv_heads, model.head_dim)
+        layers = len(model.model.layers)
+        pin = device.type == "cuda"
+        self.k_caches, self.v_caches, self.k_cpu, self.v_cpu = [], [], [], []
+        for _ in tqdm(range(layers), desc="allocating KV cache", unit="layer", leave=False):
+            self.k_caches.append(torch.zeros((num_gpu_blocks, *shape), dtype=dtype, device=device))
+            self.v_caches.append(torch.zeros((num_gpu_blocks, *shape), dtype=dtype, device=device))
+            self.k_cpu.append(torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin))
+            self.v_cpu.append(torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin))
+        self.kv_caches = list(zip(self.k_caches, self.v_caches))
+
+    def _pairs(self, pairs) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+
+    def apply_block_moves(self, plan: StepPlan) -> None:
+        """Swap out, then swap in, then copy-on-write: a block freed by a swap-out may be reused."""
+        if plan.swap_out:
+            out = self._pairs(plan.swap_out)
+            for layer in range(len(self.k_caches)):
+                self.ops.swap_blocks(self.k_caches[layer], self.k_cpu[layer], out)
+                self.ops.swap_blocks(self.v_caches[layer], self.v_cpu[layer], out)
+        if plan.swap_in:
+            back = self._pairs(plan.swap_in)
+            for layer in range(len(self.k_caches)):
+                self.ops.swap_blocks(self.k_cpu[layer], self.k_caches[layer], back)
+                self.ops.swap_blocks(self.v_cpu[layer], self.v_caches[layer], back)
+        if plan.copies:
+            self.ops.copy_blocks(self.k_caches, self.v_caches, self._pairs(plan.copies).to(self.device))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepLogits:
+        self.apply_block_moves(plan)
+        # Single-token work (decodes, and one-token chunks) goes first, prefill chunks after.
+        items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
+        if not items:
+            return StepLogits(torch.empty(0, 0), ())
+        num_decodes = sum(1 for s in items if s.num_tokens == 1)
+        ids, positions, slots, last_index = [], [], [], []
+        for s in items:
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.context_len))
+            slots.extend(s.slot_mapping(self.block_size))
+            last_index.append(len(ids) - 1)
+        meta = self._metadata(items, num_decodes, slots)
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches,
+        )
+        sampling = [i for i, s in enumerate(items) if s.num_samples]
+        rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=dev)
+        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling))
+
+    def _metadata(self, items: list[ScheduledSeq], num_decodes: int, slots: list[int]) -> AttentionMetadata:
+        dev = self.device
+        decodes, prefills = items[:num_decodes], items[num_decodes:]
+        query_start = [0]
+        for s in prefills:
+            query_start.append(query_start[-1] + s.num_tokens)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=num_decodes,
+            decode_block_tables=self._tables(decodes),
+            decode_seq_lens=torch.tensor([s.context_len for s in decodes], dtype=torch.int32, device=dev),
+            prefill_block_tables=self._tables(prefills),
+            prefill_seq_lens=torch.tensor([s.context_len for s in prefills], dtype=torch.int32, device=dev),
+            prefill_query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+        )
+
+    def _tables(self, items: list[ScheduledSeq]) -> torch.Tensor:
+        width = max((len(s.block_table) for s in items), default=0)
+        rows = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in items]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(items), width)

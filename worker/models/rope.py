@@ -1,0 +1,57 @@
+"""Rotary position embedding, computed the way transformers computes it (so greedy output matches).
+
+The inverse frequencies come from the config: plain RoPE is computed here; scaled variants
+(``llama3``, ``linear``, ``yarn`` …) use transformers' own ``ROPE_INIT_FUNCTIONS``, which also give
+the attention factor applied to cos/sin.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    """``{"rope_type", "rope_theta", ...}`` from a transformers 5 (``rope_parameters``) or 4 config."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **scaling}
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config, head_dim: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            factor = 1.0
+        elif rope_type == "dynamic":
+            raise ValueError("dynamic NTK rope scaling is not supported (it changes with the sequence length)")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.factor = float(factor)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[num_tokens, 1, head_dim]`` for the given absolute positions."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.factor, emb.sin() * self.factor
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = cos_sin
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
