@@ -3,12 +3,14 @@
 Cache layout (one K and one V tensor per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 Block tables are ``int32 [num_seqs, max_blocks]``; a slot is ``block * block_size + offset``;
 a negative slot means "skip" (padding). Attention accumulates in float32.
-Everything is vectorised over the batch: no Python loop per sequence or token.
+Everything is vectorised over the batch: no Python loop per sequence or token (decode splits a
+large batch into at most four groups of similar length to cut padding).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 
 def store_kv(
@@ -24,25 +26,55 @@ def store_kv(
     v_cache.view(-1, heads, dim).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+class Workspace:
+    """Reusable gather buffers. Fresh multi-megabyte tensors cost page faults on every call
+    (measured: a 105 MB gather took 38 ms into new memory, 8 ms into a reused buffer)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def take(self, slot: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        key = (slot, like.dtype, like.device)
+        numel = 1
+        for n in shape:
+            numel *= n
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(shape)
+
+
+def gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, workspace: Workspace | None = None, slot: str = "k"
+) -> torch.Tensor:
     """``[num_seqs, max_len, num_kv_heads, head_dim]``: each sequence's first ``max_len`` slots."""
     block_size = cache.shape[1]
     num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks].long().clamp_min(0)  # padding entries point anywhere valid
-    gathered = cache[tables]  # [S, nb, bs, H, D]
-    return gathered.flatten(1, 2)[:, :max_len]
+    flat = block_tables[:, :num_blocks].reshape(-1).long().clamp_min(0)  # padding entries: any valid block
+    shape = (flat.numel(), *cache.shape[1:])
+    out = workspace.take(slot, shape, cache) if workspace is not None else None
+    gathered = torch.index_select(cache, 0, flat, out=out) if out is not None else cache.index_select(0, flat)
+    return gathered.view(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :max_len]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """q ``[S, Q, Hq, D]``, k/v ``[S, L, Hkv, D]``, allowed ``[S, Q, L]`` -> ``[S, Q, Hq, D]`` (float32)."""
-    s, lq, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.float().view(s, lq, hkv, hq // hkv, d)
-    scores = torch.einsum("sqkgd,slkd->skgql", qg, k.float()) * scale
-    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with nothing allowed (padding) -> 0
-    out = torch.einsum("skgql,slkd->sqkgd", probs, v.float())
-    return out.reshape(s, lq, hq, d)
+    """q ``[S, Q, Hq, D]``, k/v ``[S, L, Hkv, D]``, allowed ``[S, Q, L]`` -> ``[S, Q, Hq, D]`` (float32).
+
+    Rows with nothing allowed (padding queries) come out as garbage; callers drop them."""
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=allowed[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def length_buckets(seq_lens: torch.Tensor, max_buckets: int = 4, min_size: int = 16) -> list[torch.Tensor | None]:
+    """Index groups of similar length, so a short context is not padded to the longest one.
+    ``[None]`` (everything at once) for small batches."""
+    if seq_lens.shape[0] < 2 * min_size:
+        return [None]
+    count = min(max_buckets, seq_lens.shape[0] // min_size)
+    return list(torch.tensor_split(torch.argsort(seq_lens), count))
 
 
 def paged_attention_decode(
@@ -52,13 +84,24 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its whole context. ``q``/``out``: ``[num_seqs, num_heads, head_dim]``."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    buckets = length_buckets(seq_lens)
+    if buckets == [None]:
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace)
+    out = torch.empty_like(q)
+    for idx in buckets:
+        out[idx] = _decode(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, workspace)
+    return out
+
+
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace) -> torch.Tensor:
     max_len = int(seq_lens.max())
-    k = gather_context(k_cache, block_tables, max_len)
-    v = gather_context(v_cache, block_tables, max_len)
+    k = gather_context(k_cache, block_tables, max_len, workspace, "k")
+    v = gather_context(v_cache, block_tables, max_len, workspace, "v")
     positions = torch.arange(max_len, device=q.device)
     allowed = (positions[None, :] < seq_lens[:, None].long())[:, None, :]
     return _attend(q[:, None], k, v, allowed, scale)[:, 0].to(q.dtype)
@@ -72,6 +115,7 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Causal attention for variable-length query chunks whose earlier tokens are already cached.
 
@@ -92,25 +136,29 @@ def prefill_attention(
     q_pos = seq_lens[:, None].long() - q_lens[:, None] + rows[None, :]  # absolute position of each query
     k_pos = torch.arange(max_len, device=q.device)
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]
-    k = gather_context(k_cache, block_tables, max_len)
-    v = gather_context(v_cache, block_tables, max_len)
+    k = gather_context(k_cache, block_tables, max_len, workspace, "k")
+    v = gather_context(v_cache, block_tables, max_len, workspace, "v")
     out = _attend(padded, k, v, allowed, scale)
     return out[valid_q].to(q.dtype)
 
 
-def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
-    """Copy-on-write: for every layer, block ``dst`` becomes a copy of block ``src`` (``pairs [N, 2]``)."""
+def copy_blocks(kv_pool: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy-on-write for every layer at once: block ``dst`` becomes a copy of block ``src``.
+
+    ``kv_pool``: ``[2 * num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (K and V of
+    every layer); ``pairs``: int64 ``[N, 2]`` of ``(src, dst)``."""
     if pairs.numel() == 0:
         return
-    src, dst = pairs[:, 0].long(), pairs[:, 1].long()
-    for cache in (*k_caches, *v_caches):
-        cache.index_copy_(0, dst.to(cache.device), cache[src.to(cache.device)])
+    pairs = pairs.to(kv_pool.device)
+    kv_pool.index_copy_(1, pairs[:, 1].long(), kv_pool.index_select(1, pairs[:, 0].long()))
 
 
-def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.Tensor) -> None:
-    """Copy blocks between two pools (GPU <-> CPU): ``dst_cache[d] = src_cache[s]`` for ``(s, d)`` in pairs."""
+def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy blocks between two pools of the same layout (GPU <-> CPU), every layer at once:
+    ``dst_pool[:, d] = src_pool[:, s]`` for ``(s, d)`` in ``pairs``."""
     if pairs.numel() == 0:
         return
-    src = pairs[:, 0].long().to(src_cache.device)
-    dst = pairs[:, 1].long().to(dst_cache.device)
-    dst_cache.index_copy_(0, dst, src_cache[src].to(dst_cache.device))
+    src = pairs[:, 0].long().to(src_pool.device)
+    dst = pairs[:, 1].long().to(dst_pool.device)
+    staged = src_pool.index_select(1, src)  # one gather, then one transfer
+    dst_pool.index_copy_(1, dst, staged.to(dst_pool.device, non_blocking=dst_pool.is_pinned()))

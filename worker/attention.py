@@ -9,6 +9,7 @@ describes both parts and is passed explicitly into every layer (no global forwar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -37,14 +38,15 @@ class AttentionOps:
 
 
 def select_ops(device: torch.device) -> AttentionOps:
-    """Triton kernels on CUDA, torch references elsewhere."""
+    """Triton kernels on CUDA, torch references elsewhere. Each call gets its own workspace."""
     if device.type == "cuda":
         from kernels import triton_ops  # imported lazily: triton is absent on many CPU machines
 
         return triton_ops.OPS
+    workspace = reference.Workspace()  # one per runner: layers run one after another
     return AttentionOps(
-        reference.store_kv, reference.paged_attention_decode, reference.prefill_attention,
-        reference.copy_blocks, reference.swap_blocks,
+        reference.store_kv, partial(reference.paged_attention_decode, workspace=workspace),
+        partial(reference.prefill_attention, workspace=workspace), reference.copy_blocks, reference.swap_blocks,
     )
 
 

@@ -92,3 +92,29 @@ def _set_rope_scaling(config, scaling: dict) -> None:
         config.rope_parameters = {**config.rope_parameters, **scaling}
     else:
         config.rope_scaling = dict(scaling)
+
+
+DEMO_MODEL = dict(family="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688)
+DEMO_VERSION = 1
+
+
+def demo_model_dir(cache_root: Path | None = None) -> Path:
+    """The demo model's directory, built on first use (atomically, so a crash leaves no half model)."""
+    import os
+    import shutil
+    import tempfile
+
+    root = cache_root or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
+    path = root / f"demo-llama-v{DEMO_VERSION}"
+    if not (path / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+        try:
+            build_model(tmp, **DEMO_MODEL)
+            tmp.rename(path)
+        except OSError:
+            if not (path / "config.json").exists():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -35,16 +35,16 @@ class ModelRunner:
         block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
     ) -> None:
         self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
-        shape = (block_size, model.num_kv_heads, model.head_dim)
         layers = len(model.model.layers)
-        pin = device.type == "cuda"
-        self.k_caches, self.v_caches, self.k_cpu, self.v_cpu = [], [], [], []
-        for _ in tqdm(range(layers), desc="allocating KV cache", unit="layer", leave=False):
-            self.k_caches.append(torch.zeros((num_gpu_blocks, *shape), dtype=dtype, device=device))
-            self.v_caches.append(torch.zeros((num_gpu_blocks, *shape), dtype=dtype, device=device))
-            self.k_cpu.append(torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin))
-            self.v_cpu.append(torch.zeros((num_cpu_blocks, *shape), dtype=dtype, pin_memory=pin))
-        self.kv_caches = list(zip(self.k_caches, self.v_caches))
+        shape = (2 * layers, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
+        with tqdm(total=2, desc="allocating KV cache", unit="pool", leave=False) as bar:
+            # K and V of every layer in one tensor, so block copies and swaps are one operation.
+            self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
+            bar.update(1)
+            self.cpu_pool = torch.zeros((2 * layers, num_cpu_blocks, *shape[2:]), dtype=dtype,
+                                        pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
+            bar.update(1)
+        self.kv_caches = [(self.kv_pool[2 * i], self.kv_pool[2 * i + 1]) for i in range(layers)]
 
     def _pairs(self, pairs) -> torch.Tensor:
         return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
@@ -52,17 +52,11 @@ class ModelRunner:
     def apply_block_moves(self, plan: StepPlan) -> None:
         """Swap out, then swap in, then copy-on-write: a block freed by a swap-out may be reused."""
         if plan.swap_out:
-            out = self._pairs(plan.swap_out)
-            for layer in range(len(self.k_caches)):
-                self.ops.swap_blocks(self.k_caches[layer], self.k_cpu[layer], out)
-                self.ops.swap_blocks(self.v_caches[layer], self.v_cpu[layer], out)
+            self.ops.swap_blocks(self.kv_pool, self.cpu_pool, self._pairs(plan.swap_out))
         if plan.swap_in:
-            back = self._pairs(plan.swap_in)
-            for layer in range(len(self.k_caches)):
-                self.ops.swap_blocks(self.k_cpu[layer], self.k_caches[layer], back)
-                self.ops.swap_blocks(self.v_cpu[layer], self.v_caches[layer], back)
+            self.ops.swap_blocks(self.cpu_pool, self.kv_pool, self._pairs(plan.swap_in))
         if plan.copies:
-            self.ops.copy_blocks(self.k_caches, self.v_caches, self._pairs(plan.copies).to(self.device))
+            self.ops.copy_blocks(self.kv_pool, self._pairs(plan.copies).to(self.device))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:

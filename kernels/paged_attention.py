@@ -1,0 +1,119 @@
+"""Triton: decode attention over the paged cache, split over the context (flash-decoding).
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``: each program takes one KV head with all the query
+heads that share it (GQA) and one slice of ``PARTITION`` context tokens, walks it in tiles of
+``TILE`` tokens (block ids looked up per token, so any power-of-two block size works) with an
+online softmax in float32, and writes a partial result. A second kernel combines the slices, so a
+batch of a few long sequences still spreads over the whole GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_cache, check_heads, check_same, check_tables
+
+TILE = 64
+PARTITION = 512
+
+
+@triton.jit
+def _decode_partial(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    scale, stride_qs, stride_qh, stride_bt, stride_kb, stride_kt, stride_kh, max_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + seq)
+    start = split * PARTITION
+    if start < seq_len:
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, DIM_PAD)
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                    mask=(g[:, None] < GROUP) & (d[None, :] < DIM), other=0.0).to(tl.float32)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        end = tl.minimum(start + PARTITION, seq_len)
+        for tile in range(start, end, TILE):
+            pos = tile + tl.arange(0, TILE)
+            valid = pos < end
+            block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offs = block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head * stride_kh
+            kv_mask = valid[:, None] & (d[None, :] < DIM)
+            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        row = (seq * tl.num_programs(1) * GROUP + heads) * max_splits + split
+        tl.store(part_max_ptr + row, m, mask=g < GROUP)
+        tl.store(part_sum_ptr + row, l, mask=g < GROUP)
+        tl.store(part_out_ptr + row[:, None] * DIM + d[None, :], acc, mask=(g[:, None] < GROUP) & (d[None, :] < DIM))
+
+
+@triton.jit
+def _decode_reduce(
+    part_out_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr, stride_os, stride_oh, num_heads, max_splits,
+    DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PARTITION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    seq_len = tl.load(lens_ptr + seq)
+    num_splits = tl.cdiv(seq_len, PARTITION)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    row = (seq * num_heads + head) * max_splits + s
+    live = s < num_splits
+    m = tl.load(part_max_ptr + row, mask=live, other=float("-inf"))
+    l = tl.load(part_sum_ptr + row, mask=live, other=0.0)
+    o = tl.load(part_out_ptr + row[:, None] * DIM + d[None, :], mask=live[:, None] & (d[None, :] < DIM), other=0.0)
+    top = tl.max(m, axis=0)
+    w = tl.where(live, tl.exp(m - top), 0.0)
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < DIM)
+
+
+def paged_attention_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``kernels.reference.paged_attention_decode``."""
+    check_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [num_seqs, num_heads, head_dim] with unit last stride, got {tuple(q.shape)}")
+    group = check_heads(q, k_cache)
+    check_tables(block_tables, seq_lens, q.shape[0])
+    check_same(q.device, k_cache.device, block_tables.device, seq_lens.device)
+    num_seqs, num_heads, dim = q.shape
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
+    splits = max(1, triton.cdiv(max_len, PARTITION))
+    part_out = torch.empty((num_seqs, num_heads, splits, dim), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    block_tables = block_tables.contiguous()
+    _decode_partial[(num_seqs, k_cache.shape[2], splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
+        q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        splits, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), DIM=dim,
+        DIM_PAD=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[1], TILE=TILE, PARTITION=PARTITION,
+    )
+    _decode_reduce[(num_seqs, num_heads)](
+        part_out, part_max, part_sum, seq_lens, out, out.stride(0), out.stride(1), num_heads, splits,
+        DIM=dim, DIM_PAD=triton.next_power_of_2(dim), SPLITS_PAD=triton.next_power_of_2(splits), PARTITION=PARTITION,
+    )
+    return out

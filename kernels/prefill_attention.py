@@ -1,0 +1,97 @@
+"""Triton: causal attention for variable-length query chunks over the paged cache.
+
+Each sequence's chunk holds its last ``q_len`` positions; the earlier ``seq_len - q_len`` tokens
+(a prefix-cache hit or earlier chunks) and the chunk itself are read from the cache through the
+block table, so the chunk's K/V must be stored first. Grid ``(num_seqs, query tiles, num_heads)``;
+each program walks key tiles up to its causal limit with an online softmax in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import check_cache, check_heads, check_same, check_tables
+
+BLOCK_M = 16
+BLOCK_N = 32
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh,
+    GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    tile_m = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(starts_ptr + seq).to(tl.int64)
+    q_len = (tl.load(starts_ptr + seq + 1) - q_start).to(tl.int32)
+    if tile_m * BLOCK_M < q_len:
+        seq_len = tl.load(lens_ptr + seq)
+        prefix = seq_len - q_len
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, DIM_PAD)
+        row_ok = rows < q_len
+        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & (d[None, :] < DIM), other=0.0).to(tl.float32)
+        q_pos = prefix + rows
+        kv_head = head // GROUP
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        limit = tl.minimum(seq_len, prefix + (tile_m + 1) * BLOCK_M)  # last key any row of the tile sees
+        for tile in range(0, limit, BLOCK_N):
+            pos = tile + tl.arange(0, BLOCK_N)
+            valid = pos < limit
+            block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            offs = block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head * stride_kh
+            kv_mask = valid[:, None] & (d[None, :] < DIM)
+            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            allowed = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+            scores = tl.where(allowed, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m = m_new
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < DIM))
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``kernels.reference.prefill_attention``."""
+    check_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim] with unit last stride, got {tuple(q.shape)}")
+    group = check_heads(q, k_cache)
+    num_seqs = seq_lens.shape[0]
+    check_tables(block_tables, seq_lens, num_seqs)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs + 1}], got {tuple(query_start_loc.shape)}")
+    check_same(q.device, k_cache.device, block_tables.device, query_start_loc.device)
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    max_q = max_query_len if max_query_len is not None else int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_tables = block_tables.contiguous()
+    grid = (num_seqs, triton.cdiv(max_q, BLOCK_M), q.shape[1])
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, DIM=q.shape[2], DIM_PAD=triton.next_power_of_2(q.shape[2]),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+    )
+    return out

@@ -1,0 +1,67 @@
+"""The ``pagedserve`` command: one entry point, one subcommand per job.
+
+    pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
+    pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
+    pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+BENCHES = {"kv-memory": "bench.kv_memory", "offline-throughput": "bench.offline_throughput"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on a paged, copy-on-write KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline (no Redis, no server)")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto")
+
+    bench = sub.add_parser("bench", help="run a benchmark (prints a JSON line and a table)")
+    bench.add_argument("name", choices=sorted(BENCHES))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        import importlib
+        import os
+
+        sys.path.insert(0, os.getcwd())  # bench/ lives in the source tree, beside the packages
+        return importlib.import_module(BENCHES[args.name]).main(args.args)
+    return generate(args)
+
+
+def generate(args: argparse.Namespace) -> int:
+    from shared.errors import InvalidRequestError
+    from shared.sampling import SamplingParams
+    from worker.demo_model import demo_model_dir
+    from worker.engine import Engine
+    from worker.engine_config import EngineConfig
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        engine = Engine(EngineConfig(model=args.model or str(demo_model_dir()), dtype=args.dtype))
+        engine.add_request("cli", args.prompt, params)
+    except (InvalidRequestError, ValueError) as err:
+        print(f"pagedserve: {err}", file=sys.stderr)
+        return 2
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.outputs[0].text_delta, end="", flush=True)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

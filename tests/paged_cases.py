@@ -1,0 +1,63 @@
+"""Random paged-KV setups for kernel tests: caches, block tables (some blocks shared between
+sequences, padding entries), lengths that do and do not end on a block boundary, and a plain
+per-sequence attention to check against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedCase:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    seq_lens: torch.Tensor  # int32 [S]
+    block_size: int
+
+
+def make_case(
+    seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype=torch.float32,
+    device="cpu", seed: int = 0, share_first_block: bool = True,
+) -> PagedCase:
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(per_seq) + 1  # one padding column more than needed
+    tables = torch.full((len(seq_lens), width), 0, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    if share_first_block and len(seq_lens) > 1 and per_seq[1] > 1 and seq_lens[0] > block_size:
+        tables[1, 0] = tables[0, 0]  # a block shared by two tables (as after a fork or prefix hit)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    return PagedCase(k.to(device), v.to(device), tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), block_size)
+
+
+def dense_context(case: PagedCase, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[len, Hkv, D]`` of one sequence, read block by block."""
+    n, bs = int(case.seq_lens[seq]), case.block_size
+    rows = [int(case.block_tables[seq, p // bs]) for p in range(n)]
+    offs = [p % bs for p in range(n)]
+    return case.k_cache[rows, offs].float(), case.v_cache[rows, offs].float()
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int) -> torch.Tensor:
+    """q ``[Q, Hq, D]`` at positions ``q_start..`` over k/v ``[L, Hkv, D]``, causal; float32."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", q.float(), k) * scale
+    pos_q = torch.arange(q.shape[0])[:, None] + q_start
+    pos_k = torch.arange(k.shape[0])[None, :]
+    scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
+    return torch.einsum("hql,lhd->qhd", torch.softmax(scores, dim=-1), v)
+
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
