@@ -3,6 +3,7 @@
     pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
     pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
     pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
+    pagedserve bench kernel [args]               Triton decode attention: time, GB/s, vs SDPA
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHES = {"kv-memory": "bench.kv_memory", "offline-throughput": "bench.offline_throughput"}
+BENCHES = {
+    "kv-memory": "bench.kv_memory",
+    "offline-throughput": "bench.offline_throughput",
+    "kernel": "bench.kernel_bench",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -37,12 +37,15 @@ class AttentionOps:
     swap_blocks: Callable
 
 
-def select_ops(device: torch.device) -> AttentionOps:
-    """Triton kernels on CUDA, torch references elsewhere. Each call gets its own workspace."""
-    if device.type == "cuda":
+def select_ops(device: torch.device, backend: str = "auto") -> AttentionOps:
+    """``auto``: Triton kernels on CUDA, torch references elsewhere. ``triton`` on a CPU needs
+    ``TRITON_INTERPRET=1`` (tests use it). Each call gets its own workspace."""
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention backend must be auto, torch or triton; got {backend!r}")
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         from kernels import triton_ops  # imported lazily: triton is absent on many CPU machines
 
-        return triton_ops.OPS
+        return triton_ops.make_ops()
     workspace = reference.Workspace()  # one per runner: layers run one after another
     return AttentionOps(
         reference.store_kv, partial(reference.paged_attention_decode, workspace=workspace),

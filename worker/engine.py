@@ -37,7 +37,7 @@ class Engine:
         info = inspect_model(config.model, config.dtype)
         self.info = info
         self.tokenizer = AutoTokenizer.from_pretrained(info.path)
-        ops = select_ops(device)
+        ops = select_ops(device, config.attention_backend)
         model = load_weights(info, ops, device)
         block_bytes = kv_block_bytes(model, config.block_size, info.dtype)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram()

@@ -1,0 +1,96 @@
+"""Decode attention kernel: time, achieved bandwidth, and ratios to two baselines on the same data.
+
+For each (batch, context): the Triton paged decode kernel; torch SDPA over the same K/V gathered
+into contiguous tensors (gather not timed); and the device's copy bandwidth (a large
+device-to-device copy). Bandwidth counts the KV bytes the kernel must read.
+
+    python bench/kernel_bench.py [--out results.json]            # on a CUDA machine
+    TRITON_INTERPRET=1 python bench/kernel_bench.py --quick       # smoke run on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from torch.nn import functional as F
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+
+
+def timed(fn, device: str, repeat: int) -> float:
+    """Median seconds of ``fn``."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: str, repeat: int) -> float:
+    """Bytes/s of a 1 GiB (256 MiB on CPU) device copy, counting read + write."""
+    n = (1 << 30 if device == "cuda" else 1 << 28) // 4
+    src, dst = torch.empty(n, device=device), torch.empty(n, device=device)
+    return 2 * n * 4 / timed(lambda: dst.copy_(src), device, repeat)
+
+
+def one_case(batch: int, context: int, dtype: torch.dtype, device: str, repeat: int) -> dict:
+    from kernels.paged_attention import paged_attention_decode
+    from kernels.reference import gather_context
+
+    blocks_per_seq = -(-context // BLOCK)
+    k_cache = torch.randn(batch * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+    t_kernel = timed(lambda: paged_attention_decode(q, k_cache, v_cache, tables, lens, scale, max_seq_len=context), device, repeat)
+    k = gather_context(k_cache, tables, context).transpose(1, 2).contiguous()
+    v = gather_context(v_cache, tables, context).transpose(1, 2).contiguous()
+    t_sdpa = timed(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True), device, repeat)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
+    return {"batch": batch, "context": context, "kernel_ms": round(t_kernel * 1e3, 4), "sdpa_ms": round(t_sdpa * 1e3, 4),
+            "kernel_gbps": round(kv_bytes / t_kernel / 1e9, 1), "kernel_vs_sdpa": round(t_sdpa / t_kernel, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny grid (CPU interpreter smoke run)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    if args.quick:
+        grid, repeat = [(1, 128), (2, 600)], 1
+    else:
+        grid, repeat = [(b, c) for b in (1, 8, 32, 128, 256) for c in (128, 1024, 4096, 16384, 32768) if b * c <= 1 << 22], 20
+    copy_bw = copy_bandwidth(device, repeat)
+    rows = [one_case(b, c, dtype, device, repeat) for b, c in grid]
+    for r in rows:
+        r["fraction_of_copy_bw"] = round(r["kernel_gbps"] * 1e9 / copy_bw, 3)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
+    result = {"bench": "kernel_decode", "device": name, "dtype": args.dtype, "copy_gbps": round(copy_bw / 1e9, 1), "results": rows}
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"{'batch':>6} {'context':>8} {'kernel ms':>10} {'GB/s':>8} {'of copy':>8} {'sdpa ms':>9} {'vs sdpa':>8}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['context']:>8} {r['kernel_ms']:>10} {r['kernel_gbps']:>8} "
+              f"{r['fraction_of_copy_bw']:>8.1%} {r['sdpa_ms']:>9} {r['kernel_vs_sdpa']:>7}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
