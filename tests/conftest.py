@@ -72,3 +72,13 @@ def random_prompts(seed: int, count: int, max_len: int, vocab: int, max_new: int
         length = 1 if i == 0 else rng.randint(1, max_len)
         out.append(([rng.randint(10, vocab - 1) for _ in range(length)], rng.randint(1, max_new)))
     return out
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server on a free port for one test (persistence off), stopped after it."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()

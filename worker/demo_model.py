@@ -100,11 +100,12 @@ DEMO_VERSION = 1
 
 def demo_model_dir(cache_root: Path | None = None) -> Path:
     """The demo model's directory, built on first use (atomically, so a crash leaves no half model)."""
-    import os
     import shutil
     import tempfile
 
-    root = cache_root or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedserve"
+    from shared.settings import cache_dir
+
+    root = cache_root or cache_dir()
     path = root / f"demo-llama-v{DEMO_VERSION}"
     if not (path / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)

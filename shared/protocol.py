@@ -1,0 +1,180 @@
+"""Wire protocol: msgpack messages with a version field. Documented for other languages in
+docs/protocol.md. These are wire types; the engine's types live in worker/.
+
+- ``WireRequest``: one entry (field ``data``) on a model's request stream.
+- ``WireEvent``: what comes back, batched: one pub/sub message (or result-stream entry, field
+  ``data``) carries a msgpack *list* of events, one per request that changed in an engine step.
+  Every request gets events with ``seq`` 0, 1, 2 … and exactly one with ``done: true``.
+- ``WireCancel``: on the model's cancel channel, asks the worker holding ``id`` to abort it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+
+VERSION = 1
+MAX_ID_LEN = 256
+
+
+class ProtocolError(InvalidRequestError):
+    """A message that cannot be decoded or does not follow the schema."""
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as err:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"malformed msgpack: {err}") from None
+
+
+@dataclass(frozen=True)
+class ReplyTarget:
+    kind: str  # "channel" (pub/sub) or "stream" (durable result stream)
+    name: str
+
+    def to_wire(self) -> dict:
+        return {self.kind: self.name}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "ReplyTarget":
+        if not isinstance(value, dict) or len(value) != 1:
+            raise ProtocolError('reply must be {"channel": name} or {"stream": name}', "reply")
+        (kind, name), = value.items()
+        if kind not in ("channel", "stream") or not isinstance(name, str) or not name:
+            raise ProtocolError('reply must be {"channel": name} or {"stream": name}', "reply")
+        return cls(kind, name)
+
+
+@dataclass(frozen=True)
+class WireRequest:
+    id: str
+    model: str
+    params: SamplingParams
+    reply: ReplyTarget
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    created: float = 0.0
+    deadline: float | None = None  # wall-clock seconds (time.time())
+    priority: int = 0
+    tenant: str | None = None
+
+    def encode(self) -> bytes:
+        body = {k: v for k, v in asdict(self).items() if k not in ("params", "reply")}
+        return pack({"v": VERSION, **body, "params": self.params.to_dict(), "reply": self.reply.to_wire()})
+
+    @classmethod
+    def decode(cls, data: bytes) -> "WireRequest":
+        msg = _versioned(unpack(data))
+        _require(msg, "id", str)
+        if not msg["id"] or len(msg["id"]) > MAX_ID_LEN:
+            raise ProtocolError(f"id must be 1..{MAX_ID_LEN} characters", "id")
+        _require(msg, "model", str)
+        sources = [k for k in ("prompt", "prompt_token_ids", "messages") if msg.get(k) is not None]
+        if len(sources) != 1:
+            raise ProtocolError("give exactly one of prompt, prompt_token_ids, messages", "prompt")
+        _check_prompt(msg)
+        for name, kinds in (("created", (int, float)), ("deadline", (int, float, type(None))),
+                            ("priority", (int,)), ("tenant", (str, type(None)))):
+            if name in msg and (isinstance(msg[name], bool) or not isinstance(msg[name], kinds)):
+                raise ProtocolError(f"{name} has the wrong type", name)
+        params = msg.get("params", {})
+        if not isinstance(params, dict):
+            raise ProtocolError("params must be a map", "params")
+        return cls(
+            id=msg["id"], model=msg["model"], params=SamplingParams.from_dict(params),
+            reply=ReplyTarget.from_wire(msg.get("reply")), prompt=msg.get("prompt"),
+            prompt_token_ids=msg.get("prompt_token_ids"), messages=msg.get("messages"),
+            created=float(msg.get("created", 0.0)), deadline=msg.get("deadline"),
+            priority=msg.get("priority", 0), tenant=msg.get("tenant"),
+        )
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": {id: logprob}}
+
+
+@dataclass(frozen=True)
+class WireEvent:
+    id: str
+    seq: int  # 0, 1, 2 … per request; -1 on a terminal error sent by a worker that took over
+    outputs: list[OutputDelta] = field(default_factory=list)
+    done: bool = False
+    finish_reason: str | None = None  # on the terminal event: stop | length | abort | error
+    error: str | None = None
+    usage: dict | None = None  # on the terminal event: prompt_tokens, completion_tokens
+
+    def to_wire(self) -> dict:
+        return {"v": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_wire(cls, msg: Any) -> "WireEvent":
+        msg = _versioned(msg)
+        outputs = [OutputDelta(**o) for o in msg.get("outputs", [])]
+        return cls(msg["id"], msg["seq"], outputs, msg.get("done", False), msg.get("finish_reason"),
+                   msg.get("error"), msg.get("usage"))
+
+
+def encode_events(events: list[WireEvent]) -> bytes:
+    return pack([e.to_wire() for e in events])
+
+
+def decode_events(data: bytes) -> list[WireEvent]:
+    return [WireEvent.from_wire(m) for m in unpack(data)]
+
+
+@dataclass(frozen=True)
+class WireCancel:
+    id: str
+    reason: str = "cancelled"
+
+    def encode(self) -> bytes:
+        return pack({"v": VERSION, "id": self.id, "reason": self.reason})
+
+    @classmethod
+    def decode(cls, data: bytes) -> "WireCancel":
+        msg = _versioned(unpack(data))
+        _require(msg, "id", str)
+        return cls(msg["id"], str(msg.get("reason", "cancelled")))
+
+
+def _versioned(msg: Any) -> dict:
+    if not isinstance(msg, dict):
+        raise ProtocolError("a message must be a msgpack map")
+    if msg.get("v") != VERSION:
+        raise ProtocolError(f"unsupported protocol version {msg.get('v')!r} (this worker speaks {VERSION})", "v")
+    return msg
+
+
+def _require(msg: dict, name: str, kind: type) -> None:
+    if not isinstance(msg.get(name), kind):
+        raise ProtocolError(f"{name} is required and must be a {kind.__name__}", name)
+
+
+def _check_prompt(msg: dict) -> None:
+    if msg.get("prompt") is not None and not isinstance(msg["prompt"], str):
+        raise ProtocolError("prompt must be a string", "prompt")
+    ids = msg.get("prompt_token_ids")
+    if ids is not None and (not isinstance(ids, list) or not all(type(t) is int for t in ids)):
+        raise ProtocolError("prompt_token_ids must be a list of integers", "prompt_token_ids")
+    messages = msg.get("messages")
+    if messages is not None and (
+        not isinstance(messages, list)
+        or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    ):
+        raise ProtocolError("messages must be a list of {role, content} string maps", "messages")

@@ -1,0 +1,136 @@
+"""The worker's Redis I/O: read and reclaim stream entries, publish event batches, acknowledge.
+
+Typed helpers only; the decisions (what to read, when to give up on an entry) are the service's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared.keys import Keys
+from shared.protocol import ReplyTarget, WireEvent, encode_events, unpack
+
+STREAMED_TTL_S = 24 * 3600
+
+
+@dataclass(frozen=True)
+class Entry:
+    entry_id: str
+    data: bytes | None  # None when the entry was deleted before it was read
+    deliveries: int = 1
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One event for one reply target; ``entry_id`` is set on the terminal event (ack after send)."""
+
+    target: ReplyTarget
+    event: WireEvent
+    entry_id: str | None = None
+
+
+class RedisBridge:
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str) -> None:
+        self.r = client
+        self.keys = keys
+        self.stream = keys.requests(model)
+        self.group = keys.group(model)
+        self.model = model
+        self.consumer = consumer
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.r.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+
+    async def read(self, count: int, block_ms: int | None, own_pending: bool = False) -> list[Entry]:
+        """New entries (``>``), or with ``own_pending`` the ones this consumer holds unacknowledged."""
+        reply = await self.r.xreadgroup(
+            self.group, self.consumer, {self.stream: "0" if own_pending else ">"}, count=count, block=block_ms
+        )
+        return [Entry(_text(eid), fields.get(b"data") if fields else None) for _, items in reply or [] for eid, fields in items]
+
+    async def reclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
+        """Entries of dead consumers idle past ``min_idle_ms``, now ours, with their delivery counts."""
+        _, claimed, deleted = await self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_ms, "0-0", count=count)
+        for eid in deleted or []:
+            await self.ack([_text(eid)])
+        return [await self.with_deliveries(Entry(_text(eid), fields.get(b"data") if fields else None))
+                for eid, fields in claimed]
+
+    async def with_deliveries(self, entry: Entry) -> Entry:
+        info = await self.r.xpending_range(self.stream, self.group, entry.entry_id, entry.entry_id, 1)
+        return Entry(entry.entry_id, entry.data, info[0]["times_delivered"] if info else entry.deliveries)
+
+    async def heartbeat(self, entry_ids: list[str], ttl_s: float, metrics: dict) -> None:
+        """Reset the idle time of our in-flight entries and renew the liveness key."""
+        pipe = self.r.pipeline(transaction=False)
+        if entry_ids:
+            pipe.xclaim(self.stream, self.group, self.consumer, 0, entry_ids, justid=True)
+        pipe.set(self.keys.alive(self.model, self.consumer), self.consumer, px=int(ttl_s * 1000))
+        if metrics:
+            pipe.hset(self.keys.metrics(self.model, self.consumer), mapping=metrics)
+            pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))
+        await pipe.execute()
+
+    async def publish(self, batch: list[Outgoing]) -> None:
+        """One PUBLISH (or XADD) per reply target for the whole batch, in order; then the acks."""
+        by_target: OrderedDict[ReplyTarget, list[WireEvent]] = OrderedDict()
+        for item in batch:
+            by_target.setdefault(item.target, []).append(item.event)
+        pipe = self.r.pipeline(transaction=False)
+        for target, events in by_target.items():
+            payload = encode_events(events)
+            if target.kind == "channel":
+                pipe.publish(target.name, payload)
+            else:
+                pipe.xadd(target.name, {"data": payload})
+        for item in batch:
+            if item.event.seq == 0 and not item.event.done:
+                pipe.set(self.keys.streamed(item.event.id), 1, ex=STREAMED_TTL_S)
+            if item.entry_id is not None:
+                pipe.xack(self.stream, self.group, item.entry_id)
+                pipe.xdel(self.stream, item.entry_id)
+                pipe.delete(self.keys.streamed(item.event.id))
+        await pipe.execute()
+
+    async def ack(self, entry_ids: list[str]) -> None:
+        if entry_ids:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xack(self.stream, self.group, *entry_ids)
+            pipe.xdel(self.stream, *entry_ids)
+            await pipe.execute()
+
+    async def dead_letter(self, entry: Entry, reason: str) -> None:
+        """Move an entry to the dead-letter stream with the reason, and acknowledge it."""
+        await self.r.xadd(self.keys.dead_letter(self.model), {
+            "data": entry.data or b"", "reason": reason, "entry_id": entry.entry_id,
+            "consumer": self.consumer, "deliveries": entry.deliveries,
+        })
+        await self.ack([entry.entry_id])
+
+    async def was_streamed(self, request_id: str) -> bool:
+        return bool(await self.r.exists(self.keys.streamed(request_id)))
+
+    async def leave(self) -> None:
+        await self.r.delete(self.keys.alive(self.model, self.consumer), self.keys.metrics(self.model, self.consumer))
+
+
+def salvage_reply(data: bytes | None) -> tuple[str, ReplyTarget] | None:
+    """The request id and reply target of a bad entry, if they can be read at all."""
+    try:
+        msg = unpack(data or b"")
+        return msg["id"], ReplyTarget.from_wire(msg["reply"])
+    except Exception:  # anything unreadable: there is nobody to tell
+        return None
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+

@@ -1,0 +1,278 @@
+"""The worker service: Redis stream in, engine loop, pub/sub out. Nothing lost.
+
+Tasks beside each other on one asyncio loop; the engine runs in its own thread, so a step never
+waits on Redis and Redis I/O never waits on a step:
+
+- reader: claims its own pending entries at start, then reads only as many new entries as it has
+  free capacity (a blocking read only while it has room);
+- step loop: hands new requests and aborts to the engine thread, runs a step, turns the outputs
+  into one batch of events;
+- publisher: sends each batch (one PUBLISH per reply channel per step, in order), then XACK+XDEL
+  the finished entries; on connection loss it retries the same batch with backoff;
+- maintenance: heartbeats in-flight entries and the liveness key, publishes metrics, and reclaims
+  entries of dead workers (re-run from the prompt, or an error event if tokens were already sent,
+  or the dead-letter stream after ``max_deliveries``);
+- cancels: aborts requests named on the model's cancel channel.
+
+SIGTERM: stop reading, finish in-flight work (aborting what is left after ``drain_timeout``),
+flush events, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shared.errors import InvalidRequestError
+from shared.keys import Keys
+from shared.protocol import WireCancel, WireRequest
+from shared.settings import WorkerSettings
+from worker.bridge import Entry, Outgoing, RedisBridge, salvage_reply
+from worker.engine import Engine
+from worker.events import InFlight, error_event, event_for
+
+log = structlog.get_logger("pagedserve.worker")
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
+
+
+class WorkerService:
+    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.model = settings.served_model_name
+        self.keys = Keys(settings.key_prefix)
+        self.inflight: dict[str, InFlight] = {}
+        self.inbox: deque[tuple] = deque()
+        self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
+        self.stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._drain_deadline: float | None = None
+        self.redis = aioredis.from_url(settings.redis_url)
+        self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
+
+    # ------------------------------------------------------------------ lifecycle
+    def request_stop(self) -> None:
+        if not self.stopping.is_set():
+            log.info("draining", in_flight=len(self.inflight))
+            self._drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+            self.stopping.set()
+            self._wake.set()
+            self._room.set()
+
+    async def run(self) -> int:
+        await self._retrying("create group", self.bridge.ensure_group)
+        log.info("worker ready", model=self.model, consumer=self.settings.consumer, stream=self.bridge.stream)
+        side = [asyncio.create_task(t) for t in (self._reader(), self._maintenance(), self._cancels())]
+        publisher = asyncio.create_task(self._publisher())
+        try:
+            await self._step_loop()
+        finally:
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            self.outbox.put_nowait(None)
+            await publisher
+            try:
+                await self.bridge.leave()
+            except REDIS_DOWN:
+                pass
+            await self.redis.aclose()
+            self._engine_thread.shutdown()
+            self._text_thread.shutdown()
+        log.info("worker stopped")
+        return 0
+
+    async def _retrying(self, what: str, call):
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except REDIS_DOWN as err:
+                log.warning("redis unavailable", during=what, error=str(err), retry_in_s=delay)
+            except ResponseError as err:
+                if "NOGROUP" not in str(err):
+                    raise
+                await self.bridge.ensure_group()  # Redis came back empty
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _free(self) -> int:
+        return self.settings.max_inflight - len(self.inflight)
+
+    # ------------------------------------------------------------------ intake
+    async def _reader(self) -> None:
+        own = await self._retrying("read own pending", lambda: self.bridge.read(100_000, None, own_pending=True))
+        for entry in own:
+            await self._reclaimed(await self.bridge.with_deliveries(entry))
+        while not self.stopping.is_set():
+            free = self._free()
+            if free <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            block = 1000 if not self.inflight else 50
+            entries = await self._retrying("read", lambda: self.bridge.read(free, block))
+            for entry in entries:
+                await self._accept(entry)
+
+    async def _reclaimed(self, entry: Entry) -> None:
+        if entry.deliveries > self.settings.max_deliveries:
+            await self._reject(entry, f"gave up after {entry.deliveries} deliveries")
+            return
+        await self._accept(entry, reclaimed=True)
+
+    async def _accept(self, entry: Entry, reclaimed: bool = False) -> None:
+        try:
+            req = WireRequest.decode(entry.data or b"")
+            if req.model != self.model:
+                raise InvalidRequestError(f"this worker serves {self.model!r}, not {req.model!r}", "model")
+        except InvalidRequestError as err:
+            await self._reject(entry, str(err))
+            return
+        if req.id in self.inflight:
+            return
+        flight = InFlight(entry.entry_id, req)
+        if reclaimed and await self.bridge.was_streamed(req.id):
+            self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, -1, "the worker serving this request died mid-stream"), entry.entry_id)])
+            return
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(self._text_thread, self._prompt_ids, req)
+        except InvalidRequestError as err:
+            self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, 0, str(err)), entry.entry_id)])
+            return
+        self.inflight[req.id] = flight
+        self.inbox.append(("add", req, ids))
+        self._wake.set()
+
+    def _prompt_ids(self, req: WireRequest) -> list[int]:
+        if req.messages is not None:
+            tok = self.engine.tokenizer
+            text = tok.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+        return self.engine.encode(req.prompt if req.prompt is not None else req.prompt_token_ids)
+
+    async def _reject(self, entry: Entry, reason: str) -> None:
+        log.warning("dead-lettered", entry_id=entry.entry_id, reason=reason)
+        await self._retrying("dead-letter", lambda: self.bridge.dead_letter(entry, reason))
+        salvaged = salvage_reply(entry.data)
+        if salvaged:
+            request_id, target = salvaged
+            self.outbox.put_nowait([Outgoing(target, error_event(request_id, 0, reason))])
+
+    # ------------------------------------------------------------------ the engine
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._abort_leftovers_after_drain_deadline()
+            work = list(self.inbox)
+            self.inbox.clear()
+            if not work and not self.engine.has_unfinished():
+                if self.stopping.is_set() and not self.inflight:
+                    return
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            outputs, errors = await loop.run_in_executor(self._engine_thread, self._tick, work)
+            batch = [self._finish(rid, error_event(rid, self.inflight[rid].take_seq(), msg)) for rid, msg in errors]
+            for out in outputs:
+                flight = self.inflight.get(out.request_id)
+                event = event_for(flight, out) if flight else None
+                if event is not None:
+                    batch.append(self._finish(out.request_id, event) if event.done else Outgoing(flight.target, event))
+            if batch:
+                self.outbox.put_nowait(batch)
+
+    def _tick(self, work: list[tuple]) -> tuple[list, list[tuple[str, str]]]:
+        """Runs in the engine thread: the only place the engine is touched while serving."""
+        errors = []
+        for kind, *args in work:
+            if kind == "add":
+                req, ids = args
+                try:
+                    self.engine.add_request(req.id, ids, req.params, priority=req.priority, deadline=req.deadline, extra_key=req.tenant)
+                except InvalidRequestError as err:
+                    errors.append((req.id, str(err)))
+            else:
+                self.engine.abort(args[0])
+        return (self.engine.step() if self.engine.has_unfinished() else []), errors
+
+    def _finish(self, request_id: str, event) -> Outgoing:
+        flight = self.inflight.pop(request_id)
+        self._room.set()
+        return Outgoing(flight.target, event, flight.entry_id)
+
+    def _abort_leftovers_after_drain_deadline(self) -> None:
+        if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+            log.warning("drain timeout: aborting", requests=list(self.inflight))
+            self.inbox.extend(("abort", rid) for rid in self.inflight)
+            self._drain_deadline = None
+
+    # ------------------------------------------------------------------ output and upkeep
+    async def _publisher(self) -> None:
+        while (batch := await self.outbox.get()) is not None:
+            await self._retrying("publish", lambda: self.bridge.publish(batch))
+
+    async def _maintenance(self) -> None:
+        while True:
+            try:
+                ids = [f.entry_id for f in self.inflight.values()]
+                await self.bridge.heartbeat(ids, self.settings.heartbeat_s * 3, self._metrics())
+                if not self.stopping.is_set() and self._free() > 0:
+                    for entry in await self.bridge.reclaim(self.settings.claim_idle_ms, self._free()):
+                        log.info("reclaimed", entry_id=entry.entry_id, deliveries=entry.deliveries)
+                        await self._reclaimed(entry)
+            except REDIS_DOWN as err:
+                log.warning("redis unavailable", during="maintenance", error=str(err))
+            except ResponseError as err:
+                if "NOGROUP" not in str(err):
+                    raise
+                await self._retrying("create group", self.bridge.ensure_group)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    def _metrics(self) -> dict:
+        sched = self.engine.scheduler
+        usage = sched.blocks.usage()
+        return {
+            "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting) + len(self.inbox),
+            "num_requests_swapped": len(sched.swapped), "kv_cache_usage_perc": usage.used / max(1, usage.total),
+            "num_preemptions_total": sched.stats.num_preemptions,
+            "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
+            "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "in_flight": len(self.inflight),
+        }
+
+    async def _cancels(self) -> None:
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.keys.cancel(self.model))
+                    async for msg in pubsub.listen():
+                        if msg["type"] == "message":
+                            self._cancel(msg["data"])
+            except REDIS_DOWN as err:
+                log.warning("redis unavailable", during="cancel listener", error=str(err))
+                await asyncio.sleep(0.5)
+
+    def _cancel(self, data: bytes) -> None:
+        try:
+            cancel = WireCancel.decode(data)
+        except InvalidRequestError as err:
+            log.warning("bad cancel message", error=str(err))
+            return
+        if cancel.id in self.inflight:
+            log.info("cancel", request_id=cancel.id, reason=cancel.reason)
+            self.inbox.append(("abort", cancel.id))
+            self._wake.set()
