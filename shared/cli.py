@@ -1,9 +1,11 @@
 """The ``pagedserve`` command: one entry point, one subcommand per job.
 
+    pagedserve worker --model M --redis-url URL  serve a model from its Redis request stream
     pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
     pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
     pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
     pagedserve bench kernel [args]               Triton decode attention: time, GB/s, vs SDPA
+    pagedserve bench queue-overhead [args]       the same workload through Redis vs in-process
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ BENCHES = {
     "kv-memory": "bench.kv_memory",
     "offline-throughput": "bench.offline_throughput",
     "kernel": "bench.kernel_bench",
+    "queue-overhead": "bench.queue_overhead",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on a paged, copy-on-write KV cache.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("worker", help="serve a model from its Redis request stream (see: pagedserve worker --help)",
+                   add_help=False)
 
     gen = sub.add_parser("generate", help="generate text offline (no Redis, no server)")
     gen.add_argument("prompt")
@@ -37,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        from worker.__main__ import main as worker_main
+
+        return worker_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         import importlib
@@ -49,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     from shared.errors import InvalidRequestError
+    from shared.logging import configure_logging
     from shared.sampling import SamplingParams
     from worker.demo_model import demo_model_dir
     from worker.engine import Engine
     from worker.engine_config import EngineConfig
 
+    configure_logging()
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         engine = Engine(EngineConfig(model=args.model or str(demo_model_dir()), dtype=args.dtype))

@@ -25,6 +25,10 @@ def env_default(environ: Mapping[str, str], name: str, default, kind=str):
         raise SystemExit(f"pagedserve: {key}={raw!r} is not a valid {kind.__name__}") from None
 
 
+def redis_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    return env_default(os.environ if environ is None else environ, "redis_url", None)
+
+
 def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Where built models live: ``PAGEDSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedserve``, else ``~/.cache/pagedserve``."""
     environ = os.environ if environ is None else environ
@@ -45,6 +49,7 @@ class WorkerSettings:
     max_deliveries: int
     drain_timeout_s: float
     key_prefix: str
+    metrics_port: int = 0  # 0: no Prometheus endpoint
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
 
 
@@ -96,6 +101,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
     p.add_argument("--max-deliveries", type=_positive(int), default=e("max_deliveries", 3, int))
     p.add_argument("--drain-timeout", type=_positive(float), default=e("drain_timeout", 30.0, float), help="seconds")
     p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"))
+    p.add_argument("--metrics-port", type=int, default=e("metrics_port", 0, int), help="Prometheus port (0: off)")
     add_engine_args(p, environ)
     return p
 
@@ -113,5 +119,6 @@ def worker_settings(argv: list[str] | None = None, environ: Mapping[str, str] | 
         model=model, redis_url=args.redis_url, served_model_name=args.served_model_name or args.model or "demo",
         consumer=args.consumer, max_inflight=args.max_inflight or args.max_num_seqs,
         claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat, max_deliveries=args.max_deliveries,
-        drain_timeout_s=args.drain_timeout, key_prefix=args.key_prefix, engine=engine_kwargs(args),
+        drain_timeout_s=args.drain_timeout, key_prefix=args.key_prefix, metrics_port=args.metrics_port,
+        engine=engine_kwargs(args),
     )

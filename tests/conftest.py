@@ -77,7 +77,7 @@ def random_prompts(seed: int, count: int, max_len: int, vocab: int, max_new: int
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh redis-server on a free port for one test (persistence off), stopped after it."""
-    from tests.redis_server import RedisServer
+    from shared.embedded_redis import RedisServer
 
     server = RedisServer(tmp_path).start()
     yield server

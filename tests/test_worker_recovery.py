@@ -16,7 +16,7 @@ from shared.client import QueueClient
 from shared.keys import Keys
 from shared.protocol import ReplyTarget, WireRequest
 from shared.sampling import SamplingParams
-from tests.redis_server import RedisServer
+from shared.embedded_redis import RedisServer
 from tests.service_helpers import MODEL_NAME, collect, running_worker, settings_for
 from worker import LLM
 from worker.engine import Engine

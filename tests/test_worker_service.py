@@ -149,3 +149,28 @@ def test_wire_format_is_plain_msgpack(redis_server, zoo, engine):
     assert [e["seq"] for e in events] == list(range(len(events)))
     assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
     assert all(e["v"] == 1 and e["id"] == "raw-1" for e in events)
+
+
+def test_worker_metrics_reach_redis_and_prometheus(redis_server, zoo, engine):
+    import urllib.request
+
+    from shared.embedded_redis import free_port  # noqa: PLC0415
+
+    port = free_port()
+
+    async def main():
+        r = aioredis.from_url(redis_server.url)
+        settings = settings_for(redis_server.url, zoo.path("llama-gqa"), metrics_port=port, consumer="metered")
+        async with running_worker(settings, engine):
+            async with QueueClient(redis_server.url) as client:
+                await collect(await client.submit(MODEL_NAME, prompt="x", params=SamplingParams(max_tokens=2)))
+            await asyncio.sleep(0.5)  # a heartbeat or two
+            stored = await r.hgetall(Keys().metrics(MODEL_NAME, "metered"))
+            text = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        await r.aclose()
+        return stored, text
+
+    stored, text = asyncio.run(main())
+    assert b"kv_cache_usage_perc" in stored and b"num_requests_running" in stored
+    assert 'pagedserve:num_requests_running{model_name="tiny"}' in text

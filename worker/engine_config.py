@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from worker.config import PreemptionMode
 
 CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
-CPU_KV_CAP = 4 << 30
+CPU_KV_CAP = 1 << 30
 GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
 
 

@@ -38,6 +38,7 @@ from shared.settings import WorkerSettings
 from worker.bridge import Entry, Outgoing, RedisBridge, salvage_reply
 from worker.engine import Engine
 from worker.events import InFlight, error_event, event_for
+from worker.metrics import WorkerMetrics
 
 log = structlog.get_logger("pagedserve.worker")
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
@@ -59,6 +60,7 @@ class WorkerService:
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._drain_deadline: float | None = None
         self.redis = aioredis.from_url(settings.redis_url)
+        self.prometheus = WorkerMetrics(settings.metrics_port, self.model) if settings.metrics_port else None
         self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
 
     # ------------------------------------------------------------------ lifecycle
@@ -230,7 +232,10 @@ class WorkerService:
         while True:
             try:
                 ids = [f.entry_id for f in self.inflight.values()]
-                await self.bridge.heartbeat(ids, self.settings.heartbeat_s * 3, self._metrics())
+                metrics = self._metrics()
+                if self.prometheus:
+                    self.prometheus.update(metrics)
+                await self.bridge.heartbeat(ids, self.settings.heartbeat_s * 3, metrics)
                 if not self.stopping.is_set() and self._free() > 0:
                     for entry in await self.bridge.reclaim(self.settings.claim_idle_ms, self._free()):
                         log.info("reclaimed", entry_id=entry.entry_id, deliveries=entry.deliveries)

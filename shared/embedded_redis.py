@@ -1,4 +1,8 @@
-"""A real ``redis-server`` on a free loopback port, started and stopped by the tests."""
+"""A ``redis-server`` (or ``valkey-server``) child process on a free loopback port.
+
+Used when no ``REDIS_URL`` is given (``pagedserve up``, benchmarks) and by the tests. Persistence
+is off unless ``durable``; the server is started by path and stopped with the owner.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +19,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def find_redis_binary() -> str | None:
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
 class RedisServer:
     def __init__(self, workdir: Path, durable: bool = False) -> None:
-        binary = shutil.which("redis-server") or shutil.which("valkey-server")
+        binary = find_redis_binary()
         if binary is None:
-            raise RuntimeError("redis-server is not on PATH")
+            raise RuntimeError("no redis-server or valkey-server on PATH: install one (apt install redis-server) or set REDIS_URL")
         self.binary, self.workdir, self.durable = binary, workdir, durable
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
