@@ -88,23 +88,28 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(redis_server, zoo):
         try:
             await wait_alive(r, "drainer")
             async with QueueClient(redis_server.url) as client:
-                params = SamplingParams(max_tokens=80, ignore_eos=True)
+                params = SamplingParams(max_tokens=400, ignore_eos=True)
                 streams = [await client.submit(MODEL_NAME, prompt_token_ids=[40 + i] * 10, params=params) for i in range(8)]
-                first = await streams[0].__anext__()
+                firsts = [await s.__anext__() for s in streams]  # all eight are in flight
                 proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                await client.submit(MODEL_NAME, prompt="late", params=params)  # must wait for another worker
                 results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 120)
             code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60)
-            return first, results, code, await stream_is_clean(r), await r.exists(KEYS.alive(MODEL_NAME, "drainer"))
+            pending = await r.xpending(KEYS.requests(MODEL_NAME), KEYS.group(MODEL_NAME))
+            return (firsts, results, code, pending["pending"], await r.xlen(KEYS.requests(MODEL_NAME)),
+                    await r.exists(KEYS.alive(MODEL_NAME, "drainer")))
         finally:
             proc.kill()
             proc.wait()
             await r.aclose()
 
-    first, results, code, clean, alive = asyncio.run(main())
-    assert first.seq == 0
+    firsts, results, code, pending, queued, alive = asyncio.run(main())
+    assert all(e.seq == 0 for e in firsts)
     assert code == 0
-    assert all(got.last.finish_reason == "length" for got in results)
-    assert clean and not alive
+    assert all(got.last.finish_reason == "length" and len(got.tokens()) + len(f.outputs[0].token_ids) == 400
+               for got, f in zip(results, firsts))
+    assert pending == 0 and queued == 1 and not alive  # the late request was left for another worker
 
 
 def test_entries_of_a_worker_that_died_before_streaming_are_rerun_or_dead_lettered(redis_server, zoo):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import sys
 
 from shared.logging import configure_logging
@@ -19,14 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     engine = Engine(EngineConfig(model=settings.model, **settings.engine))
 
-    async def serve() -> int:
-        service = WorkerService(settings, engine)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, service.request_stop)
-        return await service.run()
-
-    return asyncio.run(serve())
+    return WorkerService(settings, engine).serve()
 
 
 if __name__ == "__main__":

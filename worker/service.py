@@ -1,12 +1,13 @@
 """The worker service: Redis stream in, engine loop, pub/sub out. Nothing lost.
 
-Tasks beside each other on one asyncio loop; the engine runs in its own thread, so a step never
-waits on Redis and Redis I/O never waits on a step:
+The engine runs in one thread (``EngineLoop``), the Redis I/O in another, on an asyncio loop; a
+step never waits on Redis and Redis I/O never waits on a step. ``serve()`` (the CLI) computes on
+the calling thread and runs the I/O loop on a second thread; ``run()`` (tests, embedding) is a
+coroutine that computes on a worker thread. The I/O tasks:
 
 - reader: claims its own pending entries at start, then reads only as many new entries as it has
   free capacity (a blocking read only while it has room);
-- step loop: hands new requests and aborts to the engine thread, runs a step, turns the outputs
-  into one batch of events;
+- outputs: each step's outputs become one batch of events (on the I/O loop);
 - publisher: sends each batch (one PUBLISH per reply channel per step, in order), then XACK+XDEL
   the finished entries; on connection loss it retries the same batch with backoff;
 - maintenance: heartbeats in-flight entries and the liveness key, publishes metrics, and reclaims
@@ -21,8 +22,8 @@ flush events, exit 0.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import deque
+import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
@@ -37,6 +38,7 @@ from shared.protocol import WireCancel, WireRequest
 from shared.settings import WorkerSettings
 from worker.bridge import Entry, Outgoing, RedisBridge, salvage_reply
 from worker.engine import Engine
+from worker.engine_loop import EngineLoop
 from worker.events import InFlight, error_event, event_for
 from worker.metrics import WorkerMetrics
 
@@ -51,35 +53,66 @@ class WorkerService:
         self.model = settings.served_model_name
         self.keys = Keys(settings.key_prefix)
         self.inflight: dict[str, InFlight] = {}
-        self.inbox: deque[tuple] = deque()
+        self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread)
         self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
         self.stopping = asyncio.Event()
-        self._wake = asyncio.Event()
         self._room = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self._drain_deadline: float | None = None
         self.redis = aioredis.from_url(settings.redis_url)
         self.prometheus = WorkerMetrics(settings.metrics_port, self.model) if settings.metrics_port else None
         self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
+        """SIGTERM: stop reading, finish what is held, abort what is left after the drain timeout."""
         if not self.stopping.is_set():
             log.info("draining", in_flight=len(self.inflight))
-            self._drain_deadline = time.monotonic() + self.settings.drain_timeout_s
             self.stopping.set()
-            self._wake.set()
             self._room.set()
+            asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self._abort_leftovers)
+            self._finish_if_drained()
 
     async def run(self) -> int:
+        """Serve until stopped, computing on a worker thread."""
+        loop = asyncio.get_running_loop()
+        return await self._serve_io(lambda: loop.run_in_executor(self._engine_thread, self.engine_loop.run))
+
+    def serve(self) -> int:
+        """Serve until SIGTERM/SIGINT, computing on the calling thread, I/O on a second thread."""
+        started, box = threading.Event(), {}
+
+        def io() -> None:
+            async def main() -> int:
+                box["loop"], box["engine_done"] = asyncio.get_running_loop(), asyncio.Event()
+                started.set()
+                return await self._serve_io(box["engine_done"].wait)
+
+            box["rc"] = asyncio.run(main())
+
+        thread = threading.Thread(target=io, name="pagedserve-io")
+        thread.start()
+        started.wait()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: box["loop"].call_soon_threadsafe(self.request_stop))
+        try:
+            self.engine_loop.run()
+        finally:
+            box["loop"].call_soon_threadsafe(box["engine_done"].set)
+            thread.join()
+        return box.get("rc", 1)
+
+    async def _serve_io(self, engine_finished) -> int:
+        self._loop = asyncio.get_running_loop()
         await self._retrying("create group", self.bridge.ensure_group)
         log.info("worker ready", model=self.model, consumer=self.settings.consumer, stream=self.bridge.stream)
         side = [asyncio.create_task(t) for t in (self._reader(), self._maintenance(), self._cancels())]
         publisher = asyncio.create_task(self._publisher())
         try:
-            await self._step_loop()
+            await engine_finished()
         finally:
+            self.engine_loop.finish()
             for task in side:
                 task.cancel()
             await asyncio.gather(*side, return_exceptions=True)
@@ -94,6 +127,16 @@ class WorkerService:
             self._text_thread.shutdown()
         log.info("worker stopped")
         return 0
+
+    def _finish_if_drained(self) -> None:
+        if self.stopping.is_set() and not self.inflight:
+            self.engine_loop.finish()
+
+    def _abort_leftovers(self) -> None:
+        if self.inflight:
+            log.warning("drain timeout: aborting", requests=list(self.inflight))
+            for request_id in self.inflight:
+                self.engine_loop.abort(request_id)
 
     async def _retrying(self, what: str, call):
         delay = 0.05
@@ -154,8 +197,7 @@ class WorkerService:
             self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, 0, str(err)), entry.entry_id)])
             return
         self.inflight[req.id] = flight
-        self.inbox.append(("add", req, ids))
-        self._wake.set()
+        self.engine_loop.add(req, ids)
 
     def _prompt_ids(self, req: WireRequest) -> list[int]:
         if req.messages is not None:
@@ -172,56 +214,26 @@ class WorkerService:
             request_id, target = salvaged
             self.outbox.put_nowait([Outgoing(target, error_event(request_id, 0, reason))])
 
-    # ------------------------------------------------------------------ the engine
-    async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            self._abort_leftovers_after_drain_deadline()
-            work = list(self.inbox)
-            self.inbox.clear()
-            if not work and not self.engine.has_unfinished():
-                if self.stopping.is_set() and not self.inflight:
-                    return
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            outputs, errors = await loop.run_in_executor(self._engine_thread, self._tick, work)
-            batch = [self._finish(rid, error_event(rid, self.inflight[rid].take_seq(), msg)) for rid, msg in errors]
-            for out in outputs:
-                flight = self.inflight.get(out.request_id)
-                event = event_for(flight, out) if flight else None
-                if event is not None:
-                    batch.append(self._finish(out.request_id, event) if event.done else Outgoing(flight.target, event))
-            if batch:
-                self.outbox.put_nowait(batch)
+    # ------------------------------------------------------------------ engine outputs
+    def _outputs_from_engine_thread(self, outputs: list, errors: list[tuple[str, str]]) -> None:
+        self._loop.call_soon_threadsafe(self._events_for, outputs, errors)
 
-    def _tick(self, work: list[tuple]) -> tuple[list, list[tuple[str, str]]]:
-        """Runs in the engine thread: the only place the engine is touched while serving."""
-        errors = []
-        for kind, *args in work:
-            if kind == "add":
-                req, ids = args
-                try:
-                    self.engine.add_request(req.id, ids, req.params, priority=req.priority, deadline=req.deadline, extra_key=req.tenant)
-                except InvalidRequestError as err:
-                    errors.append((req.id, str(err)))
-            else:
-                self.engine.abort(args[0])
-        return (self.engine.step() if self.engine.has_unfinished() else []), errors
+    def _events_for(self, outputs: list, errors: list[tuple[str, str]]) -> None:
+        """One batch of events per engine step, in the I/O thread (the only one touching ``inflight``)."""
+        batch = [self._finish(rid, error_event(rid, self.inflight[rid].take_seq(), msg)) for rid, msg in errors]
+        for out in outputs:
+            flight = self.inflight.get(out.request_id)
+            event = event_for(flight, out) if flight else None
+            if event is not None:
+                batch.append(self._finish(out.request_id, event) if event.done else Outgoing(flight.target, event))
+        if batch:
+            self.outbox.put_nowait(batch)
+        self._finish_if_drained()
 
     def _finish(self, request_id: str, event) -> Outgoing:
         flight = self.inflight.pop(request_id)
         self._room.set()
         return Outgoing(flight.target, event, flight.entry_id)
-
-    def _abort_leftovers_after_drain_deadline(self) -> None:
-        if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
-            log.warning("drain timeout: aborting", requests=list(self.inflight))
-            self.inbox.extend(("abort", rid) for rid in self.inflight)
-            self._drain_deadline = None
 
     # ------------------------------------------------------------------ output and upkeep
     async def _publisher(self) -> None:
@@ -252,7 +264,7 @@ class WorkerService:
         sched = self.engine.scheduler
         usage = sched.blocks.usage()
         return {
-            "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting) + len(self.inbox),
+            "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting) + self.engine_loop.queued,
             "num_requests_swapped": len(sched.swapped), "kv_cache_usage_perc": usage.used / max(1, usage.total),
             "num_preemptions_total": sched.stats.num_preemptions,
             "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
@@ -279,5 +291,4 @@ class WorkerService:
             return
         if cancel.id in self.inflight:
             log.info("cancel", request_id=cancel.id, reason=cancel.reason)
-            self.inbox.append(("abort", cancel.id))
-            self._wake.set()
+            self.engine_loop.abort(cancel.id)
