@@ -1,6 +1,7 @@
 """The ``pagedserve`` command: one entry point, one subcommand per job.
 
     pagedserve worker --model M --redis-url URL  serve a model from its Redis request stream
+    pagedserve gateway --model M --redis-url URL the OpenAI-compatible HTTP gateway
     pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
     pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
     pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("worker", help="serve a model from its Redis request stream (see: pagedserve worker --help)",
                    add_help=False)
+    sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (see: pagedserve gateway --help)", add_help=False)
 
     gen = sub.add_parser("generate", help="generate text offline (no Redis, no server)")
     gen.add_argument("prompt")
@@ -48,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from worker.__main__ import main as worker_main
 
         return worker_main(argv[1:])
+    if argv[:1] == ["gateway"]:
+        from gateway.__main__ import main as gateway_main
+
+        return gateway_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         import importlib

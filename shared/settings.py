@@ -122,3 +122,62 @@ def worker_settings(argv: list[str] | None = None, environ: Mapping[str, str] | 
         drain_timeout_s=args.drain_timeout, key_prefix=args.key_prefix, metrics_port=args.metrics_port,
         engine=engine_kwargs(args),
     )
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    model: str  # where the tokenizer and config come from (local directory or hub id)
+    served_model_name: str
+    redis_url: str
+    host: str
+    port: int
+    gateway_id: str
+    api_keys: tuple[str, ...]
+    max_body_bytes: int
+    max_queue_depth: int
+    request_timeout_s: float
+    max_n: int
+    max_tokens: int
+    default_chat_max_tokens: int
+    cors_origins: tuple[str, ...]
+    key_prefix: str
+
+
+def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    environ = os.environ if environ is None else environ
+    e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
+    p = argparse.ArgumentParser(prog="pagedserve gateway", description="OpenAI-compatible HTTP gateway in front of Redis.")
+    p.add_argument("--model", default=e("model", None), help="tokenizer/config source (default: the demo model)")
+    p.add_argument("--served-model-name", default=e("served_model_name", None), help="model name clients use (default: --model)")
+    p.add_argument("--redis-url", default=e("redis_url", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--host", default=e("host", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=e("port", 8000, int))
+    p.add_argument("--gateway-id", default=e("gateway_id", f"{socket.gethostname()}-{os.getpid()}"))
+    p.add_argument("--api-key", action="append", default=None, help="accepted bearer key (repeatable); env PAGEDSERVE_API_KEY, comma-separated")
+    p.add_argument("--max-body-bytes", type=_positive(int), default=e("max_body_bytes", 1 << 20, int))
+    p.add_argument("--max-queue-depth", type=_positive(int), default=e("max_queue_depth", 1000, int), help="429 above this")
+    p.add_argument("--request-timeout", type=_positive(float), default=e("request_timeout", 600.0, float), help="seconds")
+    p.add_argument("--max-n", type=_positive(int), default=e("max_n", 16, int))
+    p.add_argument("--max-tokens", type=_positive(int), default=e("max_tokens", 4096, int))
+    p.add_argument("--default-chat-max-tokens", type=_positive(int), default=e("default_chat_max_tokens", 256, int))
+    p.add_argument("--cors-origin", action="append", default=None, help="allowed CORS origin (repeatable; default: none)")
+    p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"))
+    return p
+
+
+def gateway_settings(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> GatewaySettings:
+    environ = os.environ if environ is None else environ
+    args = gateway_parser(environ).parse_args(argv)
+    model = args.model
+    if model is None:
+        from worker.demo_model import demo_model_dir
+
+        model = str(demo_model_dir())
+    keys = args.api_key or [k for k in environ.get("PAGEDSERVE_API_KEY", "").split(",") if k]
+    return GatewaySettings(
+        model=model, served_model_name=args.served_model_name or args.model or "demo", redis_url=args.redis_url,
+        host=args.host, port=args.port, gateway_id=args.gateway_id, api_keys=tuple(keys),
+        max_body_bytes=args.max_body_bytes, max_queue_depth=args.max_queue_depth, request_timeout_s=args.request_timeout,
+        max_n=args.max_n, max_tokens=args.max_tokens, default_chat_max_tokens=args.default_chat_max_tokens,
+        cors_origins=tuple(args.cors_origin or ()), key_prefix=args.key_prefix,
+    )

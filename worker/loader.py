@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from shared.model_info import max_model_len, resolve_model_dir
 from worker.attention import AttentionOps
 from worker.models.llama import LlamaArch, LlamaForCausalLM
 
@@ -41,17 +42,6 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local directory as is; anything else is a hub id, downloaded (or found) in the HF cache."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-    return Path(snapshot_download(str(model), allow_patterns=patterns))
-
-
 def inspect_model(model: str | Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
     from transformers import AutoConfig
 
@@ -63,11 +53,7 @@ def inspect_model(model: str | Path, dtype: str | torch.dtype = "auto") -> Model
         raise UnsupportedModelError(
             f"unsupported architecture {names or config.model_type!r}; supported: {', '.join(ARCHITECTURES)}"
         )
-    max_len = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        max_len = min(max_len, int(window))  # no sliding-window attention: stay inside the window
-    return ModelInfo(path, config, arch, _resolve_dtype(dtype, config), max_len, _eos_ids(path, config))
+    return ModelInfo(path, config, arch, _resolve_dtype(dtype, config), max_model_len(config), _eos_ids(path, config))
 
 
 def _resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:

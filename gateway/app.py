@@ -1,0 +1,131 @@
+"""``create_app(settings)``: the aiohttp application, its state (``web.AppKey``), middlewares and routes."""
+
+from __future__ import annotations
+
+import hmac
+
+import structlog
+from aiohttp import web
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.openai_api import STATE, chat_completions, completions
+from gateway.openapi import OPENAPI
+from gateway.schemas import ApiError
+from gateway.state import GatewayState
+from shared.settings import GatewaySettings
+
+log = structlog.get_logger("pagedserve.gateway")
+OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json"}
+
+
+def create_app(settings: GatewaySettings) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors, _cors(settings), _auth(settings)])
+    app[STATE] = GatewayState(settings)
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    return app
+
+
+async def _start(app: web.Application) -> None:
+    await app[STATE].start()
+
+
+async def _stop(app: web.Application) -> None:
+    await app[STATE].close()
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return _error_response(err)
+    except (RedisConnectionError, RedisTimeoutError) as err:
+        log.warning("redis unavailable", path=request.path, error=str(err))
+        return _error_response(ApiError(503, "the queue is unreachable; retry shortly", None, "redis_unavailable",
+                                        "service_unavailable", {"Retry-After": "2"}))
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        kind = "invalid_request_error" if err.status < 500 else "server_error"
+        return _error_response(ApiError(err.status, err.reason or "error", type_=kind, headers={
+            k: v for k, v in err.headers.items() if k.lower() == "allow"}))
+    except Exception:  # a bug: log it, answer in OpenAI's shape, keep serving
+        log.exception("unhandled error", path=request.path)
+        return _error_response(ApiError(500, "internal server error", type_="server_error"))
+
+
+def _auth(settings: GatewaySettings):
+    keys = [k.encode() for k in settings.api_keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if keys and request.path not in OPEN_PATHS and request.method != "OPTIONS":
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode()
+            if not any(hmac.compare_digest(given, k) for k in keys):
+                raise ApiError(401, "invalid or missing API key", None, "invalid_api_key", "authentication_error")
+        return await handler(request)
+
+    return check
+
+
+def _cors(settings: GatewaySettings):
+    origins = set(settings.cors_origins)
+
+    @web.middleware
+    async def cors(request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        allowed = origin if origin and ("*" in origins or origin in origins) else None
+        if request.method == "OPTIONS" and allowed:
+            response = web.Response(status=204)
+        else:
+            response = await handler(request)
+        if allowed:
+            response.headers.update({"Access-Control-Allow-Origin": allowed, "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                                     "Access-Control-Allow-Methods": "GET, POST, OPTIONS"})
+        return response
+
+    return cors
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    live = await state.live_models()
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve"} for name in live]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        await state.redis.ping()
+    except Exception as err:  # any failure to reach Redis means not ready
+        return web.json_response({"status": "redis unreachable", "error": str(err)}, status=503)
+    if state.settings.served_model_name not in await state.live_models():
+        return web.json_response({"status": "no live worker"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = await request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(OPENAPI)

@@ -1,0 +1,154 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: validate, tokenize, subscribe, enqueue,
+then stream the events back as SSE chunks or collect them into one response.
+
+A request with several prompts becomes one wire request per prompt (choice index = prompt index
+x n + output index). Client disconnect, timeout or shutdown cancels the handler (aiohttp handler
+cancellation); the ``finally`` sends a cancel for every wire request not yet finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from gateway import sse
+from gateway.responses import Choice, Renderer, usage
+from gateway.schemas import ApiError, ParsedRequest, parse
+from gateway.state import GatewayState
+from shared.dispatch import Mailbox
+from shared.protocol import WireEvent
+
+STATE = web.AppKey("state", GatewayState)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=True)
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    started = time.monotonic()
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    parsed = parse(body, chat, state.limits)
+    if parsed.model != state.settings.served_model_name:
+        raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")
+    prompts = state.prompt_ids(parsed)
+    await state.check_capacity()
+    base = state.new_id(chat)
+    ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
+    boxes = [state.dispatcher.open(i) for i in ids]  # subscribed before anything is queued
+    renderer = Renderer(chat, base, int(time.time()), parsed.model, state.tokenizer, parsed.params.logprobs is not None)
+    deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
+    state.metrics.prompt_tokens.labels(parsed.model).inc(sum(len(p) for p in prompts))
+    try:
+        await state.enqueue(parsed, prompts, ids)
+        events = _merged(boxes, deadline)
+        if parsed.stream:
+            return await _stream(request, state, parsed, renderer, events, started)
+        return await _collect(state, parsed, renderer, events, len(prompts), started)
+    finally:
+        await asyncio.shield(state.cancel([b.request_id for b in boxes if not b.done], "client gone"))
+        for request_id in ids:
+            state.dispatcher.close(request_id)
+
+
+async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[int, WireEvent]]:
+    """(prompt index, event) from every mailbox as they arrive, until all are done."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, box: Mailbox) -> None:
+        async for event in box.events():
+            queue.put_nowait((index, event))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, b)) for i, b in enumerate(boxes)]
+    try:
+        open_count = len(boxes)
+        while open_count:
+            try:
+                index, event = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise ApiError(504, "the request timed out before a worker finished it", None, "timeout", "timeout") from None
+            if event is None:
+                open_count -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _account(state: GatewayState, parsed: ParsedRequest, event: WireEvent, last: dict, now: float, started: float) -> None:
+    tokens = sum(len(o.token_ids) for o in event.outputs)
+    if tokens:
+        model = parsed.model
+        state.metrics.generation_tokens.labels(model).inc(tokens)
+        if event.id in last:
+            state.metrics.itl.labels(model).observe(now - last[event.id])
+        elif not last:
+            state.metrics.ttft.labels(model).observe(now - started)
+        last[event.id] = now
+    if event.done:
+        state.metrics.requests.labels(parsed.model, event.finish_reason or "unknown").inc()
+
+
+async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, num_prompts: int, started: float) -> web.Response:
+    n = parsed.params.n
+    choices = [Choice(i) for i in range(num_prompts * n)]
+    prompt_tokens = completion_tokens = 0
+    last: dict = {}
+    async for index, event in events:
+        _account(state, parsed, event, last, time.monotonic(), started)
+        if event.done and event.finish_reason == "error":
+            raise ApiError(502, event.error or "the worker failed", None, "worker_error", "server_error")
+        for delta in event.outputs:
+            choices[index * n + delta.index].add(delta)
+        if event.done and event.usage:
+            prompt_tokens += event.usage["prompt_tokens"]
+            completion_tokens += event.usage["completion_tokens"]
+    state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - started)
+    return web.json_response(renderer.response(choices, usage(prompt_tokens, completion_tokens)))
+
+
+async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, events, started: float) -> web.StreamResponse:
+    response = await sse.open_stream(request)
+    n = parsed.params.n
+    first_sent: set[int] = set()
+    offsets: dict[int, int] = {}
+    prompt_tokens = completion_tokens = 0
+    last: dict = {}
+    try:
+        async for index, event in events:
+            _account(state, parsed, event, last, time.monotonic(), started)
+            if event.done and event.finish_reason == "error":
+                await response.write(sse.frame(ApiError(502, event.error or "the worker failed", None, "worker_error", "server_error").body()))
+                break
+            for delta in event.outputs:
+                choice = index * n + delta.index
+                chunk = renderer.chunk(choice, delta, choice not in first_sent, parsed.include_usage, offsets.get(choice, 0))
+                first_sent.add(choice)
+                offsets[choice] = offsets.get(choice, 0) + len(delta.text)
+                await response.write(sse.frame(chunk))
+            if event.done and event.usage:
+                prompt_tokens += event.usage["prompt_tokens"]
+                completion_tokens += event.usage["completion_tokens"]
+        else:
+            if parsed.include_usage:
+                await response.write(sse.frame(renderer.usage_chunk(usage(prompt_tokens, completion_tokens))))
+    except ApiError as err:
+        await response.write(sse.frame(err.body()))
+    state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - started)
+    await response.write(sse.DONE)
+    await response.write_eof()
+    return response

@@ -1,0 +1,57 @@
+"""The OpenAPI description served at ``/openapi.json`` (request bodies as the gateway validates them)."""
+
+from __future__ import annotations
+
+_NUMBER = {"type": "number"}
+_SAMPLING = {
+    "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {**_NUMBER, "minimum": 0},
+    "top_p": {**_NUMBER, "exclusiveMinimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {**_NUMBER, "minimum": 0, "maximum": 1}, "n": {"type": "integer", "minimum": 1},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+    "seed": {"type": "integer"}, "presence_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
+    "frequency_penalty": {**_NUMBER, "minimum": -2, "maximum": 2}, "repetition_penalty": {**_NUMBER, "exclusiveMinimum": 0},
+    "stream": {"type": "boolean"}, "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": "string"}, "priority": {"type": "integer"}, "timeout": {**_NUMBER, "exclusiveMinimum": 0},
+    "min_tokens": {"type": "integer", "minimum": 0}, "ignore_eos": {"type": "boolean"},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+}
+_ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+_RESPONSES = {"200": {"description": "a completion, or an SSE stream of chunks when stream=true"},
+              **{code: _ERROR for code in ("400", "401", "404", "413", "429", "503", "504")}}
+
+
+def _post(summary: str, schema: str) -> dict:
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}, "responses": _RESPONSES}}
+
+
+def _get(summary: str) -> dict:
+    return {"get": {"summary": summary, "responses": {"200": {"description": "ok"}, "503": {"description": "not ready"}}}}
+
+
+OPENAPI = {
+    "openapi": "3.0.3",
+    "info": {"title": "pagedserve", "version": "1", "description": "OpenAI-compatible API of a pagedserve gateway."},
+    "paths": {
+        "/v1/completions": _post("Create a completion", "CompletionRequest"),
+        "/v1/chat/completions": _post("Create a chat completion", "ChatRequest"),
+        "/v1/models": _get("Models with live workers"),
+        "/health": _get("Liveness"),
+        "/ready": _get("Redis reachable and a worker alive"),
+        "/metrics": _get("Prometheus metrics"),
+    },
+    "components": {"schemas": {
+        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+            **_SAMPLING, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+            "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                                 {"type": "array", "items": {"type": "integer"}}]}}},
+        "ChatRequest": {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
+            **_SAMPLING, "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": {"type": "boolean"},
+            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+            "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
+                "role": {"type": "string", "enum": ["system", "user", "assistant", "developer"]}, "content": {"type": "string"}}}}}},
+        "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": "string", "nullable": True},
+            "code": {"type": "string", "nullable": True}}}}},
+    }},
+}

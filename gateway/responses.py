@@ -1,0 +1,84 @@
+"""OpenAI response and chunk objects, built from wire events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.protocol import OutputDelta
+
+
+@dataclass
+class Choice:
+    """Everything one choice has produced so far."""
+
+    index: int
+    text: str = ""
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: OutputDelta) -> None:
+        self.text += delta.text
+        self.logprobs.extend(delta.logprobs or [])
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Renderer:
+    """Builds the objects of one response; ``chat`` picks the chat or the completions shapes."""
+
+    def __init__(self, chat: bool, request_id: str, created: int, model: str, tokenizer, want_logprobs: bool) -> None:
+        self.chat, self.id, self.created, self.model = chat, request_id, created, model
+        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, choices: list[Choice], use: dict) -> dict:
+        out = []
+        for c in choices:
+            item = {"index": c.index, "logprobs": self.logprobs(c.logprobs, 0), "finish_reason": c.finish_reason}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+            else:
+                item["text"] = c.text
+            out.append(item)
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out, "usage": use}
+
+    def chunk(self, index: int, delta: OutputDelta | None, first: bool, include_usage: bool, text_offset: int = 0) -> dict:
+        text = delta.text if delta else ""
+        reason = delta.finish_reason if delta else None
+        entries = (delta.logprobs or []) if delta else []
+        item = {"index": index, "logprobs": self.logprobs(entries, text_offset), "finish_reason": reason}
+        if self.chat:
+            item["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+        else:
+            item["text"] = text
+        body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [item]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, use: dict) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": use}
+
+    def logprobs(self, entries: list[dict], text_offset: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        piece = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        if self.chat:
+            return {"content": [
+                {"token": piece(e["token_id"]), "logprob": e["logprob"], "bytes": list(piece(e["token_id"]).encode()),
+                 "top_logprobs": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())}
+                                  for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])]}
+                for e in entries]}
+        tokens = [piece(e["token_id"]) for e in entries]
+        offsets, pos = [], text_offset
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{piece(t): lp for t, lp in e["top"].items()} for e in entries], "text_offset": offsets}

@@ -1,0 +1,141 @@
+"""OpenAI request bodies -> validated internal requests. Every problem is an ``ApiError`` (a 4xx in
+OpenAI's error shape) naming the parameter; fields we do not support are rejected, not ignored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "presence_penalty",
+          "frequency_penalty", "repetition_penalty", "logprobs", "stream", "stream_options", "user", "priority",
+          "timeout", "min_tokens", "ignore_eos", "stop_token_ids"}
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_n: int = 16
+    max_tokens: int = 4096
+    max_stop: int = 4
+    max_stop_len: int = 256
+    default_chat_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    chat: bool
+    model: str
+    prompt: Any  # completions: str | [str] | [int] | [[int]]; chat: messages
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    timeout: float | None
+    user: str | None
+    max_tokens_given: bool
+
+
+def parse(body: Any, chat: bool, limits: Limits) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for key in body:
+        if key not in allowed:
+            raise ApiError(400, f"unsupported parameter: {key!r}", key, "unsupported_parameter")
+    model = _typed(body, "model", str, required=True)
+    prompt = _messages(body) if chat else _prompt(body)
+    stream = _typed(body, "stream", bool, default=False)
+    options = _typed(body, "stream_options", dict, default=None)
+    if options is not None and (not stream or set(options) - {"include_usage"}):
+        raise ApiError(400, "stream_options is only allowed with stream=true and takes include_usage", "stream_options")
+    max_tokens = body.get("max_completion_tokens") if chat and "max_completion_tokens" in body else body.get("max_tokens")
+    given = max_tokens is not None
+    if not given:
+        max_tokens = limits.default_chat_max_tokens if chat else 16
+    sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body and body[k] is not None}
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None:
+        if not isinstance(stop, list) or len(stop) > limits.max_stop or not all(isinstance(s, str) and 0 < len(s) <= limits.max_stop_len for s in stop):
+            raise ApiError(400, f"stop must be a string or up to {limits.max_stop} non-empty strings of <= {limits.max_stop_len} characters", "stop")
+        sampling["stop"] = stop
+    n = body.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_n:
+        raise ApiError(400, f"n must be <= {limits.max_n}", "n")
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > limits.max_tokens:
+        raise ApiError(400, f"max_tokens must be <= {limits.max_tokens}", "max_tokens")
+    sampling["logprobs"] = _logprobs(body, chat)
+    try:
+        params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
+    except (InvalidRequestError, TypeError) as err:
+        raise ApiError(400, str(err), getattr(err, "field", None)) from None
+    priority = _typed(body, "priority", int, default=0)
+    timeout = _typed(body, "timeout", (int, float), default=None)
+    if timeout is not None and not 0 < timeout <= 3600:
+        raise ApiError(400, "timeout must be in (0, 3600] seconds", "timeout")
+    return ParsedRequest(chat, model, prompt, params, stream, bool(options and options.get("include_usage")),
+                         priority, timeout, _typed(body, "user", str, default=None), given)
+
+
+def _typed(body: dict, name: str, kind, required: bool = False, default=None):
+    if name not in body or body[name] is None:
+        if required:
+            raise ApiError(400, f"{name!r} is required", name, "missing_required_parameter")
+        return default
+    value = body[name]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise ApiError(400, f"{name!r} has the wrong type", name, "invalid_type")
+    return value
+
+
+def _prompt(body: dict):
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) and p for p in prompt):
+            return prompt
+        if all(type(t) is int for t in prompt):
+            return prompt
+        if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+            return prompt
+    raise ApiError(400, "prompt must be a non-empty string, list of strings, token ids or lists of token ids", "prompt")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "developer")
+        and isinstance(m.get("content"), str) and set(m) <= {"role", "content", "name"} for m in messages
+    )
+    if not ok:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} with string content", "messages")
+    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    if chat:
+        wanted = _typed(body, "logprobs", bool, default=False)
+        top = _typed(body, "top_logprobs", int, default=None)
+        if top is not None and not wanted:
+            raise ApiError(400, "top_logprobs requires logprobs=true", "top_logprobs")
+        return (top or 0) if wanted else None
+    return _typed(body, "logprobs", int, default=None)

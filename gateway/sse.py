@@ -1,0 +1,23 @@
+"""Server-sent events, framed the way OpenAI clients parse them: ``data: <json>\\n\\n``, ending with
+``data: [DONE]\\n\\n``."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+DONE = b"data: [DONE]\n\n"
+
+
+def frame(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+async def open_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+        "Connection": "keep-alive", "X-Accel-Buffering": "no",
+    })
+    await response.prepare(request)
+    return response

@@ -1,0 +1,74 @@
+"""A whole stack for gateway tests: redis-server, an in-process worker with the real engine, and
+gateways on free ports, all on one event loop in a background thread (so tests can use the
+synchronous openai SDK)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field, replace
+
+from aiohttp import web
+
+from gateway.app import create_app
+from shared.embedded_redis import RedisServer, free_port
+from shared.settings import GatewaySettings
+from tests.service_helpers import MODEL_NAME, settings_for
+
+
+def gateway_settings(redis_url: str, model_path, **overrides) -> GatewaySettings:
+    base = GatewaySettings(
+        model=str(model_path), served_model_name=MODEL_NAME, redis_url=redis_url, host="127.0.0.1", port=free_port(),
+        gateway_id=f"gw-{free_port()}", api_keys=(), max_body_bytes=1 << 20, max_queue_depth=1000, request_timeout_s=60.0,
+        max_n=16, max_tokens=1024, default_chat_max_tokens=24, cors_origins=(), key_prefix="pagedserve",
+    )
+    return replace(base, **overrides)
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    engine: object
+    model_path: object
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+    runners: list = field(default_factory=list)
+
+    def run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> "Stack":
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+        async def up():
+            from worker.service import WorkerService
+
+            self.worker = WorkerService(settings_for(self.redis.url, self.model_path), self.engine)
+            self.worker_task = asyncio.create_task(self.worker.run())
+            while not await self.worker.redis.exists(self.worker.keys.alive(MODEL_NAME, "test-worker")):
+                await asyncio.sleep(0.05)
+
+        self.run(up())
+        self.url = self.add_gateway()
+        return self
+
+    def add_gateway(self, **overrides) -> str:
+        settings = gateway_settings(self.redis.url, self.model_path, **overrides)
+
+        async def up():
+            runner = web.AppRunner(create_app(settings), handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, settings.host, settings.port).start()
+            self.runners.append(runner)
+
+        self.run(up())
+        return f"http://127.0.0.1:{settings.port}"
+
+    def stop(self) -> None:
+        async def down():
+            for runner in self.runners:
+                await runner.cleanup()
+            self.worker.request_stop()
+            await self.worker_task
+
+        self.run(down())
+        self.loop.call_soon_threadsafe(self.loop.stop)
