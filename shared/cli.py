@@ -2,11 +2,13 @@
 
     pagedserve worker --model M --redis-url URL  serve a model from its Redis request stream
     pagedserve gateway --model M --redis-url URL the OpenAI-compatible HTTP gateway
+    pagedserve up [--model M] [--port P]         Redis + gateway + workers, one command
     pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
     pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
     pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
     pagedserve bench kernel [args]               Triton decode attention: time, GB/s, vs SDPA
     pagedserve bench queue-overhead [args]       the same workload through Redis vs in-process
+    pagedserve bench serve [args]                serving benchmark: TTFT, TPOT, ITL, goodput
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ BENCHES = {
     "offline-throughput": "bench.offline_throughput",
     "kernel": "bench.kernel_bench",
     "queue-overhead": "bench.queue_overhead",
+    "serve": "bench.serve",
 }
 
 
@@ -29,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("worker", help="serve a model from its Redis request stream (see: pagedserve worker --help)",
                    add_help=False)
     sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (see: pagedserve gateway --help)", add_help=False)
+
+    up = sub.add_parser("up", help="Redis (embedded unless REDIS_URL is set), a gateway and workers, in one command")
+    up.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--workers", type=int, default=1)
 
     gen = sub.add_parser("generate", help="generate text offline (no Redis, no server)")
     gen.add_argument("prompt")
@@ -61,7 +70,33 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.path.insert(0, os.getcwd())  # bench/ lives in the source tree, beside the packages
         return importlib.import_module(BENCHES[args.name]).main(args.args)
+    if args.command == "up":
+        return up(args)
     return generate(args)
+
+
+def up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from shared.logging import configure_logging
+    from shared.stack import LocalStack, StackError
+
+    configure_logging()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with LocalStack(model=args.model, workers=args.workers, port=args.port, host=args.host) as stack:
+            print(f"pagedserve is up: {stack.url}  (model {stack.served_model_name!r}; Ctrl-C stops everything)")
+            print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": \"{stack.served_model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+                  flush=True)
+            stop.wait()
+    except StackError as err:
+        print(f"pagedserve: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def generate(args: argparse.Namespace) -> int:

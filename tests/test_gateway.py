@@ -25,10 +25,12 @@ from worker.engine_config import EngineConfig
 def stack(zoo, tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), dtype="float32", num_gpu_blocks=1024, max_num_seqs=64))
-    s = Stack(server, engine, zoo.path("llama-gqa")).start()
-    yield s
-    s.stop()
-    server.stop()
+    try:
+        s = Stack(server, engine, zoo.path("llama-gqa")).start()
+        yield s
+        s.stop()
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
