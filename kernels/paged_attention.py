@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_cache, check_heads, check_same, check_tables
+from kernels.paged_tiles import load_kv_tile
 
 TILE = 64
 PARTITION = 512
@@ -44,11 +45,8 @@ def _decode_partial(
         for tile in range(start, end, TILE):
             pos = tile + tl.arange(0, TILE)
             valid = pos < end
-            block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            offs = block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head * stride_kh
-            kv_mask = valid[:, None] & (d[None, :] < DIM)
-            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
+                                pos, valid, d, DIM, BLOCK_SIZE)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_cache, check_heads, check_same, check_tables
+from kernels.paged_tiles import load_kv_tile
 
 BLOCK_M = 16
 BLOCK_N = 32
@@ -47,11 +48,8 @@ def _prefill_kernel(
         for tile in range(0, limit, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < limit
-            block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            offs = block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head * stride_kh
-            kv_mask = valid[:, None] & (d[None, :] < DIM)
-            k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+            k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
+                                pos, valid, d, DIM, BLOCK_SIZE)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             allowed = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
             scores = tl.where(allowed, scores, float("-inf"))

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+
 PreemptionMode = Literal["recompute", "swap"]
 
 
@@ -29,3 +32,22 @@ class SchedulerConfig:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request this configuration could never serve."""
+        if prompt_len == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"maximum length of {self.max_model_len} tokens", "max_tokens",
+            )
+        if params.n > self.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
+        # Worst case: every output sequence recomputed privately after a preemption.
+        worst = params.n * -(-(prompt_len + params.max_tokens) // self.block_size)
+        if worst > self.num_gpu_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {worst} KV blocks but the cache holds {self.num_gpu_blocks}; "
+                "lower max_tokens or n", "max_tokens",
+            )

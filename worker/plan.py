@@ -6,7 +6,7 @@ forward over ``seqs`` and samples ``num_samples`` tokens for each seq that asks 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.sampling import SamplingParams
 
@@ -62,3 +62,19 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None  # when the request asked for logprobs
+
+
+@dataclass
+class StepBuilder:
+    """What one ``schedule`` call has decided so far; ``build`` freezes it into a StepPlan."""
+
+    budget: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: int = 0
+
+    def build(self, block_size: int) -> StepPlan:
+        return StepPlan(tuple(self.seqs), block_size, tuple(self.copies), tuple(self.swap_out),
+                        tuple(self.swap_in), self.preempted)

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Hashable, Mapping, Sequence as Seq
 
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
-from worker.plan import SampledToken, ScheduledSeq, StepPlan
+from worker.plan import SampledToken, ScheduledSeq, StepBuilder, StepPlan
 from worker.request import FinishReason, Request, RequestStatus, Sequence
 
 
@@ -35,18 +35,6 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
-
-
-@dataclass
-class _Step:
-    """What one ``schedule`` call has decided so far."""
-
-    budget: int
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    preempted: int = 0
 
 
 class Scheduler:
@@ -87,7 +75,7 @@ class Scheduler:
         """Queue a request. Raises InvalidRequestError if it could never be served."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "id")
-        self._check_fits(len(prompt_ids), params)
+        self.config.check_fits(len(prompt_ids), params)
         req = Request(
             request_id, list(prompt_ids), params, arrival=self.clock(), order=next(self._orders),
             priority=priority, deadline=deadline, extra_key=extra_key,
@@ -96,25 +84,6 @@ class Scheduler:
         self.requests[request_id] = req
         self.waiting.append(req)
         return req
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        cfg = self.config
-        if prompt_len == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if prompt_len + params.max_tokens > cfg.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"maximum length of {cfg.max_model_len} tokens", "max_tokens",
-            )
-        if params.n > cfg.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={cfg.max_num_seqs}", "n")
-        # Worst case: every output sequence recomputed privately after a preemption.
-        worst = params.n * self.blocks.blocks_for(prompt_len + params.max_tokens)
-        if worst > cfg.num_gpu_blocks:
-            raise InvalidRequestError(
-                f"the request needs up to {worst} KV blocks but the cache holds {cfg.num_gpu_blocks}; "
-                "lower max_tokens or n", "max_tokens",
-            )
 
     def _new_seq(self, req: Request, token_ids: list[int], index: int) -> Sequence:
         seq = Sequence(next(self._seq_ids), token_ids, len(req.prompt_ids), index=index)
@@ -173,16 +142,13 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepPlan:
         self._expire_deadlines()
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = StepBuilder(budget=self.config.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step)
         if not step.preempted and not self.swapped:
             self._schedule_waiting(step)
-        return StepPlan(
-            tuple(step.seqs), self.config.block_size, tuple(step.copies),
-            tuple(step.swap_out), tuple(step.swap_in), step.preempted,
-        )
+        return step.build(self.config.block_size)
 
     def _expire_deadlines(self) -> None:
         now = self.clock()
@@ -200,7 +166,7 @@ class Scheduler:
             sizes.append((seq.seq_id, count))
         return sizes
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: StepBuilder) -> None:
         self.running.sort(key=lambda r: r.sort_key)
         queue = list(self.running)
         while queue and step.budget > 0:
@@ -214,7 +180,7 @@ class Scheduler:
             else:
                 self._emit(req, sizes, step)
 
-    def _schedule_swapped(self, step: _Step) -> None:
+    def _schedule_swapped(self, step: StepBuilder) -> None:
         self.swapped.sort(key=lambda r: r.sort_key)
         for req in list(self.swapped):
             ids = [s.seq_id for s in req.live_seqs]
@@ -227,7 +193,7 @@ class Scheduler:
             self._run(req)
             self._emit(req, sizes, step)
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepBuilder) -> None:
         self.waiting.sort(key=lambda r: r.sort_key)
         for req in list(self.waiting):
             if not self._may_start(req, step):
@@ -251,14 +217,14 @@ class Scheduler:
             self._run(req)
             self._emit(req, sizes, step)
 
-    def _may_start(self, req: Request, step: _Step) -> bool:
+    def _may_start(self, req: Request, step: StepBuilder) -> bool:
         return step.budget > 0 and self.num_running_seqs + req.seq_slots <= self.config.max_num_seqs
 
     def _run(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
-    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: _Step) -> None:
+    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder) -> None:
         """Grow the seqs' tables and add their work to the step."""
         for seq_id, count in sizes:
             if count <= 0:
@@ -275,7 +241,7 @@ class Scheduler:
             ))
             step.budget -= count
 
-    def _preempt(self, req: Request, step: _Step) -> None:
+    def _preempt(self, req: Request, step: StepBuilder) -> None:
         ids = [s.seq_id for s in req.live_seqs]
         self.running.remove(req)
         step.preempted += 1
