@@ -4,6 +4,7 @@
     pagedserve gateway --model M --redis-url URL the OpenAI-compatible HTTP gateway
     pagedserve up [--model M] [--port P]         Redis + gateway + workers, one command
     pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
+    pagedserve chat [--model M]                  a chat in the terminal, streamed
     pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
     pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
     pagedserve bench kernel [args]               Triton decode attention: time, GB/s, vs SDPA
@@ -47,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
 
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (offline, streamed)")
+    chat.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--dtype", default="auto")
+
     bench = sub.add_parser("bench", help="run a benchmark (prints a JSON line and a table)")
     bench.add_argument("name", choices=sorted(BENCHES))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
@@ -72,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(BENCHES[args.name]).main(args.args)
     if args.command == "up":
         return up(args)
+    if args.command == "chat":
+        return chat(args)
     return generate(args)
 
 
@@ -99,26 +109,70 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
-def generate(args: argparse.Namespace) -> int:
-    from shared.errors import InvalidRequestError
+def _engine(args: argparse.Namespace):
     from shared.logging import configure_logging
-    from shared.sampling import SamplingParams
     from worker.demo_model import demo_model_dir
     from worker.engine import Engine
     from worker.engine_config import EngineConfig
 
     configure_logging()
+    return Engine(EngineConfig(model=args.model or str(demo_model_dir()), dtype=args.dtype))
+
+
+def _stream(engine, request_id: str, prompt, params) -> str:
+    """Run one request to the end, printing text as it is released; returns the whole text."""
+    engine.add_request(request_id, prompt, params)
+    text = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            delta = out.outputs[0].text_delta
+            text += delta
+            print(delta, end="", flush=True)
+    print()
+    return text
+
+
+def chat(args: argparse.Namespace) -> int:
+    from shared.errors import InvalidRequestError
+    from shared.sampling import SamplingParams
+
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        engine = Engine(EngineConfig(model=args.model or str(demo_model_dir()), dtype=args.dtype))
-        engine.add_request("cli", args.prompt, params)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        engine = _engine(args)
     except (InvalidRequestError, ValueError) as err:
         print(f"pagedserve: {err}", file=sys.stderr)
         return 2
-    while engine.has_unfinished():
-        for out in engine.step():
-            print(out.outputs[0].text_delta, end="", flush=True)
-    print()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat: type a message, an empty line or Ctrl-D to quit", file=sys.stderr)
+    for turn in range(10**9):
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        template = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = engine.tokenizer.encode(template, add_special_tokens=False)
+        try:
+            reply = _stream(engine, f"chat-{turn}", prompt, params)
+        except InvalidRequestError as err:  # e.g. the conversation outgrew the context
+            print(f"pagedserve: {err}", file=sys.stderr)
+            return 2
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    from shared.errors import InvalidRequestError
+    from shared.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        _stream(_engine(args), "cli", args.prompt, params)
+    except (InvalidRequestError, ValueError) as err:
+        print(f"pagedserve: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

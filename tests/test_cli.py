@@ -26,3 +26,11 @@ def test_bad_values_are_one_clear_line(tmp_path):
     assert worker.returncode != 0 and "--heartbeat must be shorter" in worker.stderr
     env_bad = run_cli("worker", env={"PAGEDSERVE_MAX_INFLIGHT": "lots"})
     assert env_bad.returncode != 0 and "PAGEDSERVE_MAX_INFLIGHT" in env_bad.stderr and "Traceback" not in env_bad.stderr
+
+
+def test_chat_answers_each_line_until_eof(tmp_path):
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "shared.cli", "chat", "--max-tokens", "4", "--temperature", "0"],
+                            input="hello\nand again\n", capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("> ") == 3  # two answered prompts, then EOF at the third

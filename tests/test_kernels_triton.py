@@ -35,7 +35,7 @@ def close(actual, expected, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size,head_dim,heads,kv_heads", [(16, 64, 4, 2), (1, 80, 2, 2), (8, 128, 8, 1)])
+@pytest.mark.parametrize("block_size,head_dim,heads,kv_heads", [(16, 64, 4, 2), (1, 80, 2, 2), (8, 128, 8, 1), (16, 256, 2, 1)])
 def test_decode(device, dtype, block_size, head_dim, heads, kv_heads):
     lengths = [1, 15, 16, 17, 100, 600]  # 600 crosses a 512-token partition: the split path and its reduce
     case = make_case(lengths, block_size, kv_heads, head_dim, dtype, device)

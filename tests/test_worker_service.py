@@ -172,5 +172,6 @@ def test_worker_metrics_reach_redis_and_prometheus(redis_server, zoo, engine):
         return stored, text
 
     stored, text = asyncio.run(main())
-    assert b"kv_cache_usage_perc" in stored and b"num_requests_running" in stored
+    assert {b"kv_cache_usage_perc", b"num_requests_running", b"queue_depth", b"generation_tokens_per_s"} <= set(stored)
+    assert int(stored[b"generation_tokens_total"]) == 2
     assert 'pagedserve:num_requests_running{model_name="tiny"}' in text

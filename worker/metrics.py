@@ -23,3 +23,17 @@ class WorkerMetrics:
             if gauge is None:
                 gauge = self._gauges[name] = Gauge(PREFIX + name, name.replace("_", " "), ["model_name"], registry=self.registry)
             gauge.labels(model_name=self.model).set(value)
+
+
+def engine_snapshot(engine, in_flight: int, queued: int, tokens_out: int, tokens_per_s: float) -> dict[str, float]:
+    """The worker's numbers: queue, running/waiting, KV usage, prefix cache, preemptions, tokens."""
+    sched = engine.scheduler
+    usage = sched.blocks.usage()
+    return {
+        "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting) + queued,
+        "num_requests_swapped": len(sched.swapped), "kv_cache_usage_perc": usage.used / max(1, usage.total),
+        "num_preemptions_total": sched.stats.num_preemptions,
+        "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
+        "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "in_flight": in_flight,
+        "generation_tokens_total": tokens_out, "generation_tokens_per_s": round(tokens_per_s, 2),
+    }

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
@@ -40,7 +41,7 @@ from worker.bridge import Entry, Outgoing, RedisBridge, salvage_reply
 from worker.engine import Engine
 from worker.engine_loop import EngineLoop
 from worker.events import InFlight, error_event, event_for
-from worker.metrics import WorkerMetrics
+from worker.metrics import WorkerMetrics, engine_snapshot
 
 log = structlog.get_logger("pagedserve.worker")
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
@@ -58,6 +59,8 @@ class WorkerService:
         self.stopping = asyncio.Event()
         self._room = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._tokens_out = 0  # generated tokens sent, for the metrics
+        self._rate_mark = (time.monotonic(), 0)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.redis = aioredis.from_url(settings.redis_url)
@@ -225,6 +228,7 @@ class WorkerService:
             flight = self.inflight.get(out.request_id)
             event = event_for(flight, out) if flight else None
             if event is not None:
+                self._tokens_out += sum(len(o.token_ids) for o in event.outputs)
                 batch.append(self._finish(out.request_id, event) if event.done else Outgoing(flight.target, event))
         if batch:
             self.outbox.put_nowait(batch)
@@ -245,6 +249,7 @@ class WorkerService:
             try:
                 ids = [f.entry_id for f in self.inflight.values()]
                 metrics = self._metrics()
+                metrics["queue_depth"] = await self.redis.xlen(self.bridge.stream)
                 if self.prometheus:
                     self.prometheus.update(metrics)
                 await self.bridge.heartbeat(ids, self.settings.heartbeat_s * 3, metrics)
@@ -261,15 +266,10 @@ class WorkerService:
             await asyncio.sleep(self.settings.heartbeat_s)
 
     def _metrics(self) -> dict:
-        sched = self.engine.scheduler
-        usage = sched.blocks.usage()
-        return {
-            "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting) + self.engine_loop.queued,
-            "num_requests_swapped": len(sched.swapped), "kv_cache_usage_perc": usage.used / max(1, usage.total),
-            "num_preemptions_total": sched.stats.num_preemptions,
-            "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
-            "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "in_flight": len(self.inflight),
-        }
+        now = time.monotonic()
+        (then, count), self._rate_mark = self._rate_mark, (now, self._tokens_out)
+        rate = (self._tokens_out - count) / max(1e-6, now - then)
+        return engine_snapshot(self.engine, len(self.inflight), self.engine_loop.queued, self._tokens_out, rate)
 
     async def _cancels(self) -> None:
         while True:
