@@ -32,6 +32,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,9 +72,30 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean", name)
+        self._validate_search()
+
+    def _validate_search(self) -> None:
+        _check_int(self, "beam_width", low=1, high=64)
+        _check_float(self, "length_penalty", low=-10.0, high=10.0)
+        if self.early_stopping not in (True, False, "never"):
+            raise InvalidRequestError('early_stopping must be true, false or "never"', "early_stopping")
+        if self.best_of is not None:
+            _check_int(self, "best_of", low=self.n, high=64)
+        if self.use_beam_search:
+            if self.n > self.beam_width:
+                raise InvalidRequestError(f"n ({self.n}) must be <= beam_width ({self.beam_width})", "n")
+            if self.best_of is not None or self.stop:
+                raise InvalidRequestError("beam search takes neither best_of nor stop strings", "use_beam_search")
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the engine runs for one request: beams, best_of samples, or n."""
+        if self.use_beam_search:
+            return self.beam_width
+        return self.best_of or self.n
 
     @property
     def greedy(self) -> bool:

@@ -42,10 +42,11 @@ class SchedulerConfig:
                 f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"maximum length of {self.max_model_len} tokens", "max_tokens",
             )
-        if params.n > self.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}", "n")
+        if params.num_seqs > self.max_num_seqs:
+            raise InvalidRequestError(f"{params.num_seqs} sequences (n, best_of or beam_width) exceed "
+                                      f"max_num_seqs={self.max_num_seqs}", "n")
         # Worst case: every output sequence recomputed privately after a preemption.
-        worst = params.n * -(-(prompt_len + params.max_tokens) // self.block_size)
+        worst = params.num_seqs * -(-(prompt_len + params.max_tokens) // self.block_size)
         if worst > self.num_gpu_blocks:
             raise InvalidRequestError(
                 f"the request needs up to {worst} KV blocks but the cache holds {self.num_gpu_blocks}; "

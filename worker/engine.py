@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Hashable, Sequence as Seq
 
 import structlog
@@ -15,6 +16,7 @@ import torch
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from worker.attention import select_ops
+from worker.beam_search import BeamState
 from worker.config import SchedulerConfig
 from worker.detokenizer import Detokenizer, DetokenizerState
 from worker.engine_config import EngineConfig, available_ram
@@ -58,6 +60,8 @@ class Engine:
         self.sampler = Sampler(frozenset(eos), seed=config.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
         self._detok: dict[int, DetokenizerState] = {}
+        self._beams: dict[str, BeamState] = {}
+        self._beam_logits: dict[int, torch.Tensor] = {}
         log.info(
             "kv cache allocated", device=str(device), dtype=str(info.dtype).replace("torch.", ""),
             gpu_blocks=num_gpu, cpu_blocks=num_cpu, block_size=config.block_size,
@@ -95,17 +99,50 @@ class Engine:
         samples = {}
         if not plan.is_empty:
             result = self.runner.execute(plan)
-            if result.items:
-                rows = [self._sample_row(item.seq_id, item.num_samples) for item in result.items]
-                drawn = self.sampler.sample(result.logits, rows)
-                samples = {item.seq_id: tokens for item, tokens in zip(result.items, drawn)}
-        return [self._output(req) for req in self.scheduler.update(plan, samples)]
+            beams = [i for i, item in enumerate(result.items) if self._is_beam(item.seq_id)]
+            for i in beams:  # kept until every beam of the request has its logits
+                self._beam_logits[result.items[i].seq_id] = result.logits[i]
+            sampled = [i for i in range(len(result.items)) if i not in set(beams)]
+            if sampled:
+                items = [result.items[i] for i in sampled]
+                rows = [self._sample_row(item.seq_id, item.num_samples) for item in items]
+                drawn = self.sampler.sample(result.logits[sampled], rows)
+                samples = {item.seq_id: tokens for item, tokens in zip(items, drawn)}
+        touched = self.scheduler.update(plan, samples) + self._advance_beams()
+        return [out for req in touched if (out := self._output(req)) is not None]
+
+    def _is_beam(self, seq_id: int) -> bool:
+        return self.scheduler.owner(seq_id).params.use_beam_search
+
+    def _advance_beams(self) -> list[Request]:
+        """One beam-search step for every beam request whose beams all have fresh logits."""
+        finished = []
+        for req in [r for r in self.scheduler.running if r.params.use_beam_search]:
+            live = req.live_seqs
+            if not live or any(s.seq_id not in self._beam_logits for s in live):
+                continue
+            p = req.params
+            state = self._beams.setdefault(req.request_id, BeamState(
+                p.beam_width, p.max_tokens, p.length_penalty, p.early_stopping,
+                () if p.ignore_eos else tuple(sorted(self.scheduler.eos_token_ids)),
+            ))
+            choices = state.step(torch.stack([self._beam_logits.pop(s.seq_id) for s in live]))
+            if state.done:
+                self.scheduler.finish_beams(req, state.results(p.n))
+                finished.append(req)
+            else:
+                self.scheduler.apply_beams(req, [(live[c.parent].seq_id, c.token) for c in choices])
+        return finished
 
     def _sample_row(self, seq_id: int, num_samples: int) -> SampleRow:
         seq, req = self.scheduler.seq(seq_id), self.scheduler.owner(seq_id)
         return SampleRow(req.params, req.prompt_ids, seq.output_ids, seq.index, num_samples)
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request) -> RequestOutput | None:
+        """The request's progress; beam search and best_of report only their final answers."""
+        hold = req.params.use_beam_search or req.params.best_of is not None
+        if hold and not req.finished:
+            return None
         outputs = []
         for seq in req.seqs:
             state = self._detok.get(seq.seq_id) or self.detokenizer.new_state(seq.prompt_len)
@@ -127,4 +164,9 @@ class Engine:
         if req.finished:
             for seq in req.seqs:
                 self._detok.pop(seq.seq_id, None)
+                self._beam_logits.pop(seq.seq_id, None)
+            self._beams.pop(req.request_id, None)
+            if req.params.best_of is not None:
+                best = sorted(outputs, key=lambda o: -o.cumulative_logprob)[: req.params.n]
+                outputs = [replace(o, index=i) for i, o in enumerate(best)]
         return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.error)

@@ -104,8 +104,8 @@ class Request:
     @property
     def seq_slots(self) -> int:
         """Batch slots the request needs once forked; reserved from admission on."""
-        return len(self.live_seqs) if self.forked else self.params.n
+        return len(self.live_seqs) if self.forked else self.params.num_seqs
 
     @property
     def needs_fork(self) -> bool:
-        return self.params.n > 1 and not self.forked
+        return self.params.num_seqs > 1 and not self.forked and not self.params.use_beam_search

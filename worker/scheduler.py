@@ -10,9 +10,7 @@ Order of a step (``schedule``):
 3. If nothing was preempted, swapped requests come back in, then waiting requests are admitted
    (taking prefix-cache hits) while budget, ``max_num_seqs`` and blocks last.
 
-``update`` applies the sampled tokens: it advances computed counts, publishes full blocks to the
-prefix cache, forks ``n > 1`` requests once their prompt is done, and checks token-level stops.
-No I/O and no torch.
+``update`` (worker/step_results.py) applies the sampled tokens. No I/O and no torch.
 """
 
 from __future__ import annotations
@@ -20,14 +18,15 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping, Sequence as Seq
+from typing import Callable, Hashable, Sequence as Seq
 
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from worker.block_manager import BlockManager
 from worker.config import SchedulerConfig
-from worker.plan import SampledToken, ScheduledSeq, StepBuilder, StepPlan
+from worker.plan import ScheduledSeq, StepBuilder, StepPlan
 from worker.request import FinishReason, Request, RequestStatus, Sequence
+from worker.step_results import StepResults
 
 
 @dataclass
@@ -37,7 +36,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0
 
 
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -234,7 +233,7 @@ class Scheduler:
             start = seq.num_computed
             samples = 0
             if start + count == seq.num_tokens:
-                samples = req.params.n if req.needs_fork else 1
+                samples = req.params.num_seqs if req.needs_fork else 1
             step.seqs.append(ScheduledSeq(
                 seq_id, req.request_id, tuple(seq.token_ids[start : start + count]), start,
                 self.blocks.block_table(seq_id), samples, req.params, seq.num_output,
@@ -256,46 +255,3 @@ class Scheduler:
             seq.num_computed = 0
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
-
-    # ------------------------------------------------------------------ update
-    def update(self, plan: StepPlan, samples: Mapping[int, Seq[SampledToken]]) -> list[Request]:
-        """Apply a step's results. Returns the requests that got tokens or finished, in plan order."""
-        touched: dict[str, Request] = {r.request_id: r for r in self._finished_outside_update}
-        self._finished_outside_update.clear()
-        for item in plan.seqs:
-            seq = self._seqs.get(item.seq_id)
-            if seq is None or seq.finished:
-                continue  # aborted after it was scheduled
-            req = self._owner[item.seq_id]
-            seq.num_computed += item.num_tokens
-            self.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, req.extra_key)
-            if item.num_samples == 0:
-                continue
-            tokens = list(samples[item.seq_id])
-            if len(tokens) != item.num_samples:
-                raise ValueError(f"seq {item.seq_id}: expected {item.num_samples} samples, got {len(tokens)}")
-            targets = [seq] + (self._fork(req, seq, len(tokens) - 1) if req.needs_fork else [])
-            for target, token in zip(targets, tokens):
-                self._append(req, target, token)
-            touched[req.request_id] = req
-        return list(touched.values())
-
-    def _fork(self, req: Request, parent: Sequence, count: int) -> list[Sequence]:
-        req.forked = True
-        children = []
-        for i in range(count):
-            child = self._new_seq(req, list(parent.token_ids), index=i + 1)
-            child.num_computed = parent.num_computed
-            self.blocks.fork(parent.seq_id, child.seq_id)
-            children.append(child)
-        return children
-
-    def _append(self, req: Request, seq: Sequence, token: SampledToken) -> None:
-        seq.token_ids.append(token.token_id)
-        if token.logprob is not None:
-            seq.cumulative_logprob += token.logprob
-        if req.params.logprobs is not None:
-            seq.logprobs.append(token)
-        reason = seq.token_stop(req.params, self.eos_token_ids)
-        if reason is not None:
-            self.finish_seq(seq.seq_id, reason)
