@@ -14,6 +14,8 @@ _SAMPLING = {
     "user": {"type": "string"}, "priority": {"type": "integer"}, "timeout": {**_NUMBER, "exclusiveMinimum": 0},
     "min_tokens": {"type": "integer", "minimum": 0}, "ignore_eos": {"type": "boolean"},
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "use_beam_search": {"type": "boolean"}, "beam_width": {"type": "integer", "minimum": 1},
+    "length_penalty": _NUMBER, "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
 }
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _RESPONSES = {"200": {"description": "a completion, or an SSE stream of chunks when stream=true"},
@@ -42,7 +44,7 @@ OPENAPI = {
     },
     "components": {"schemas": {
         "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
-            **_SAMPLING, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+            **_SAMPLING, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1},
             "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
                                  {"type": "array", "items": {"type": "integer"}}]}}},
         "ChatRequest": {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {

@@ -23,10 +23,11 @@ class ApiError(Exception):
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "presence_penalty",
           "frequency_penalty", "repetition_penalty", "logprobs", "stream", "stream_options", "user", "priority",
           "timeout", "min_tokens", "ignore_eos", "stop_token_ids"}
-COMPLETION_FIELDS = COMMON | {"prompt"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+BEAM = {"use_beam_search", "beam_width", "length_penalty", "early_stopping"}  # extension fields
+COMPLETION_FIELDS = COMMON | BEAM | {"prompt", "best_of"}
+CHAT_FIELDS = COMMON | BEAM | {"messages", "max_completion_tokens", "top_logprobs"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids"}
+                   "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of"} | BEAM
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,10 @@ def parse(body: Any, chat: bool, limits: Limits) -> ParsedRequest:
             raise ApiError(400, f"stop must be a string or up to {limits.max_stop} non-empty strings of <= {limits.max_stop_len} characters", "stop")
         sampling["stop"] = stop
     n = body.get("n", 1)
-    if isinstance(n, int) and not isinstance(n, bool) and n > limits.max_n:
-        raise ApiError(400, f"n must be <= {limits.max_n}", "n")
+    for name in ("n", "best_of", "beam_width"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_n:
+            raise ApiError(400, f"{name} must be <= {limits.max_n}", name)
     if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > limits.max_tokens:
         raise ApiError(400, f"max_tokens must be <= {limits.max_tokens}", "max_tokens")
     sampling["logprobs"] = _logprobs(body, chat)

@@ -109,7 +109,7 @@ BAD_BODIES = [
     (b"not json", 400), (json.dumps([1, 2]).encode(), 400), (json.dumps({"prompt": "x"}).encode(), 400),
     (json.dumps({"model": MODEL_NAME}).encode(), 400), (json.dumps({"model": MODEL_NAME, "prompt": ""}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "temperature": -1}).encode(), 400),
-    (json.dumps({"model": MODEL_NAME, "prompt": "x", "best_of": 2}).encode(), 400),
+    (json.dumps({"model": MODEL_NAME, "prompt": "x", "echo": True}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "n": 1000}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "max_tokens": 5000}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "stop": ["a"] * 9}).encode(), 400),
@@ -222,3 +222,20 @@ def test_200_concurrent_streams_all_complete_in_order(stack):
 
     texts = asyncio.run(main())
     assert len(texts) == 200
+
+
+def test_best_of_and_beam_search_through_the_api(client, offline):
+    best = client.completions.create(prompt="pages", max_tokens=6, n=1, best_of=3, temperature=1.0, seed=2, model=MODEL_NAME)
+    assert len(best.choices) == 1 and best.choices[0].finish_reason == "length"
+    beams = client.completions.create(prompt="blocks and pages", max_tokens=10, n=2, model=MODEL_NAME,
+                                      extra_body={"use_beam_search": True, "beam_width": 3})
+    want = offline.generate(["blocks and pages"], SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=10),
+                            use_tqdm=False)[0]
+    assert [c.text for c in sorted(beams.choices, key=lambda c: c.index)] == [o.text for o in want.outputs]
+    chunks = list(client.completions.create(prompt="blocks and pages", max_tokens=10, n=2, model=MODEL_NAME, stream=True,
+                                            extra_body={"use_beam_search": True, "beam_width": 3}))
+    texts = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert [texts[0], texts[1]] == [o.text for o in want.outputs]  # the final beams, sent at the end
