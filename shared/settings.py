@@ -92,7 +92,8 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
     p.add_argument("--model", default=e("model", None), help="local directory or hub id (default: the demo model)")
     p.add_argument("--redis-url", default=e("redis_url", "redis://127.0.0.1:6379/0"))
     p.add_argument("--served-model-name", default=e("served_model_name", None), help="stream name (default: --model)")
-    p.add_argument("--consumer", default=e("consumer", f"{socket.gethostname()}-{os.getpid()}"), help="stable consumer name")
+    p.add_argument("--consumer", default=e("consumer", socket.gethostname()),
+                   help="stable consumer name (default: the host name); each worker on a host needs its own")
     p.add_argument("--max-inflight", type=_positive(int), default=e("max_inflight", None, int),
                    help="requests held at once (default: --max-num-seqs)")
     p.add_argument("--claim-idle-ms", type=_positive(int), default=e("claim_idle_ms", 30_000, int),

@@ -73,7 +73,7 @@ class LocalStack:
 
             demo_model_dir()  # build it once here, not in every child at the same time
         for i in range(self.workers):
-            self._spawn("worker", *common, "--consumer", f"{os.uname().nodename}-w{i}-{os.getpid()}", *self.extra_worker_args)
+            self._spawn("worker", *common, "--consumer", f"{os.uname().nodename}-w{i}", *self.extra_worker_args)
         self._spawn("gateway", *common, "--host", self.host, "--port", str(self.port))
         self._wait_ready()
 

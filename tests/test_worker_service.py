@@ -175,3 +175,20 @@ def test_worker_metrics_reach_redis_and_prometheus(redis_server, zoo, engine):
     assert {b"kv_cache_usage_perc", b"num_requests_running", b"queue_depth", b"generation_tokens_per_s"} <= set(stored)
     assert int(stored[b"generation_tokens_total"]) == 2
     assert 'pagedserve:num_requests_running{model_name="tiny"}' in text
+
+
+def test_two_live_workers_cannot_share_a_consumer_name(redis_server, zoo, engine):
+    from worker.bridge import ConsumerNameTaken
+    from worker.service import WorkerService
+
+    async def main():
+        settings = settings_for(redis_server.url, zoo.path("llama-gqa"), consumer="same-name")
+        async with running_worker(settings, engine):
+            await asyncio.sleep(0.3)
+            with pytest.raises(ConsumerNameTaken, match="same-name"):
+                await WorkerService(settings, engine).run()
+        # once the first one is gone, the name is free again
+        async with running_worker(settings, engine):
+            pass
+
+    asyncio.run(main())

@@ -11,13 +11,18 @@ def main(argv: list[str] | None = None) -> int:
     from shared.settings import worker_settings
     from worker.engine import Engine
     from worker.engine_config import EngineConfig
+    from worker.bridge import ConsumerNameTaken
     from worker.service import WorkerService
 
     settings = worker_settings(argv)
     configure_logging()
     engine = Engine(EngineConfig(model=settings.model, **settings.engine))
 
-    return WorkerService(settings, engine).serve()
+    try:
+        return WorkerService(settings, engine).serve()
+    except ConsumerNameTaken as err:
+        print(f"pagedserve: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ Typed helpers only; the decisions (what to read, when to give up on an entry) ar
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -15,6 +18,10 @@ from shared.keys import Keys
 from shared.protocol import ReplyTarget, WireEvent, encode_events, unpack
 
 STREAMED_TTL_S = 24 * 3600
+
+
+class ConsumerNameTaken(RuntimeError):
+    pass
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class RedisBridge:
         self.group = keys.group(model)
         self.model = model
         self.consumer = consumer
+        self.token = uuid.uuid4().hex  # tells this process's liveness key from another's with the same name
 
     async def ensure_group(self) -> None:
         try:
@@ -48,6 +56,18 @@ class RedisBridge:
         except ResponseError as err:
             if "BUSYGROUP" not in str(err):
                 raise
+
+    async def wait_for_name(self, ttl_s: float, patience_s: float) -> None:
+        """Take the consumer name, waiting up to ``patience_s`` for another holder's key to expire."""
+        key = self.keys.alive(self.model, self.consumer)
+        deadline = time.monotonic() + patience_s
+        while not await self.r.set(key, self.token, px=int(ttl_s * 1000), nx=True):
+            if await self.r.get(key) == self.token.encode():
+                return
+            if time.monotonic() > deadline:
+                raise ConsumerNameTaken(f"another live worker uses the consumer name {self.consumer!r}; "
+                                        "give this one a different --consumer")
+            await asyncio.sleep(0.25)
 
     async def read(self, count: int, block_ms: int | None, own_pending: bool = False) -> list[Entry]:
         """New entries (``>``), or with ``own_pending`` the ones this consumer holds unacknowledged."""
@@ -73,7 +93,7 @@ class RedisBridge:
         pipe = self.r.pipeline(transaction=False)
         if entry_ids:
             pipe.xclaim(self.stream, self.group, self.consumer, 0, entry_ids, justid=True)
-        pipe.set(self.keys.alive(self.model, self.consumer), self.consumer, px=int(ttl_s * 1000))
+        pipe.set(self.keys.alive(self.model, self.consumer), self.token, px=int(ttl_s * 1000))
         if metrics:
             pipe.hset(self.keys.metrics(self.model, self.consumer), mapping=metrics)
             pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))

@@ -37,7 +37,7 @@ from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.protocol import WireCancel, WireRequest
 from shared.settings import WorkerSettings
-from worker.bridge import Entry, Outgoing, RedisBridge, salvage_reply
+from worker.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge, salvage_reply
 from worker.engine import Engine
 from worker.engine_loop import EngineLoop
 from worker.events import InFlight, error_event, event_for
@@ -92,7 +92,10 @@ class WorkerService:
                 started.set()
                 return await self._serve_io(box["engine_done"].wait)
 
-            box["rc"] = asyncio.run(main())
+            try:
+                box["rc"] = asyncio.run(main())
+            except ConsumerNameTaken as err:
+                box["error"] = err
 
         thread = threading.Thread(target=io, name="pagedserve-io")
         thread.start()
@@ -104,11 +107,22 @@ class WorkerService:
         finally:
             box["loop"].call_soon_threadsafe(box["engine_done"].set)
             thread.join()
+        if "error" in box:
+            raise box["error"]
         return box.get("rc", 1)
 
     async def _serve_io(self, engine_finished) -> int:
         self._loop = asyncio.get_running_loop()
-        await self._retrying("create group", self.bridge.ensure_group)
+        try:
+            await self._retrying("create group", self.bridge.ensure_group)
+            # Names are stable (a restarted worker takes its pending entries back): two live workers
+            # must not share one; a crashed predecessor's key expires within three heartbeats.
+            ttl = self.settings.heartbeat_s * 3
+            await self._retrying("claim consumer name", lambda: self.bridge.wait_for_name(ttl, ttl + 1))
+        except ConsumerNameTaken:
+            self.engine_loop.finish()
+            await self.redis.aclose()
+            raise
         log.info("worker ready", model=self.model, consumer=self.settings.consumer, stream=self.bridge.stream)
         side = [asyncio.create_task(t) for t in (self._reader(), self._maintenance(), self._cancels())]
         publisher = asyncio.create_task(self._publisher())
