@@ -99,10 +99,10 @@ class Engine:
         samples = {}
         if not plan.is_empty:
             result = self.runner.execute(plan)
-            beams = [i for i, item in enumerate(result.items) if self._is_beam(item.seq_id)]
+            beams = {i for i, item in enumerate(result.items) if self._is_beam(item.seq_id)}
             for i in beams:  # kept until every beam of the request has its logits
                 self._beam_logits[result.items[i].seq_id] = result.logits[i]
-            sampled = [i for i in range(len(result.items)) if i not in set(beams)]
+            sampled = [i for i in range(len(result.items)) if i not in beams]
             if sampled:
                 items = [result.items[i] for i in sampled]
                 rows = [self._sample_row(item.seq_id, item.num_samples) for item in items]
