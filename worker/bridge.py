@@ -78,8 +78,9 @@ class RedisBridge:
 
     async def reclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
         """Entries of dead consumers idle past ``min_idle_ms``, now ours, with their delivery counts."""
-        _, claimed, deleted = await self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_ms, "0-0", count=count)
-        for eid in deleted or []:
+        reply = await self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_ms, "0-0", count=count)
+        claimed, deleted = reply[1], (reply[2] if len(reply) > 2 else [])  # Redis 7 adds the deleted ids
+        for eid in deleted:
             await self.ack([_text(eid)])
         return [await self.with_deliveries(Entry(_text(eid), fields.get(b"data") if fields else None))
                 for eid, fields in claimed]
