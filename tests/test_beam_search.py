@@ -94,3 +94,16 @@ def test_beam_parameters_are_validated():
         SamplingParams(n=3, best_of=2)
     with pytest.raises(InvalidRequestError, match="early_stopping"):
         SamplingParams(use_beam_search=True, beam_width=2, early_stopping="sometimes")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_survives_preemption(zoo, hf, mode):
+    cases = random_prompts(seed=40, count=8, max_len=60, vocab=512, max_new=20)
+    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=48, num_cpu_blocks=200, block_size=7,
+              preemption_mode=mode, max_num_batched_tokens=64)
+    params = [SamplingParams(use_beam_search=True, beam_width=4, n=2, max_tokens=n) for _, n in cases]
+    done = run_checked(llm, [p for p, _ in cases], params)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    for i, (prompt, n) in enumerate(cases):
+        seqs, scores = hf_beams(hf, prompt, 4, n)
+        assert [o.token_ids for o in done[i].outputs] == seqs[:2], f"prompt {i}"
