@@ -50,7 +50,6 @@ class ParsedRequest:
     priority: int
     timeout: float | None
     user: str | None
-    max_tokens_given: bool
 
 
 def parse(body: Any, chat: bool, limits: Limits) -> ParsedRequest:
@@ -67,8 +66,7 @@ def parse(body: Any, chat: bool, limits: Limits) -> ParsedRequest:
     if options is not None and (not stream or set(options) - {"include_usage"}):
         raise ApiError(400, "stream_options is only allowed with stream=true and takes include_usage", "stream_options")
     max_tokens = body.get("max_completion_tokens") if chat and "max_completion_tokens" in body else body.get("max_tokens")
-    given = max_tokens is not None
-    if not given:
+    if max_tokens is None:
         max_tokens = limits.default_chat_max_tokens if chat else 16
     sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body and body[k] is not None}
     stop = body.get("stop")
@@ -94,7 +92,7 @@ def parse(body: Any, chat: bool, limits: Limits) -> ParsedRequest:
     if timeout is not None and not 0 < timeout <= 3600:
         raise ApiError(400, "timeout must be in (0, 3600] seconds", "timeout")
     return ParsedRequest(chat, model, prompt, params, stream, bool(options and options.get("include_usage")),
-                         priority, timeout, _typed(body, "user", str, default=None), given)
+                         priority, timeout, _typed(body, "user", str, default=None))
 
 
 def _typed(body: dict, name: str, kind, required: bool = False, default=None):

@@ -4,7 +4,6 @@ and a Redis restart under load. Workers run as real processes where the failure 
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -182,5 +181,3 @@ def test_redis_restart_under_load_loses_nothing(tmp_path, zoo):
         assert [e.seq for e in got.events] == list(range(len(got.events)))
         assert got.tokens() == want and got.last.finish_reason == "length"
 
-
-assert os.name == "posix"  # signals and process groups as used above

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -19,8 +18,6 @@ class ScheduledSeq:
     start: int  # position of token_ids[0] in the sequence
     block_table: tuple[int, ...]
     num_samples: int  # 0: a prefill chunk that is not the last; n at a fork; else 1
-    params: SamplingParams
-    output_index: int  # how many tokens the sequence had generated before this step
 
     @property
     def num_tokens(self) -> int:

@@ -236,7 +236,7 @@ class Scheduler(StepResults):
                 samples = req.params.num_seqs if req.needs_fork else 1
             step.seqs.append(ScheduledSeq(
                 seq_id, req.request_id, tuple(seq.token_ids[start : start + count]), start,
-                self.blocks.block_table(seq_id), samples, req.params, seq.num_output,
+                self.blocks.block_table(seq_id), samples,
             ))
             step.budget -= count
 
