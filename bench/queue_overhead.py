@@ -13,13 +13,13 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.stats import percentiles
 from shared.sampling import SamplingParams
 from worker.demo_model import demo_model_dir
 
@@ -30,11 +30,6 @@ ENGINE_FLAGS = {"dtype": "float32", "num_gpu_blocks": 4096, "max_num_seqs": 128}
 def workload(seed: int, count: int, max_tokens: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randint(10, 500) for _ in range(rng.randint(32, 128))], max_tokens) for _ in range(count)]
-
-
-def percentiles(values: list[float]) -> dict:
-    q = statistics.quantiles(values, n=100) if len(values) > 1 else values * 99
-    return {"p50_ms": round(q[49] * 1e3, 3), "p90_ms": round(q[89] * 1e3, 3), "p99_ms": round(q[98] * 1e3, 3)}
 
 
 def in_process(model: Path, work) -> dict:

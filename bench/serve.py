@@ -17,12 +17,13 @@ import asyncio
 import contextlib
 import json
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from bench.stats import percentiles
 
 
 @dataclass
@@ -76,13 +77,6 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, prompt: list
     return result
 
 
-def pct(values: list[float]) -> dict:
-    if not values:
-        return {"p50_ms": None, "p90_ms": None, "p99_ms": None}
-    q = statistics.quantiles(values, n=100) if len(values) > 1 else values * 99
-    return {"p50_ms": round(q[49] * 1e3, 2), "p90_ms": round(q[89] * 1e3, 2), "p99_ms": round(q[98] * 1e3, 2)}
-
-
 async def run(args) -> dict:
     rng = random.Random(args.seed)
     work = dataset(args.dataset, args.requests, args.seed)
@@ -103,8 +97,8 @@ async def run(args) -> dict:
         "duration_s": round(duration, 2), "request_throughput": round(len(done) / duration, 3),
         "output_tokens_per_s": round(sum(r.output_tokens for r in done) / duration, 1),
         "goodput": round(len(good) / duration, 3), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
-        "ttft": pct([r.ttft for r in done]), "tpot": pct([r.tpot for r in done]),
-        "itl": pct([x for r in done for x in r.itl]), "e2e": pct([r.latency for r in done]),
+        "ttft": percentiles([r.ttft for r in done]), "tpot": percentiles([r.tpot for r in done]),
+        "itl": percentiles([x for r in done for x in r.itl]), "e2e": percentiles([r.latency for r in done]),
     }
 
 
@@ -115,15 +109,6 @@ def print_table(res: dict) -> None:
     for name in ("ttft", "tpot", "itl", "e2e"):
         m = res[name]
         print(f"{name:<8} {m['p50_ms']!s:>10} {m['p90_ms']!s:>10} {m['p99_ms']!s:>10}")
-
-
-@contextlib.contextmanager
-def local_stack(model: str | None):
-    """redis-server + worker + gateway as child processes; yields (url, served model name)."""
-    from shared.stack import LocalStack
-
-    with LocalStack(model=model, workers=1) as stack:
-        yield stack.url, stack.served_model_name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:
-        if args.url is None:
-            args.url, args.model = stack.enter_context(local_stack(args.model))
+        if args.url is None:  # a throw-away redis-server + worker + gateway
+            from shared.stack import LocalStack
+
+            local = stack.enter_context(LocalStack(model=args.model, workers=1))
+            args.url, args.model = local.url, local.served_model_name
         res = asyncio.run(run(args))
     print(json.dumps(res))
     print_table(res)

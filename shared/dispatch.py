@@ -18,6 +18,7 @@ import structlog
 
 from shared.errors import InvalidRequestError
 from shared.protocol import WireEvent, decode_events
+from shared.redis_io import listen_forever
 
 log = structlog.get_logger("pagedserve.dispatch")
 MAILBOX_LIMIT = 10_000
@@ -95,23 +96,8 @@ class ReplyDispatcher:
     def close(self, request_id: str) -> None:
         self._boxes.pop(request_id, None)
 
-    @property
-    def open_requests(self) -> int:
-        return len(self._boxes)
-
     async def _read(self) -> None:
-        while True:
-            try:
-                async with self.client.pubsub() as pubsub:
-                    await pubsub.subscribe(self.channel)
-                    async for msg in pubsub.listen():
-                        if msg["type"] == "subscribe":
-                            self._subscribed.set()
-                        elif msg["type"] == "message":
-                            self._deliver(msg["data"])
-            except (ConnectionError, OSError, aioredis.ConnectionError) as err:
-                log.warning("reply channel lost; resubscribing", channel=self.channel, error=str(err))
-                await asyncio.sleep(0.2)
+        await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set)
 
     def _deliver(self, data: bytes) -> None:
         try:
