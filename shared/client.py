@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from shared.dispatch import Mailbox, ReplyDispatcher
 from shared.keys import Keys
 from shared.protocol import ReplyTarget, WireCancel, WireEvent, WireRequest, decode_events
+from shared.redis_io import REDIS_DOWN
 from shared.sampling import SamplingParams
 
 
@@ -83,7 +84,7 @@ class QueueClient:
             while not done:
                 try:
                     reply = await self.redis.xread({stream: last_id}, block=1000)
-                except (ConnectionError, OSError, aioredis.ConnectionError):
+                except REDIS_DOWN:
                     await asyncio.sleep(0.2)  # Redis restarting: read again from where we were
                     continue
                 for _, items in reply or []:

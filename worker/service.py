@@ -29,13 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.protocol import WireCancel, WireRequest
+from shared.redis_io import REDIS_DOWN, listen_forever
 from shared.settings import WorkerSettings
 from worker.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge, salvage_reply
 from worker.engine import Engine
@@ -44,7 +43,6 @@ from worker.events import InFlight, error_event, event_for
 from worker.metrics import WorkerMetrics, engine_snapshot
 
 log = structlog.get_logger("pagedserve.worker")
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
 class WorkerService:
@@ -260,24 +258,20 @@ class WorkerService:
 
     async def _maintenance(self) -> None:
         while True:
-            try:
-                ids = [f.entry_id for f in self.inflight.values()]
-                metrics = self._metrics()
-                metrics["queue_depth"] = await self.redis.xlen(self.bridge.stream)
-                if self.prometheus:
-                    self.prometheus.update(metrics)
-                await self.bridge.heartbeat(ids, self.settings.heartbeat_s * 3, metrics)
-                if not self.stopping.is_set() and self._free() > 0:
-                    for entry in await self.bridge.reclaim(self.settings.claim_idle_ms, self._free()):
-                        log.info("reclaimed", entry_id=entry.entry_id, deliveries=entry.deliveries)
-                        await self._reclaimed(entry)
-            except REDIS_DOWN as err:
-                log.warning("redis unavailable", during="maintenance", error=str(err))
-            except ResponseError as err:
-                if "NOGROUP" not in str(err):
-                    raise
-                await self._retrying("create group", self.bridge.ensure_group)
+            await self._retrying("maintenance", self._upkeep)
             await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _upkeep(self) -> None:
+        """Heartbeat and metrics; then take over entries of dead workers while there is room."""
+        metrics = self._metrics()
+        metrics["queue_depth"] = await self.redis.xlen(self.bridge.stream)
+        if self.prometheus:
+            self.prometheus.update(metrics)
+        await self.bridge.heartbeat([f.entry_id for f in self.inflight.values()], self.settings.heartbeat_s * 3, metrics)
+        if not self.stopping.is_set() and self._free() > 0:
+            for entry in await self.bridge.reclaim(self.settings.claim_idle_ms, self._free()):
+                log.info("reclaimed", entry_id=entry.entry_id, deliveries=entry.deliveries)
+                await self._reclaimed(entry)
 
     def _metrics(self) -> dict:
         now = time.monotonic()
@@ -286,16 +280,7 @@ class WorkerService:
         return engine_snapshot(self.engine, len(self.inflight), self.engine_loop.queued, self._tokens_out, rate)
 
     async def _cancels(self) -> None:
-        while True:
-            try:
-                async with self.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(self.keys.cancel(self.model))
-                    async for msg in pubsub.listen():
-                        if msg["type"] == "message":
-                            self._cancel(msg["data"])
-            except REDIS_DOWN as err:
-                log.warning("redis unavailable", during="cancel listener", error=str(err))
-                await asyncio.sleep(0.5)
+        await listen_forever(self.redis, self.keys.cancel(self.model), self._cancel)
 
     def _cancel(self, data: bytes) -> None:
         try:
