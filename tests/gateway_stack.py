@@ -42,7 +42,10 @@ class Stack:
         async def up():
             from worker.service import WorkerService
 
-            self.worker = WorkerService(settings_for(self.redis.url, self.model_path), self.engine)
+            # The gateways share this loop with the worker's I/O: under a burst of streams a 0.6 s
+            # liveness key (3 x 0.2 s heartbeats) can lapse and the gateway answers 503 "no worker".
+            settings = settings_for(self.redis.url, self.model_path, heartbeat_s=1.0, claim_idle_ms=5000)
+            self.worker = WorkerService(settings, self.engine)
             self.worker_task = asyncio.create_task(self.worker.run())
             while not await self.worker.redis.exists(self.worker.keys.alive(MODEL_NAME, "test-worker")):
                 await asyncio.sleep(0.05)
