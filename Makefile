@@ -1,0 +1,23 @@
+# Two commands from a fresh clone (Python 3.10-3.12 is all it needs):
+#   make up     set up .venv if needed, then serve the demo model (Redis + worker + gateway)
+#   make test   set up .venv with the dev extra if needed, then run the test suite
+# Set-up is scripts/bootstrap.sh: torch for this machine (TORCH_INDEX=<url> to choose), the project,
+# and a stamp so a second run with an unchanged pyproject.toml installs nothing.
+
+VENV ?= .venv
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: up test clean
+
+up:
+	@VENV=$(VENV) scripts/bootstrap.sh run
+	$(VENV)/bin/pagedserve up $(ARGS)
+
+test:
+	@VENV=$(VENV) scripts/bootstrap.sh dev
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
