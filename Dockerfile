@@ -13,6 +13,7 @@ COPY shared ./shared
 COPY gateway ./gateway
 COPY worker ./worker
 COPY kernels ./kernels
+COPY pagedserve ./pagedserve
 RUN pip install .
 
 RUN useradd --create-home pagedserve && mkdir -p /models && chown pagedserve /models

@@ -5,5 +5,5 @@ set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-python -m pytest -m gpu tests/test_kernels_triton.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt"
+python -m pytest -m gpu tests/kernels/test_kernels_triton.py -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt"
 python -m bench.kernel_bench --out "$out/kernel_bench.json" 2>&1 | tee "$out/kernel_bench.txt"

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 
 from shared.sampling import SamplingParams
-from worker.config import SchedulerConfig
-from worker.plan import SampledToken
-from worker.scheduler import Scheduler
+from worker.core.config import SchedulerConfig
+from worker.core.plan import SampledToken, StepResult
+from worker.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def simulate(name: str, work: Workload, kv_tokens: int, block_size: int, n: int 
     started = time.perf_counter()
     while sched.has_work:
         plan = sched.schedule()
-        sched.update(plan, {s.seq_id: [SampledToken(1)] * s.num_samples for s in plan.seqs if s.num_samples})
+        sched.update(plan, StepResult({s.seq_id: (SampledToken(1),) * s.num_samples for s in plan.seqs if s.num_samples}))
         usage = sched.blocks.usage()
         seqs = sum(len(r.live_seqs) for r in sched.running)
         if seqs > peak:
@@ -81,7 +81,7 @@ def simulate_beams(width: int, prompt_len: int, requests: int, max_tokens: int, 
     dropping of beams as a model would; the KV bookkeeping is the real scheduler's."""
     import torch
 
-    from worker.beam_search import BeamState
+    from worker.runner.beam_search import BeamSearcher
 
     torch.manual_seed(seed)
     cfg = SchedulerConfig(num_gpu_blocks=200_000, block_size=block_size, max_num_seqs=1024,
@@ -89,23 +89,15 @@ def simulate_beams(width: int, prompt_len: int, requests: int, max_tokens: int, 
     sched = Scheduler(cfg)
     rng = random.Random(seed)
     params = SamplingParams(use_beam_search=True, beam_width=width, n=1, max_tokens=max_tokens, ignore_eos=True)
-    states = {}
     for i in range(requests):
         sched.add(str(i), [rng.randint(1, 30000) for _ in range(prompt_len)], params)
-        states[str(i)] = BeamState(width, max_tokens, 1.0, False, ())
+    searcher = BeamSearcher(frozenset())  # what the model runner does with real logits
     peak_physical = peak_logical = 0
     while sched.has_work:
         plan = sched.schedule()
-        sched.update(plan, {})
-        for req in list(sched.running):
-            live = req.live_seqs
-            if all(s.num_uncomputed == 0 for s in live):
-                state = states[req.request_id]
-                choices = state.step(torch.randn(len(live), 1000) * 3)
-                if state.done:
-                    sched.finish_beams(req, state.results(1))
-                else:
-                    sched.apply_beams(req, [(live[c.parent].seq_id, c.token) for c in choices])
+        searcher.forget(plan.finished_request_ids)
+        rows = [s for s in plan.seqs if s.num_samples]
+        sched.update(plan, StepResult(beams=searcher.step(rows, torch.randn(len(rows), 1000) * 3)))
         usage = sched.blocks.usage()
         peak_physical, peak_logical = max(peak_physical, usage.used), max(peak_logical, usage.logical)
     return {"config": f"beam search, width {width}, prompt {prompt_len}", "beam_width": width, "prompt_len": prompt_len,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shared.sampling import SamplingParams
-from worker.demo_model import build_model
+from shared.demo_model import build_model
 
 MODEL = dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=512)
 
@@ -33,7 +33,7 @@ def workload(seed: int, count: int, vocab: int) -> list[tuple[list[int], int]]:
 
 
 def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int, max_batched: int) -> dict:
-    from worker import LLM
+    from pagedserve import LLM
 
     llm = LLM(path, dtype=dtype, kv_cache_memory=kv_bytes, max_num_batched_tokens=max_batched, max_num_seqs=256)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.stats import percentiles
 from shared.sampling import SamplingParams
-from worker.demo_model import demo_model_dir
+from shared.model_source import model_or_demo
 
 MODEL_NAME = "bench"
 ENGINE_FLAGS = {"dtype": "float32", "num_gpu_blocks": 4096, "max_num_seqs": 128}
@@ -34,7 +34,7 @@ def workload(seed: int, count: int, max_tokens: int) -> list[tuple[list[int], in
 
 def in_process(model: Path, work) -> dict:
     from worker.engine import Engine
-    from worker.engine_config import EngineConfig
+    from worker.core.engine_config import EngineConfig
 
     engine = Engine(EngineConfig(model=str(model), **ENGINE_FLAGS))
     last: dict[str, float] = {}
@@ -125,7 +125,7 @@ async def transport_latency(url: str, rounds: int = 300) -> dict:
 
 
 def redis_url_or_start(stack) -> str:
-    from shared.embedded_redis import RedisServer
+    from pagedserve.embedded_redis import RedisServer
     from shared.settings import redis_url_from_env
 
     url = redis_url_from_env()
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
     args = ap.parse_args(argv)
-    model = args.model or demo_model_dir()
+    model = model_or_demo(args.model)
     work = workload(args.seed, args.requests, args.max_tokens)
     with contextlib.ExitStack() as stack:
         url = redis_url_or_start(stack)

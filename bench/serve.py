@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.url is None:  # a throw-away redis-server + worker + gateway
-            from shared.stack import LocalStack
+            from pagedserve.stack import LocalStack
 
             local = stack.enter_context(LocalStack(model=args.model, workers=1))
             args.url, args.model = local.url, local.served_model_name

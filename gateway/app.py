@@ -12,7 +12,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from gateway.openai_api import STATE, chat_completions, completions
 from gateway.openapi import OPENAPI
 from gateway.schemas import ApiError
-from gateway.state import GatewayState
+from gateway.service import GatewayService
 from shared.settings import GatewaySettings
 
 log = structlog.get_logger("pagedserve.gateway")
@@ -21,7 +21,7 @@ OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json"}
 
 def create_app(settings: GatewaySettings) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors, _cors(settings), _auth(settings)])
-    app[STATE] = GatewayState(settings)
+    app[STATE] = GatewayService(settings)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
     app.router.add_post("/v1/completions", completions)

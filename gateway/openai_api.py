@@ -18,11 +18,11 @@ from aiohttp import web
 from gateway import sse
 from gateway.responses import Choice, Renderer, usage
 from gateway.schemas import ApiError, ParsedRequest, parse
-from gateway.state import GatewayState
-from shared.dispatch import Mailbox
+from gateway.service import GatewayService
+from shared.replies import Mailbox
 from shared.protocol import WireEvent
 
-STATE = web.AppKey("state", GatewayState)
+STATE = web.AppKey("state", GatewayService)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -89,7 +89,7 @@ async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[
             task.cancel()
 
 
-def _account(state: GatewayState, parsed: ParsedRequest, event: WireEvent, last: dict, now: float, started: float) -> None:
+def _account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, last: dict, now: float, started: float) -> None:
     tokens = sum(len(o.token_ids) for o in event.outputs)
     if tokens:
         model = parsed.model

@@ -1,21 +1,19 @@
-"""The OpenAPI description served at ``/openapi.json`` (request bodies as the gateway validates them)."""
+"""The OpenAPI 3.1 description served at ``/openapi.json`` (request bodies as the gateway validates
+them). Numeric ranges come from ``shared.sampling.BOUNDS``, the table ``SamplingParams`` checks."""
 
 from __future__ import annotations
 
-_NUMBER = {"type": "number"}
+from shared.sampling import BOUNDS
+
+_BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items() if name not in ("logprobs", "best_of")}
 _SAMPLING = {
-    "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {**_NUMBER, "minimum": 0},
-    "top_p": {**_NUMBER, "exclusiveMinimum": 0, "maximum": 1}, "top_k": {"type": "integer", "minimum": -1},
-    "min_p": {**_NUMBER, "minimum": 0, "maximum": 1}, "n": {"type": "integer", "minimum": 1},
+    **_BOUNDED, "model": {"type": "string"},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
-    "seed": {"type": "integer"}, "presence_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
-    "frequency_penalty": {**_NUMBER, "minimum": -2, "maximum": 2}, "repetition_penalty": {**_NUMBER, "exclusiveMinimum": 0},
     "stream": {"type": "boolean"}, "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "user": {"type": "string"}, "priority": {"type": "integer"}, "timeout": {**_NUMBER, "exclusiveMinimum": 0},
-    "min_tokens": {"type": "integer", "minimum": 0}, "ignore_eos": {"type": "boolean"},
-    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-    "use_beam_search": {"type": "boolean"}, "beam_width": {"type": "integer", "minimum": 1},
-    "length_penalty": _NUMBER, "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
+    "user": {"type": "string"}, "priority": {"type": "integer"}, "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+    "ignore_eos": {"type": "boolean"}, "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "use_beam_search": {"type": "boolean"},
+    "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
 }
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _RESPONSES = {"200": {"description": "a completion, or an SSE stream of chunks when stream=true"},
@@ -32,7 +30,7 @@ def _get(summary: str) -> dict:
 
 
 OPENAPI = {
-    "openapi": "3.0.3",
+    "openapi": "3.1.0",
     "info": {"title": "pagedserve", "version": "1", "description": "OpenAI-compatible API of a pagedserve gateway."},
     "paths": {
         "/v1/completions": _post("Create a completion", "CompletionRequest"),
@@ -44,16 +42,16 @@ OPENAPI = {
     },
     "components": {"schemas": {
         "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
-            **_SAMPLING, "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, "best_of": {"type": "integer", "minimum": 1},
+            **_SAMPLING, "logprobs": BOUNDS["logprobs"].json_schema(), "best_of": BOUNDS["best_of"].json_schema(),
             "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
                                  {"type": "array", "items": {"type": "integer"}}]}}},
         "ChatRequest": {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
-            **_SAMPLING, "max_completion_tokens": {"type": "integer", "minimum": 1}, "logprobs": {"type": "boolean"},
-            "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+            **_SAMPLING, "max_completion_tokens": BOUNDS["max_tokens"].json_schema(), "logprobs": {"type": "boolean"},
+            "top_logprobs": BOUNDS["logprobs"].json_schema(),
             "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
                 "role": {"type": "string", "enum": ["system", "user", "assistant", "developer"]}, "content": {"type": "string"}}}}}},
         "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": "string", "nullable": True},
-            "code": {"type": "string", "nullable": True}}}}},
+            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]}}}}},
     }},
 }

@@ -18,9 +18,10 @@ from typing import AsyncIterator
 
 import redis.asyncio as aioredis
 
-from shared.dispatch import Mailbox, ReplyDispatcher
+from shared.replies import Mailbox, ReplyDispatcher
 from shared.keys import Keys
-from shared.protocol import ReplyTarget, WireCancel, WireEvent, WireRequest, decode_events
+from shared.producer import Producer
+from shared.protocol import ReplyTarget, WireEvent, WireRequest, decode_events
 from shared.redis_io import REDIS_DOWN
 from shared.sampling import SamplingParams
 
@@ -31,6 +32,7 @@ class QueueClient:
         self.keys = keys or Keys()
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(self.client_id))
+        self.producer = Producer(self.redis, self.keys)
 
     async def __aenter__(self) -> "QueueClient":
         await self.dispatcher.start()
@@ -60,13 +62,13 @@ class QueueClient:
         )
         box = None if durable else self.dispatcher.open(request_id)
         await self.dispatcher.start()
-        await self.redis.xadd(self.keys.requests(model), {"data": request.encode()})
+        await self.producer.enqueue([request])
         if durable:
             return self._read_results(model, request_id, reply.name)
         return self._read_mailbox(model, request_id, box)
 
     async def cancel(self, model: str, request_id: str, reason: str = "cancelled") -> None:
-        await self.redis.publish(self.keys.cancel(model), WireCancel(request_id, reason).encode())
+        await self.producer.cancel(model, [request_id], reason)
 
     async def _read_mailbox(self, model: str, request_id: str, box: Mailbox) -> AsyncIterator[WireEvent]:
         try:

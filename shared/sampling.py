@@ -1,7 +1,9 @@
 """SamplingParams: how to pick tokens and when to stop, validated once at construction.
 
 Frozen and pure (no torch): the gateway validates client input with it, the engine reads it.
-Every out-of-range value raises ``InvalidRequestError`` naming the field.
+Every out-of-range value raises ``InvalidRequestError`` naming the field. ``BOUNDS`` is the one
+statement of each numeric parameter's range: validation here and the gateway's OpenAPI schema
+both read it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,43 @@ from typing import Any
 from shared.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_SEQS = 64  # beam_width and best_of
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range of one numeric parameter: ``[low, high]``, or ``(low, high]`` when ``low_open``."""
+
+    kind: type  # int or float
+    low: float
+    high: float | None = None
+    low_open: bool = False
+
+    def json_schema(self) -> dict[str, Any]:
+        schema: dict[str, Any] = {"type": "integer" if self.kind is int else "number"}
+        schema["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if self.high is not None:
+            schema["maximum"] = self.high
+        return schema
+
+
+BOUNDS: dict[str, Bound] = {
+    "n": Bound(int, 1),
+    "max_tokens": Bound(int, 1),
+    "min_tokens": Bound(int, 0),
+    "temperature": Bound(float, 0.0, 100.0),
+    "top_k": Bound(int, -1),  # -1 (or 0): all tokens
+    "top_p": Bound(float, 0.0, 1.0, low_open=True),
+    "min_p": Bound(float, 0.0, 1.0),
+    "presence_penalty": Bound(float, -2.0, 2.0),
+    "frequency_penalty": Bound(float, -2.0, 2.0),
+    "repetition_penalty": Bound(float, 0.0, 100.0, low_open=True),
+    "seed": Bound(int, -(2**63), 2**63 - 1),
+    "logprobs": Bound(int, 0, MAX_LOGPROBS),
+    "best_of": Bound(int, 1, MAX_SEQS),  # and >= n
+    "beam_width": Bound(int, 1, MAX_SEQS),
+    "length_penalty": Bound(float, -10.0, 10.0),
+}
 
 
 @dataclass(frozen=True)
@@ -48,24 +87,13 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check_int(self, "n", low=1)
-        _check_int(self, "max_tokens", low=1)
-        _check_int(self, "min_tokens", low=0)
+        for name, bound in BOUNDS.items():
+            if getattr(self, name) is not None:  # seed, logprobs and best_of are optional
+                _check(name, getattr(self, name), bound)
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens"
             )
-        _check_float(self, "temperature", low=0.0, high=100.0)
-        _check_int(self, "top_k", low=0)
-        _check_float(self, "top_p", low=0.0, high=1.0, low_open=True)
-        _check_float(self, "min_p", low=0.0, high=1.0)
-        _check_float(self, "presence_penalty", low=-2.0, high=2.0)
-        _check_float(self, "frequency_penalty", low=-2.0, high=2.0)
-        _check_float(self, "repetition_penalty", low=0.0, high=100.0, low_open=True)
-        if self.seed is not None:
-            _check_int(self, "seed", low=-(2**63), high=2**63 - 1)
-        if self.logprobs is not None:
-            _check_int(self, "logprobs", low=0, high=MAX_LOGPROBS)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
@@ -78,12 +106,10 @@ class SamplingParams:
         self._validate_search()
 
     def _validate_search(self) -> None:
-        _check_int(self, "beam_width", low=1, high=64)
-        _check_float(self, "length_penalty", low=-10.0, high=10.0)
         if self.early_stopping not in (True, False, "never"):
             raise InvalidRequestError('early_stopping must be true, false or "never"', "early_stopping")
-        if self.best_of is not None:
-            _check_int(self, "best_of", low=self.n, high=64)
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequestError(f"best_of must be in [{self.n}, {MAX_SEQS}] (>= n), got {self.best_of}", "best_of")
         if self.use_beam_search:
             if self.n > self.beam_width:
                 raise InvalidRequestError(f"n ({self.n}) must be <= beam_width ({self.beam_width})", "n")
@@ -116,21 +142,16 @@ class SamplingParams:
         return cls(**data)
 
 
-def _check_int(params: SamplingParams, name: str, low: int, high: int | None = None) -> None:
-    value = getattr(params, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise InvalidRequestError(f"{name} must be {bound}, got {value}", name)
-
-
-def _check_float(
-    params: SamplingParams, name: str, low: float, high: float, low_open: bool = False
-) -> None:
-    value = getattr(params, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+def _check(name: str, value: Any, bound: Bound) -> None:
+    if bound.kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise InvalidRequestError(f"{name} must be a number, got {value!r}", name)
-    if value < low or value > high or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise InvalidRequestError(f"{name} must be in {bracket}{low}, {high}], got {value}", name)
+    too_low = value <= bound.low if bound.low_open else value < bound.low
+    if too_low or (bound.high is not None and value > bound.high):
+        if bound.high is None:
+            where = f"> {bound.low}" if bound.low_open else f">= {bound.low}"
+        else:
+            where = f"in {'(' if bound.low_open else '['}{bound.low}, {bound.high}]"
+        raise InvalidRequestError(f"{name} must be {where}, got {value}", name)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from shared.model_source import served_name
+
 
 def env_default(environ: Mapping[str, str], name: str, default, kind=str):
     """``PAGEDSERVE_<NAME>`` (or ``REDIS_URL`` for redis_url) converted to ``kind``, else ``default``."""
@@ -39,7 +41,7 @@ def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    model: str
+    model: str | None  # None: the demo model (shared.model_source.model_or_demo)
     redis_url: str
     served_model_name: str
     consumer: str
@@ -111,13 +113,8 @@ def worker_settings(argv: list[str] | None = None, environ: Mapping[str, str] | 
     args = worker_parser(environ).parse_args(argv)
     if args.heartbeat * 1000 >= args.claim_idle_ms:
         raise SystemExit("pagedserve: --heartbeat must be shorter than --claim-idle-ms, or live work gets reclaimed")
-    model = args.model
-    if model is None:
-        from worker.demo_model import demo_model_dir
-
-        model = str(demo_model_dir())
     return WorkerSettings(
-        model=model, redis_url=args.redis_url, served_model_name=args.served_model_name or args.model or "demo",
+        model=args.model, redis_url=args.redis_url, served_model_name=served_name(args.model, args.served_model_name),
         consumer=args.consumer, max_inflight=args.max_inflight or args.max_num_seqs,
         claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat, max_deliveries=args.max_deliveries,
         drain_timeout_s=args.drain_timeout, key_prefix=args.key_prefix, metrics_port=args.metrics_port,
@@ -127,7 +124,7 @@ def worker_settings(argv: list[str] | None = None, environ: Mapping[str, str] | 
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    model: str  # where the tokenizer and config come from (local directory or hub id)
+    model: str | None  # where the tokenizer and config come from (local directory, hub id; None: the demo model)
     served_model_name: str
     redis_url: str
     host: str
@@ -169,14 +166,9 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
 def gateway_settings(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> GatewaySettings:
     environ = os.environ if environ is None else environ
     args = gateway_parser(environ).parse_args(argv)
-    model = args.model
-    if model is None:
-        from worker.demo_model import demo_model_dir
-
-        model = str(demo_model_dir())
     keys = args.api_key or [k for k in environ.get("PAGEDSERVE_API_KEY", "").split(",") if k]
     return GatewaySettings(
-        model=model, served_model_name=args.served_model_name or args.model or "demo", redis_url=args.redis_url,
+        model=args.model, served_model_name=served_name(args.model, args.served_model_name), redis_url=args.redis_url,
         host=args.host, port=args.port, gateway_id=args.gateway_id, api_keys=tuple(keys),
         max_body_bytes=args.max_body_bytes, max_queue_depth=args.max_queue_depth, request_timeout_s=args.request_timeout,
         max_n=args.max_n, max_tokens=args.max_tokens, default_chat_max_tokens=args.default_chat_max_tokens,

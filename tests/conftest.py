@@ -34,7 +34,7 @@ class ModelZoo:
 
     def path(self, name: str) -> Path:
         if name not in self._paths:
-            from worker.demo_model import build_model
+            from shared.demo_model import build_model
 
             self._paths[name] = build_model(self.root / name, **MODEL_SPECS[name], seed=len(self._paths))
         return self._paths[name]
@@ -77,7 +77,7 @@ def random_prompts(seed: int, count: int, max_len: int, vocab: int, max_new: int
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh redis-server on a free port for one test (persistence off), stopped after it."""
-    from shared.embedded_redis import RedisServer
+    from pagedserve.embedded_redis import RedisServer
 
     server = RedisServer(tmp_path).start()
     yield server

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from gateway.app import create_app
-from shared.embedded_redis import RedisServer, free_port
+from pagedserve.embedded_redis import RedisServer, free_port
 from shared.settings import GatewaySettings
 from tests.service_helpers import MODEL_NAME, settings_for
 
@@ -40,7 +40,7 @@ class Stack:
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
         async def up():
-            from worker.service import WorkerService
+            from worker.serve.service import WorkerService
 
             # The gateways share this loop with the worker's I/O: under a burst of streams a 0.6 s
             # liveness key (3 x 0.2 s heartbeats) can lapse and the gateway answers 503 "no worker".

@@ -8,7 +8,7 @@ output, which ``reference_output`` computes without any paging.
 
 from __future__ import annotations
 
-from worker.plan import SampledToken, StepPlan
+from worker.core.plan import SampledToken, StepPlan, StepResult
 
 VOCAB = 97
 
@@ -39,7 +39,7 @@ class KVSimulator:
         self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
 
-    def execute(self, plan: StepPlan) -> dict[int, list[SampledToken]]:
+    def execute(self, plan: StepPlan) -> StepResult:
         for src, dst in plan.swap_out:
             self.cpu[dst] = list(self.gpu[src])
         for src, dst in plan.swap_in:
@@ -57,6 +57,6 @@ class KVSimulator:
                 context = [self.gpu[table[p // bs]][p % bs] for p in range(item.context_len)]
                 assert None not in context, f"seq {item.seq_id} reads unwritten KV"
                 # Forks draw their first token with salt = output index; everything else salt 0.
-                samples[item.seq_id] = [SampledToken(next_token(context, salt=k)) for k in range(item.num_samples)]
-        return samples
+                samples[item.seq_id] = tuple(SampledToken(next_token(context, salt=k)) for k in range(item.num_samples))
+        return StepResult(samples)
 

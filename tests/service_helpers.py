@@ -24,7 +24,7 @@ def settings_for(url: str, model_path, **overrides) -> WorkerSettings:
 
 @contextlib.asynccontextmanager
 async def running_worker(settings: WorkerSettings, engine):
-    from worker.service import WorkerService
+    from worker.serve.service import WorkerService
 
     service = WorkerService(settings, engine)
     task = asyncio.create_task(service.run())

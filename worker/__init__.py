@@ -1,6 +1,7 @@
-"""The engine: block manager, scheduler, model runner and the offline ``LLM`` API.
+"""The worker: ``core`` (bookkeeping, no torch) -> ``runner`` (torch) -> ``engine`` -> ``serve`` (Redis).
 
-``LLM`` is imported lazily so that the pure-Python parts (block manager, scheduler) load without torch.
+The documented offline API is ``from pagedserve import LLM, SamplingParams``; this package keeps
+``from worker import LLM`` working (loaded lazily, so ``worker.core`` imports without torch).
 """
 
 from shared.sampling import SamplingParams

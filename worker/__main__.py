@@ -8,15 +8,16 @@ from shared.logging import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shared.model_source import model_or_demo
     from shared.settings import worker_settings
     from worker.engine import Engine
-    from worker.engine_config import EngineConfig
-    from worker.bridge import ConsumerNameTaken
-    from worker.service import WorkerService
+    from worker.core.engine_config import EngineConfig
+    from worker.serve.bridge import ConsumerNameTaken
+    from worker.serve.service import WorkerService
 
     settings = worker_settings(argv)
     configure_logging()
-    engine = Engine(EngineConfig(model=settings.model, **settings.engine))
+    engine = Engine(EngineConfig(model=model_or_demo(settings.model), **settings.engine))
 
     try:
         return WorkerService(settings, engine).serve()

@@ -13,10 +13,11 @@ from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from shared.prompts import encode_chat
 from shared.sampling import SamplingParams
 from worker.engine import Engine
-from worker.engine_config import EngineConfig
-from worker.outputs import RequestOutput
+from worker.core.engine_config import EngineConfig
+from worker.core.outputs import RequestOutput
 
 Prompt = str | Seq[int]
 
@@ -59,12 +60,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        prompts = [encode_chat(self.tokenizer, c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -1,0 +1,112 @@
+"""The gateway service: what one gateway instance holds (Redis, its reply dispatcher and producer, the
+model's tokenizer, metrics) and does (tokenize, admit, send, cancel, find live workers).
+
+Prompts are tokenized here, once: the gateway needs the token count anyway (a prompt longer than
+the model's context is a 400 before it queues), and workers receive ``prompt_token_ids``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import redis.asyncio as aioredis
+
+from gateway.metrics import GatewayMetrics
+from gateway.schemas import ApiError, Limits, ParsedRequest
+from shared.replies import ReplyDispatcher
+from shared.keys import Keys
+from shared.model_source import max_model_len, model_or_demo, resolve_model_dir
+from shared.errors import InvalidRequestError
+from shared.prompts import check_token_ids, encode_chat
+from shared.producer import Producer
+from shared.protocol import ReplyTarget, WireRequest
+from shared.settings import GatewaySettings
+
+
+class GatewayService:
+    def __init__(self, settings: GatewaySettings) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        path = resolve_model_dir(model_or_demo(settings.model))
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.max_model_len = max_model_len(AutoConfig.from_pretrained(path))
+        self.limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens,
+                             default_chat_max_tokens=settings.default_chat_max_tokens)
+        # Blocking pool: a burst of requests waits for a connection instead of failing.
+        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=64, timeout=30))
+        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id))
+        self.producer = Producer(self.redis, self.keys)
+        self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
+
+    async def start(self) -> None:
+        await self.dispatcher.start()
+
+    async def close(self) -> None:
+        await self.dispatcher.stop()
+        await self.redis.aclose()
+
+    # ------------------------------------------------------------------ prompts
+    def prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
+        """Token ids of every prompt, checked against the context length."""
+        if parsed.chat:
+            prompts = [encode_chat(self.tokenizer, parsed.prompt)]
+        elif isinstance(parsed.prompt, str):
+            prompts = [self.tokenizer.encode(parsed.prompt)]
+        elif isinstance(parsed.prompt[0], str):
+            prompts = [self.tokenizer.encode(p) for p in parsed.prompt]
+        elif isinstance(parsed.prompt[0], int):
+            prompts = [list(parsed.prompt)]
+        else:
+            prompts = [list(p) for p in parsed.prompt]
+        for ids in prompts:
+            try:
+                check_token_ids(ids, len(self.tokenizer))
+            except InvalidRequestError as err:
+                raise ApiError(400, str(err), err.field) from None
+            if len(ids) + parsed.params.max_tokens > self.max_model_len:
+                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                               f"requested {len(ids) + parsed.params.max_tokens} tokens ({len(ids)} in the prompt, "
+                               f"{parsed.params.max_tokens} for the completion).", "messages" if parsed.chat else "prompt",
+                               "context_length_exceeded")
+        return prompts
+
+    # ------------------------------------------------------------------ queue
+    async def check_capacity(self) -> None:
+        """503 without a live worker for the model; 429 when its stream is deeper than the limit."""
+        model = self.settings.served_model_name
+        alive = [k async for k in self.redis.scan_iter(match=self.keys.alive_pattern(model), count=100)]
+        if not alive:
+            raise ApiError(503, f"no worker is serving {model!r} right now", None, "no_worker",
+                           "service_unavailable", {"Retry-After": "5"})
+        depth = await self.redis.xlen(self.keys.requests(model))
+        if depth > self.settings.max_queue_depth:
+            raise ApiError(429, f"the queue for {model!r} is full ({depth} waiting); retry shortly", None,
+                           "queue_full", "rate_limit_exceeded", {"Retry-After": "1"})
+
+    async def enqueue(self, parsed: ParsedRequest, prompts: list[list[int]], ids: list[str]) -> None:
+        now = time.time()
+        timeout = parsed.timeout or self.settings.request_timeout_s
+        reply = ReplyTarget("channel", self.dispatcher.channel)
+        await self.producer.enqueue([
+            WireRequest(id=request_id, model=self.settings.served_model_name, params=parsed.params, reply=reply,
+                        prompt_token_ids=prompt, created=now, deadline=now + timeout,
+                        priority=parsed.priority, tenant=parsed.user)
+            for request_id, prompt in zip(ids, prompts)
+        ])
+
+    async def cancel(self, request_ids: list[str], reason: str) -> None:
+        await self.producer.cancel(self.settings.served_model_name, request_ids, reason)
+
+    @staticmethod
+    def new_id(chat: bool) -> str:
+        return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+    async def live_models(self) -> list[str]:
+        names = set()
+        async for key in self.redis.scan_iter(match=self.keys.alive_pattern(), count=100):
+            names.add(key.decode().split(":")[-2])
+        return sorted(names)

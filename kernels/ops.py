@@ -1,0 +1,63 @@
+"""The attention-ops contract and the choice of backend: Triton kernels or their torch references.
+
+``AttentionOps`` is what a model layer calls; ``select_ops`` returns the Triton kernels on CUDA
+(or wherever ``backend="triton"`` is asked, e.g. under ``TRITON_INTERPRET=1`` in tests) and the
+torch references elsewhere. Nothing above this file knows which one runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import structlog
+import torch
+
+from kernels import reference
+
+BACKENDS = ("auto", "torch", "triton")
+log = structlog.get_logger("pagedserve.kernels")
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    store_kv: Callable
+    decode: Callable
+    prefill: Callable
+    copy_blocks: Callable
+    swap_blocks: Callable
+
+
+def select_ops(device: torch.device, backend: str = "auto") -> AttentionOps:
+    """``auto``: Triton kernels on CUDA when triton imports (a warning and the torch references
+    when it does not), torch references elsewhere; ``triton`` fails clearly without triton."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        try:
+            return triton_ops()
+        except ImportError as err:
+            if backend == "triton":
+                raise ValueError(f"attention backend 'triton' needs the triton package: {err}") from err
+            log.warning("triton unavailable: using the torch attention reference", device=str(device), error=str(err))
+    return reference_ops()
+
+
+def reference_ops() -> AttentionOps:
+    """The torch references, with their own gather workspace (layers run one after another)."""
+    workspace = reference.Workspace()
+    return AttentionOps(
+        reference.store_kv, partial(reference.paged_attention_decode, workspace=workspace),
+        partial(reference.prefill_attention, workspace=workspace), reference.copy_blocks, reference.swap_blocks,
+    )
+
+
+def triton_ops() -> AttentionOps:
+    """The Triton kernels, imported here: triton is absent on many CPU machines."""
+    from kernels.copy_blocks import copy_blocks, swap_blocks
+    from kernels.paged_attention import paged_attention_decode
+    from kernels.prefill_attention import prefill_attention
+    from kernels.store_kv import store_kv
+
+    return AttentionOps(store_kv, paged_attention_decode, prefill_attention, copy_blocks, swap_blocks)

@@ -1,0 +1,179 @@
+"""The ``pagedserve`` command: one entry point, one subcommand per job.
+
+    pagedserve worker --model M --redis-url URL  serve a model from its Redis request stream
+    pagedserve gateway --model M --redis-url URL the OpenAI-compatible HTTP gateway
+    pagedserve up [--model M] [--port P]         Redis + gateway + workers, one command
+    pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
+    pagedserve chat [--model M]                  a chat in the terminal, streamed
+    pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
+    pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
+    pagedserve bench kernel [args]               Triton decode attention: time, GB/s, vs SDPA
+    pagedserve bench queue-overhead [args]       the same workload through Redis vs in-process
+    pagedserve bench serve [args]                serving benchmark: TTFT, TPOT, ITL, goodput
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+BENCHES = {
+    "kv-memory": "bench.kv_memory",
+    "offline-throughput": "bench.offline_throughput",
+    "kernel": "bench.kernel_bench",
+    "queue-overhead": "bench.queue_overhead",
+    "serve": "bench.serve",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on a paged, copy-on-write KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("worker", help="serve a model from its Redis request stream (see: pagedserve worker --help)",
+                   add_help=False)
+    sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (see: pagedserve gateway --help)", add_help=False)
+
+    up = sub.add_parser("up", help="Redis (embedded unless REDIS_URL is set), a gateway and workers, in one command")
+    up.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--workers", type=int, default=1)
+
+    gen = sub.add_parser("generate", help="generate text offline (no Redis, no server)")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto")
+
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (offline, streamed)")
+    chat.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--system", default=None, help="a system message")
+    chat.add_argument("--dtype", default="auto")
+
+    bench = sub.add_parser("bench", help="run a benchmark (prints a JSON line and a table)")
+    bench.add_argument("name", choices=sorted(BENCHES))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        from worker.__main__ import main as worker_main
+
+        return worker_main(argv[1:])
+    if argv[:1] == ["gateway"]:
+        from gateway.__main__ import main as gateway_main
+
+        return gateway_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        import importlib
+        import os
+
+        sys.path.insert(0, os.getcwd())  # bench/ lives in the source tree, beside the packages
+        return importlib.import_module(BENCHES[args.name]).main(args.args)
+    if args.command == "up":
+        return up(args)
+    if args.command == "chat":
+        return chat(args)
+    return generate(args)
+
+
+def up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from shared.logging import configure_logging
+    from pagedserve.stack import LocalStack, StackError
+
+    configure_logging()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with LocalStack(model=args.model, workers=args.workers, port=args.port, host=args.host) as stack:
+            print(f"pagedserve is up: {stack.url}  (model {stack.served_model_name!r}; Ctrl-C stops everything)")
+            print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"model\": \"{stack.served_model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+                  flush=True)
+            stop.wait()
+    except StackError as err:
+        print(f"pagedserve: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _engine(args: argparse.Namespace):
+    from shared.logging import configure_logging
+    from shared.model_source import model_or_demo
+    from worker.engine import Engine
+    from worker.core.engine_config import EngineConfig
+
+    configure_logging()
+    return Engine(EngineConfig(model=model_or_demo(args.model), dtype=args.dtype))
+
+
+def _stream(engine, request_id: str, prompt, params) -> str:
+    """Run one request to the end, printing text as it is released; returns the whole text."""
+    engine.add_request(request_id, prompt, params)
+    text = ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            delta = out.outputs[0].text_delta
+            text += delta
+            print(delta, end="", flush=True)
+    print()
+    return text
+
+
+def chat(args: argparse.Namespace) -> int:
+    from shared.errors import InvalidRequestError
+    from shared.prompts import encode_chat
+    from shared.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        engine = _engine(args)
+    except (InvalidRequestError, ValueError) as err:
+        print(f"pagedserve: {err}", file=sys.stderr)
+        return 2
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat: type a message, an empty line or Ctrl-D to quit", file=sys.stderr)
+    for turn in range(10**9):
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _stream(engine, f"chat-{turn}", encode_chat(engine.tokenizer, messages), params)
+        except InvalidRequestError as err:  # e.g. the conversation outgrew the context
+            print(f"pagedserve: {err}", file=sys.stderr)
+            return 2
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    from shared.errors import InvalidRequestError
+    from shared.sampling import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        _stream(_engine(args), "cli", args.prompt, params)
+    except (InvalidRequestError, ValueError) as err:
+        print(f"pagedserve: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

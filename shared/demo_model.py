@@ -1,0 +1,121 @@
+"""Small random-weight models built locally, saved like any Hugging Face checkpoint.
+
+Used by the tests (one per supported family) and by ``pagedserve up`` when no model is named.
+Deterministic: the same arguments give the same files. The tokenizer is a byte-level BPE trained
+with the ``tokenizers`` library on a text shipped with the package, with a chat template.
+Their output is noise: they exist to exercise the serving path, not to say anything.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+}
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = resources.files("shared.demo").joinpath("corpus.txt").read_text(encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(text.splitlines(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(
+    path: str | Path,
+    family: str = "llama",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+    initializer_range: float = 0.02,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight model of ``family`` with its tokenizer to ``path``; return the path."""
+    import torch
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    config_name, model_name, extra = FAMILIES[family]
+    path = Path(path)
+    tokenizer = build_tokenizer(vocab_size)
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra,
+    )
+    if rope_scaling:
+        _set_rope_scaling(config, rope_scaling)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _set_rope_scaling(config, scaling: dict) -> None:
+    """Set rope scaling on a transformers 5 (``rope_parameters``) or 4 (``rope_scaling``) config."""
+    if getattr(config, "rope_parameters", None) is not None:
+        config.rope_parameters = {**config.rope_parameters, **scaling}
+    else:
+        config.rope_scaling = dict(scaling)
+
+
+DEMO_MODEL = dict(family="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688)
+DEMO_VERSION = 1
+
+
+def demo_model_dir(cache_root: Path | None = None) -> Path:
+    """The demo model's directory, built on first use (atomically, so a crash leaves no half model)."""
+    import shutil
+    import tempfile
+
+    from shared.settings import cache_dir
+
+    root = cache_root or cache_dir()
+    path = root / f"demo-llama-v{DEMO_VERSION}"
+    if not (path / "config.json").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+        try:
+            build_model(tmp, **DEMO_MODEL)
+            tmp.rename(path)
+        except OSError:
+            if not (path / "config.json").exists():
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,45 @@
+"""Where a model comes from, shared by the gateway, the worker and the offline API: a local
+directory, a hub id (resolved to a local snapshot), or, when none is named, the demo model built
+locally on first use. Also the facts every process reads from its config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def max_model_len(config) -> int:
+    """The longest sequence served: ``max_position_embeddings``, capped at a sliding window
+    (sliding-window attention is not implemented, so we stay inside the window)."""
+    length = int(config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        length = min(length, int(window))
+    return length
+
+
+DEMO_NAME = "demo"
+
+
+def model_or_demo(model: str | Path | None) -> str:
+    """``model`` as given, or the demo model's directory (built on first use) when it is None."""
+    if model is not None and str(model) != "":
+        return str(model)
+    from shared.demo_model import demo_model_dir
+
+    return str(demo_model_dir())
+
+
+def served_name(model: str | None, served_model_name: str | None) -> str:
+    """The name clients use: the explicit one, else the model as given, else ``demo``."""
+    return served_model_name or model or DEMO_NAME
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A local directory as is; anything else is a hub id, downloaded (or found) in the HF cache."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    return Path(snapshot_download(str(model), allow_patterns=patterns))

@@ -1,0 +1,33 @@
+"""The one way requests and cancels reach the workers: XADD onto the model's request stream, and
+PUBLISH on its cancel channel. Used by the gateway and by queue producers (``shared.client``)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from shared.protocol import WireCancel, WireRequest
+
+
+class Producer:
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def enqueue(self, requests: Sequence[WireRequest]) -> None:
+        """Push each request onto its model's stream, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for request in requests:
+            pipe.xadd(self.keys.requests(request.model), {"data": request.encode()})
+        await pipe.execute()
+
+    async def cancel(self, model: str, request_ids: Sequence[str], reason: str) -> None:
+        """Ask the model's workers to abort these requests (a worker not holding one ignores it)."""
+        if not request_ids:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.publish(self.keys.cancel(model), WireCancel(request_id, reason).encode())
+        await pipe.execute()

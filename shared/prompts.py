@@ -1,0 +1,25 @@
+"""Prompts to token ids, the one way every process does it (gateway, worker, offline ``LLM``, CLI).
+
+A chat is rendered with the tokenizer's own chat template (generation prompt appended) and encoded
+without adding special tokens again: the template already placed them. Token ids given by a client
+are checked against the vocabulary before anything embeds them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from shared.errors import InvalidRequestError
+
+
+def encode_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt") -> list[int]:
+    """``ids`` as a list, or InvalidRequestError when one is not an integer in ``[0, vocab_size)``."""
+    ids = list(ids)
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", field)
+    return ids

@@ -1,0 +1,206 @@
+"""Exact block ids and reference counts for paging, fork/CoW, prefix hits, eviction and swap."""
+
+import pytest
+
+from worker.core.block_manager import BlockManager
+from worker.core.block_pool import BlockPool
+from worker.core.errors import OutOfBlocksError
+
+
+def new_seq(bm: BlockManager, seq_id: int, tokens: list[int], extra_key=None) -> int:
+    cached = bm.start(seq_id, bm.match_prefix(tokens, extra_key))
+    bm.grow(seq_id, len(tokens) - cached)
+    return cached
+
+
+def test_allocates_a_block_at_a_time():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    bm.start(0)
+    assert bm.grow(0, 3) == []
+    assert bm.block_table(0) == (0,)
+    bm.grow(0, 1)
+    assert bm.block_table(0) == (0,)
+    bm.grow(0, 1)
+    assert bm.block_table(0) == (0, 1)
+    assert bm.usage().used == 2 and bm.usage().tokens_held == 5
+    assert bm.usage().slot_utilization == pytest.approx(5 / 8)
+    bm.check_invariants()
+    bm.free(0)
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_block_size_one_and_odd_sizes():
+    for block_size in (1, 7):
+        bm = BlockManager(num_blocks=40, block_size=block_size)
+        bm.start(0)
+        bm.grow(0, 20)
+        assert len(bm.block_table(0)) == -(-20 // block_size)
+        bm.check_invariants()
+
+
+def test_fork_shares_and_copy_on_write_copies_only_the_written_block():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    bm.start(0)
+    bm.grow(0, 6)  # blocks 0 (full) and 1 (2 of 4 slots)
+    bm.fork(0, 1)
+    bm.fork(0, 2)
+    assert bm.block_table(1) == bm.block_table(2) == (0, 1)
+    assert bm.gpu.ref_count(0) == 3 and bm.gpu.ref_count(1) == 3
+    bm.check_invariants()
+    assert bm.cost_to_grow([(0, 1), (1, 1), (2, 1)]) == 2  # the last writer keeps the original
+    assert bm.grow(1, 1) == [(1, 2)]
+    assert bm.block_table(1) == (0, 2)
+    assert bm.gpu.ref_count(1) == 2 and bm.gpu.ref_count(2) == 1
+    assert bm.grow(2, 1) == [(1, 3)]
+    assert bm.grow(0, 1) == []  # refcount back to 1: written in place
+    assert bm.block_table(0) == (0, 1)
+    assert bm.gpu.ref_count(0) == 3
+    bm.check_invariants()
+    for seq in (0, 1, 2):
+        bm.free(seq)
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_fork_on_a_block_boundary_needs_no_copy():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    bm.start(0)
+    bm.grow(0, 4)
+    bm.fork(0, 1)
+    assert bm.grow(1, 1) == []
+    assert bm.block_table(1) == (0, 1)
+    assert bm.block_table(0) == (0,)
+    bm.check_invariants()
+
+
+def test_prefix_hit_shares_full_blocks_and_recomputes_last_token():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    prompt = list(range(100, 112))  # exactly 3 full blocks
+    assert new_seq(bm, 0, prompt) == 0
+    bm.register_full_blocks(0, prompt, len(prompt))
+    assert bm.block_table(0) == (0, 1, 2)
+    # The same prompt: only 2 blocks hit, so its last token is computed again.
+    hit = bm.match_prefix(prompt)
+    assert hit.blocks == (0, 1) and hit.num_reclaimed == 0
+    assert new_seq(bm, 1, prompt) == 8
+    assert bm.block_table(1) == (0, 1, 3)
+    assert [bm.gpu.ref_count(b) for b in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    # A longer prompt with the same head hits all three.
+    assert new_seq(bm, 2, prompt + [7, 8]) == 12
+    assert bm.block_table(2) == (0, 1, 2, 4)
+    bm.check_invariants()
+
+
+def test_prefix_cache_respects_extra_key_and_verifies_tokens():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    new_seq(bm, 0, prompt, extra_key="tenant-a")
+    bm.register_full_blocks(0, prompt, len(prompt), "tenant-a")
+    assert bm.match_prefix(prompt, "tenant-b").blocks == ()
+    assert bm.match_prefix(prompt, "tenant-a").blocks == (0, 1)
+    assert bm.match_prefix([1, 2, 3, 4, 0, 0, 0, 0, 9], "tenant-a").blocks == (0,)
+
+
+def test_freed_blocks_stay_cached_and_are_evicted_least_recent_first():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a, b = [1, 2, 3], [5, 6, 7]
+    for seq_id, prompt in ((0, a), (1, b)):
+        new_seq(bm, seq_id, prompt)
+        bm.register_full_blocks(seq_id, prompt, len(prompt))
+    assert bm.block_table(0) == (0, 1) and bm.block_table(1) == (2, 3)
+    bm.free(0)
+    bm.free(1)
+    usage = bm.usage()
+    assert usage.free == 4 and usage.cached == 2 and usage.used == 0
+    # Cached-free blocks come back on a hit without using a plain free block.
+    hit = bm.match_prefix(a)
+    assert hit.blocks == (0,) and hit.num_reclaimed == 1
+    bm.check_invariants()
+    # The plain free blocks go first (most recently freed first), then the least recently
+    # freed cached block (0, released before 2).
+    bm.start(5)
+    bm.grow(5, 6)
+    assert bm.block_table(5) == (3, 1, 0)
+    assert bm.match_prefix(a).blocks == ()  # stale hash dropped on reuse
+    assert bm.match_prefix(b).blocks == (2,)
+    bm.check_invariants()
+
+
+def test_duplicate_content_is_published_once():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    prompt = [1, 2, 3]
+    for seq_id in (0, 1):  # both computed before either published (same step)
+        bm.start(seq_id)
+        bm.grow(seq_id, 3)
+    bm.register_full_blocks(0, prompt, 3)
+    bm.register_full_blocks(1, prompt, 3)
+    assert bm.match_prefix(prompt).blocks == (0,)
+    bm.free(1)
+    assert bm.usage().cached == 0  # seq 1's copy was never published: plain free
+    bm.check_invariants()
+
+
+def test_swap_round_trip_keeps_sharing_and_counts():
+    bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=4, enable_prefix_caching=False)
+    bm.start(0)
+    bm.grow(0, 6)
+    bm.fork(0, 1)
+    bm.grow(1, 1)  # seq 1: (0, 2); seq 0: (0, 1)
+    assert bm.swap_out_cost([0, 1]) == 3
+    out = bm.swap_out([0, 1])
+    assert out == [(0, 0), (1, 1), (2, 2)]
+    assert bm.is_swapped(0) and bm.num_free_blocks == 8
+    assert bm.cpu.ref_count(0) == 2
+    bm.check_invariants()
+    bm.start(9)
+    bm.grow(9, 4)  # takes GPU block 2, the most recently freed, so swap-in lands elsewhere
+    assert bm.block_table(9) == (2,)
+    assert bm.swap_in_cost([0, 1]) == 3
+    back = bm.swap_in([0, 1])
+    assert back == [(0, 0), (1, 1), (2, 3)]
+    assert bm.block_table(0) == (0, 1) and bm.block_table(1) == (0, 3)
+    assert bm.gpu.ref_count(0) == 2 and bm.cpu.num_free == 4
+    bm.check_invariants()
+
+
+def test_swap_out_of_a_block_shared_with_another_request_copies_it():
+    bm = BlockManager(num_blocks=8, block_size=2, num_cpu_blocks=4)
+    prompt = [1, 2, 3]
+    new_seq(bm, 0, prompt)
+    bm.register_full_blocks(0, prompt, 3)
+    new_seq(bm, 1, prompt)
+    assert bm.block_table(1)[0] == 0
+    assert bm.swap_out([1]) == [(0, 0), (2, 1)]
+    assert bm.gpu.ref_count(0) == 1  # still held by seq 0
+    bm.check_invariants()
+
+
+def test_swap_refuses_when_the_target_pool_is_full():
+    bm = BlockManager(num_blocks=4, block_size=2, num_cpu_blocks=1)
+    bm.start(0)
+    bm.grow(0, 4)
+    with pytest.raises(ValueError, match="not enough free cpu blocks"):
+        bm.swap_out([0])
+    bm.check_invariants()
+
+
+def test_pool_errors_are_explicit():
+    pool = BlockPool(1)
+    pool.allocate()
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate()
+    pool.decref(0)
+    with pytest.raises(ValueError):
+        pool.decref(0)
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks=4, block_size=0)
+
+
+def test_invariant_check_catches_corruption():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.start(0)
+    bm.grow(0, 3)
+    bm._tables[0].append(3)  # a table entry the pool never handed out
+    with pytest.raises(AssertionError):
+        bm.check_invariants()

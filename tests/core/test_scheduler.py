@@ -1,0 +1,193 @@
+"""Scheduler behaviour on exact scenarios, driven by the paged KV simulator."""
+
+import pytest
+
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from tests.kv_simulator import KVSimulator, reference_output
+from worker.core.config import SchedulerConfig
+from worker.core.request import FinishReason, RequestStatus
+from worker.core.scheduler import Scheduler
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(num_blocks=32, block_size=4, clock=None, **kw):
+    cfg = SchedulerConfig(num_gpu_blocks=num_blocks, block_size=block_size, **kw)
+    sched = Scheduler(cfg, eos_token_ids=frozenset(), clock=clock or Clock())
+    return sched, KVSimulator(block_size, num_blocks, cfg.num_cpu_blocks)
+
+
+def step(sched, sim):
+    plan = sched.schedule()
+    out = sched.update(plan, sim.execute(plan))
+    sched.blocks.check_invariants()
+    return plan, out
+
+
+def params(max_tokens=4, **kw):
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_chunked_prefill_mixes_with_decodes():
+    sched, sim = make(max_num_batched_tokens=8)
+    sched.add("a", list(range(3)), params(max_tokens=5))
+    plan, _ = step(sched, sim)
+    assert [(s.request_id, s.num_tokens, s.num_samples) for s in plan.seqs] == [("a", 3, 1)]
+    sched.add("b", list(range(20)), params())
+    plan, _ = step(sched, sim)
+    # a decodes (1 token), b takes the remaining 7 of the budget
+    assert [(s.request_id, s.start, s.num_tokens, s.num_samples) for s in plan.seqs] == [("a", 3, 1, 1), ("b", 0, 7, 0)]
+    plan, _ = step(sched, sim)
+    assert [(s.request_id, s.start, s.num_tokens) for s in plan.seqs] == [("a", 4, 1), ("b", 7, 7)]
+    plan, _ = step(sched, sim)
+    assert [(s.request_id, s.start, s.num_tokens, s.num_samples) for s in plan.seqs] == [("a", 5, 1, 1), ("b", 14, 6, 1)]
+    assert plan.slot_mapping()[:1] == [sched.blocks.block_table(0)[1] * 4 + 1]
+
+
+def test_max_num_seqs_holds_requests_back():
+    sched, sim = make(max_num_seqs=2)
+    for rid in "abc":
+        sched.add(rid, [1, 2], params())
+    plan, _ = step(sched, sim)
+    assert {s.request_id for s in plan.seqs} == {"a", "b"}
+    assert sched.requests["c"].status is RequestStatus.WAITING
+
+
+def test_n_greater_than_one_prefills_once_and_forks():
+    sched, sim = make()
+    sched.add("a", list(range(6)), params(max_tokens=3, n=3))
+    plan, out = step(sched, sim)
+    assert [(s.num_tokens, s.num_samples) for s in plan.seqs] == [(6, 3)]
+    assert out[0].request_id == "a" and len(out[0].outputs) == 3
+    req = sched.requests["a"]
+    assert len(req.seqs) == 3
+    tables = [sched.blocks.block_table(s.seq_id) for s in req.seqs]
+    assert tables[0] == tables[1] == tables[2] == (0, 1)
+    assert sched.blocks.gpu.ref_count(0) == 3
+    plan, _ = step(sched, sim)
+    assert len(plan.copies) == 2  # the shared partial block is copied for two of the three forks
+    while sched.has_work:
+        step(sched, sim)
+    for seq in req.seqs:
+        assert seq.output_ids == reference_output(list(range(6)), seq.index, 3, None)
+    assert sched.blocks.num_free_blocks == 32
+
+
+def test_preemption_takes_the_lowest_priority_latest_request():
+    sched, sim = make(num_blocks=6, block_size=2)
+    sched.add("low", [1, 2, 3], params(max_tokens=6), priority=5)
+    sched.add("high", [4, 5, 6], params(max_tokens=6), priority=0)
+    sched.add("mid", [7, 8, 9], params(max_tokens=6), priority=1)
+    step(sched, sim)
+    assert {r.request_id for r in sched.running} == {"low", "high", "mid"}
+    preempted = None
+    while preempted is None:
+        plan, _ = step(sched, sim)
+        if plan.num_preempted:
+            preempted = [r.request_id for r in sched.waiting]
+    assert preempted == ["low"]
+    while sched.has_work:
+        step(sched, sim)
+    assert sched.stats.num_preemptions >= 1
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_request_resumes_with_identical_output(mode):
+    sched, sim = make(num_blocks=8, block_size=2, num_cpu_blocks=16, preemption_mode=mode)
+    prompts = {f"r{i}": [i, i + 1, i + 2, i + 3, i + 4] for i in range(4)}
+    for rid, prompt in prompts.items():
+        sched.add(rid, prompt, params(max_tokens=6))
+    outputs, saw_swap = {}, False
+    while sched.has_work:
+        plan, out = step(sched, sim)
+        saw_swap |= bool(plan.swap_out)
+        outputs.update({r.request_id: r.outputs[0].token_ids for r in out if r.finished})
+    assert sched.stats.num_preemptions > 0
+    assert saw_swap == (mode == "swap")
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference_output(prompt, 0, 6, None)
+
+
+def test_deadline_aborts_and_frees():
+    clock = Clock()
+    sched, sim = make(clock=clock)
+    sched.add("late", [1, 2, 3], params(max_tokens=10), deadline=5.0)
+    step(sched, sim)
+    assert sched.blocks.usage().used == 1
+    clock.now = 5.0
+    plan, out = step(sched, sim)
+    assert plan.seqs == ()
+    assert out[0].request_id == "late" and out[0].outputs[0].finish_reason == FinishReason.ABORT.value
+    assert out[0].error == "deadline exceeded"
+    assert sched.blocks.usage().used == 0
+
+
+def test_abort_in_every_state():
+    sched, sim = make(num_blocks=6, block_size=2, num_cpu_blocks=8, preemption_mode="swap", max_num_seqs=2)
+    sched.add("a", [1, 2, 3, 4], params(max_tokens=8))
+    sched.add("b", [5, 6, 7, 8], params(max_tokens=8))
+    sched.add("c", [9], params())
+    states = {}
+    while not states.get("swapped"):
+        step(sched, sim)
+        for r in sched.swapped:
+            states["swapped"] = r.request_id
+    assert sched.requests["c"].status is RequestStatus.WAITING
+    running = sched.running[0].request_id
+    for rid in ("c", states["swapped"], running):
+        assert sched.abort(rid)
+        sched.blocks.check_invariants()
+    assert not sched.abort("c") and not sched.abort("nope")
+    _, out = step(sched, sim)
+    assert {r.request_id for r in out} == {"a", "b", "c"}
+    assert all(o.finish_reason == FinishReason.ABORT.value for r in out for o in r.outputs)
+    assert sched.blocks.num_free_blocks == 6 and sched.blocks.cpu.num_free == 8
+
+
+def test_requests_that_can_never_fit_are_rejected():
+    sched, _ = make(num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="maximum length"):
+        sched.add("long", list(range(60)), params(max_tokens=8))
+    with pytest.raises(InvalidRequestError, match="KV blocks"):
+        sched.add("big", list(range(10)), params(max_tokens=10))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        sched.add("empty", [], params())
+    sched.add("ok", [1], params())
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        sched.add("ok", [1], params())
+
+
+def test_prefix_hits_are_counted_and_shared():
+    sched, sim = make(block_size=4)
+    system = list(range(40, 52))
+    sched.add("a", system + [1], params(max_tokens=2))
+    while sched.has_work:
+        step(sched, sim)
+    sched.add("b", system + [2], params(max_tokens=2))
+    plan, _ = step(sched, sim)
+    assert plan.seqs[0].start == 12 and plan.seqs[0].num_tokens == 1
+    assert sched.stats.prefix_hit_tokens == 12
+    while sched.has_work:
+        step(sched, sim)
+    assert sched.blocks.usage().cached == 3
+
+
+def test_stop_token_and_min_tokens():
+    sched, sim = make()
+    prompt = [3, 1, 4]
+    first = reference_output(prompt, 0, 1, None)[0]
+    sched.add("stop", prompt, SamplingParams(max_tokens=5, stop_token_ids=[first]))
+    sched.add("min", prompt, SamplingParams(max_tokens=5, min_tokens=2, stop_token_ids=[first]))
+    done = {}
+    while sched.has_work:
+        _, out = step(sched, sim)
+        done.update({r.request_id: r.outputs[0] for r in out if r.finished})
+    assert done["stop"].token_ids == [first] and done["stop"].finish_reason == FinishReason.STOP.value
+    assert len(done["min"].token_ids) >= 2

@@ -1,0 +1,116 @@
+"""Engine behaviour on a real (small) model: stops, aborts, deadlines, logprobs, seeds, bad input."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from pagedserve import LLM
+from worker.runner.loader import UnsupportedModelError
+
+
+@pytest.fixture(scope="module")
+def llm(zoo):
+    return LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=512, block_size=16)
+
+
+def drain(engine):
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_stop_string_ends_the_sequence_without_returning_it(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    full = llm.generate([[30, 31, 32]], greedy, use_tqdm=False)[0].outputs[0]
+    stop = full.text[10:13]
+    assert stop and stop not in full.text[:10]
+    cut = llm.generate([[30, 31, 32]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert llm.engine.scheduler.blocks.usage().used == 0
+
+
+def test_abort_mid_generation_frees_blocks(llm):
+    engine = llm.engine
+    engine.add_request("victim", list(range(20, 80)), SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request("other", list(range(20, 40)), SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.blocks.usage().used > 0
+    assert engine.abort("victim")
+    done = drain(engine)
+    assert done["victim"].outputs[0].finish_reason == "abort"
+    assert done["other"].outputs[0].finish_reason == "length"
+    assert engine.scheduler.blocks.usage().used == 0
+
+
+def test_deadline_in_the_past_aborts(llm):
+    engine = llm.engine
+    engine.add_request("late", [5, 6, 7], SamplingParams(max_tokens=50), deadline=time.time() - 1)
+    done = drain(engine)
+    assert done["late"].outputs[0].finish_reason == "abort" and done["late"].error == "deadline exceeded"
+
+
+def test_logprobs_through_the_engine_match_a_full_forward(llm, zoo):
+    from transformers import AutoModelForCausalLM
+
+    prompt = [40, 41, 42, 43]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True), use_tqdm=False)
+    completion = out[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(zoo.path("llama-gqa"), dtype=torch.float32)
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0]
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for k, tok in enumerate(completion.logprobs):
+        pos = len(prompt) - 1 + k
+        assert abs(tok.logprob - float(ref[pos, tok.token_id])) < 1e-4
+        assert len(tok.top_logprobs) in (2, 3)
+    assert abs(completion.cumulative_logprob - sum(t.logprob for t in completion.logprobs)) < 1e-6
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([[50, 51, 52]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate([[9, 9, 9, 9], [50, 51, 52], list(range(60, 90))], [noise, seeded, noise], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_n_samples_with_temperature_differ_and_share_prompt(llm):
+    out = llm.generate([list(range(20, 60))], SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_bad_input_is_a_clear_error(llm):
+    with pytest.raises(InvalidRequestError, match="maximum length"):
+        llm.generate([[5] * 10], SamplingParams(max_tokens=5000), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        llm.generate([[5, 10_000]], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams for"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path, zoo):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((zoo.path("llama-gqa") / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(tmp_path)
+
+
+def test_kv_pool_sized_from_a_byte_budget(zoo):
+    llm = LLM(zoo.path("llama-gqa"), dtype="float32", kv_cache_memory=1 << 20, block_size=16)
+    # 2 layers x K,V x 16 slots x 2 kv heads x 16 dims x 4 bytes = 8 KiB per block
+    assert llm.engine.scheduler.config.num_gpu_blocks == (1 << 20) // 8192

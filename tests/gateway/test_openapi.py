@@ -1,0 +1,33 @@
+"""``/openapi.json`` states the ranges ``SamplingParams`` enforces, from the one table (``BOUNDS``)."""
+
+import pytest
+
+from gateway.openapi import OPENAPI
+from shared.errors import InvalidRequestError
+from shared.sampling import BOUNDS, SamplingParams
+
+SCHEMAS = OPENAPI["components"]["schemas"]
+
+
+def test_the_spec_is_openapi_3_1_with_json_schema_nulls():
+    assert OPENAPI["openapi"].startswith("3.1.")
+    error = SCHEMAS["Error"]["properties"]["error"]["properties"]
+    assert error["param"] == {"type": ["string", "null"]} and "nullable" not in str(OPENAPI)
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_the_spec_range_is_the_range_sampling_params_enforce(name):
+    schema = SCHEMAS["CompletionRequest"]["properties"][name]
+    bound = BOUNDS[name]
+    assert schema == bound.json_schema()
+    base = {"n": 1, "best_of": None} if name == "best_of" else {}
+    edge = bound.low if not bound.low_open else bound.low + (1 if bound.kind is int else 1e-6)
+    SamplingParams(**{**base, name: edge})  # the lowest value the spec admits is accepted
+    below = bound.low if bound.low_open else bound.low - 1
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**{**base, name: below})
+    assert err.value.field == name
+    if bound.high is not None:
+        SamplingParams(**{**base, name: bound.high})
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(**{**base, name: bound.high + 1})

@@ -1,0 +1,113 @@
+"""Each Triton kernel against its torch reference: under TRITON_INTERPRET=1 on the CPU, and on
+CUDA (``gpu`` marker) when a device is present."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before the kernels are decorated (imported): the interpreter is chosen then.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from kernels import reference as ref  # noqa: E402
+from kernels.copy_blocks import copy_blocks  # noqa: E402
+from kernels.paged_attention import paged_attention_decode  # noqa: E402
+from kernels.prefill_attention import prefill_attention  # noqa: E402
+from kernels.store_kv import store_kv  # noqa: E402
+from tests.paged_cases import TOLERANCE, make_case  # noqa: E402
+
+DEVICES = [
+    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="runs on the GPU instead")),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def close(actual, expected, dtype):
+    tol = TOLERANCE[dtype] * 2
+    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim,heads,kv_heads", [(16, 64, 4, 2), (1, 80, 2, 2), (8, 128, 8, 1), (16, 256, 2, 1)])
+def test_decode(device, dtype, block_size, head_dim, heads, kv_heads):
+    lengths = [1, 15, 16, 17, 100, 600]  # 600 crosses a 512-token partition: the split path and its reduce
+    case = make_case(lengths, block_size, kv_heads, head_dim, dtype, device)
+    q = torch.randn(len(lengths), heads, head_dim).to(dtype).to(device)
+    out = paged_attention_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.1)
+    expected = ref.paged_attention_decode(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
+                                          case.seq_lens.cpu(), 0.1)
+    close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim,heads,kv_heads", [(16, 64, 4, 2), (4, 96, 3, 1)])
+def test_prefill_with_cached_prefix(device, dtype, block_size, head_dim, heads, kv_heads):
+    seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 37]  # whole prompts, a one-token chunk, chunks after a prefix
+    case = make_case(seq_lens, block_size, kv_heads, head_dim, dtype, device)
+    q = torch.randn(sum(q_lens), heads, head_dim).to(dtype).to(device)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125)
+    expected = ref.prefill_attention(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
+                                     starts.cpu(), case.seq_lens.cpu(), 0.125)
+    close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_with_skipped_slots(device, dtype):
+    k_cache = torch.zeros(6, 4, 2, 80, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.randn(5, 2, 80).to(dtype).to(device)
+    value = torch.randn(5, 2, 80).to(dtype).to(device)
+    slots = torch.tensor([3, -1, 23, 0, -1], device=device)
+    store_kv(key, value, k_cache, v_cache, slots)
+    k_ref, v_ref = torch.zeros_like(k_cache).cpu(), torch.zeros_like(v_cache).cpu()
+    ref.store_kv(key.cpu(), value.cpu(), k_ref, v_ref, slots.cpu())
+    assert torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_blocks_all_layers_in_one_launch(device):
+    pool = torch.randn(6, 7, 4, 2, 16, device=device)  # 3 layers x (K, V), 7 blocks
+    expected = pool.cpu().clone()
+    pairs = torch.tensor([[0, 5], [2, 6], [2, 1]])
+    ref.copy_blocks(expected, pairs)
+    copy_blocks(pool, pairs)
+    assert torch.equal(pool.cpu(), expected)
+
+
+def test_launchers_reject_bad_arguments():
+    case = make_case([5, 9], 16, 2, 64)
+    q = torch.randn(2, 4, 64)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention_decode(torch.randn(2, 3, 64), case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        paged_attention_decode(q, case.k_cache, case.v_cache, case.block_tables.long(), case.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        odd = make_case([5, 9], 7, 2, 64)
+        paged_attention_decode(q, odd.k_cache, odd.v_cache, odd.block_tables, odd.seq_lens, 1.0)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(torch.randn(3, 2, 64), torch.randn(3, 2, 64), case.k_cache, case.v_cache, torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_on_the_triton_backend_matches_transformers(zoo, device):
+    from shared.sampling import SamplingParams
+    from tests.conftest import random_prompts
+    from pagedserve import LLM
+
+    cases = random_prompts(seed=7, count=4, max_len=40, vocab=512, max_new=6)
+    llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
+              num_gpu_blocks=64, max_num_batched_tokens=24)  # chunked prefill over a cached prefix
+    outs = llm.generate([p for p, _ in cases], [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases],
+                        use_tqdm=False)
+    for (prompt, n), out in zip(cases, outs):
+        assert out.outputs[0].token_ids == zoo.hf_greedy("llama-gqa", prompt, n)

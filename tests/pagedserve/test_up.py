@@ -1,0 +1,64 @@
+"""``pagedserve up`` as a user runs it: one command, a completion over HTTP, SIGTERM, nothing left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from pagedserve.embedded_redis import free_port
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_up_serves_and_sigterm_leaves_nothing(tmp_path):
+    port = free_port()
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "up", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        banner = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}" in banner, banner
+        body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 5}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            answer = json.loads(r.read())
+        assert answer["usage"]["completion_tokens"] == 5
+        children = descendants(proc.pid)
+        assert len(children) >= 3  # redis-server, a worker, a gateway
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in children if alive(p)], "orphans left running"
+    finally:
+        proc.kill()
+        proc.wait()

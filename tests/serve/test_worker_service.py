@@ -1,0 +1,194 @@
+"""The worker service through a real redis-server, with the real engine on a small model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from shared.client import QueueClient
+from shared.keys import Keys
+from shared.protocol import VERSION, pack
+from shared.sampling import SamplingParams
+from tests.conftest import random_prompts
+from tests.service_helpers import MODEL_NAME, collect, running_worker, settings_for
+from pagedserve import LLM
+from worker.engine import Engine
+from worker.core.engine_config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def engine(zoo):
+    return Engine(EngineConfig(model=str(zoo.path("llama-gqa")), dtype="float32", num_gpu_blocks=1024, max_num_seqs=64))
+
+
+def offline(zoo, cases):
+    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=1024)
+    outs = llm.generate([p for p, _ in cases], [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases],
+                        use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def test_fifty_concurrent_requests_arrive_complete_in_order_and_match_offline(redis_server, zoo, engine):
+    cases = random_prompts(seed=11, count=50, max_len=60, vocab=512, max_new=30)
+    expected = offline(zoo, cases)
+
+    async def main():
+        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
+            async with QueueClient(redis_server.url) as client:
+                streams = [await client.submit(MODEL_NAME, prompt_token_ids=p, params=SamplingParams(temperature=0.0, max_tokens=n))
+                           for p, n in cases]
+                return await asyncio.gather(*(collect(s) for s in streams))
+
+    results = asyncio.run(main())
+    for got, want in zip(results, expected):
+        assert [e.seq for e in got.events] == list(range(len(got.events)))  # every event once, in order
+        assert sum(e.done for e in got.events) == 1 and got.last.done
+        assert got.last.finish_reason == want.finish_reason and got.last.error is None
+        assert got.tokens() == want.token_ids and got.text() == want.text
+        assert got.last.usage["completion_tokens"] == len(want.token_ids)
+    assert engine.scheduler.blocks.usage().used == 0
+
+
+def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_server, zoo, engine):
+    keys = Keys()
+
+    async def main():
+        r = aioredis.from_url(redis_server.url)
+        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
+            async with QueueClient(redis_server.url) as client:
+                channel = client.dispatcher.channel
+                box = client.dispatcher.open("bad-params")
+                stream = keys.requests(MODEL_NAME)
+                await r.xadd(stream, {"data": b"\xc1 not msgpack"})
+                await r.xadd(stream, {"data": pack({"v": 99, "id": "x"})})
+                await r.xadd(stream, {"other": b"no data field"})
+                await r.xadd(stream, {"data": pack({"v": VERSION, "id": "bad-params", "model": MODEL_NAME, "prompt": "hi",
+                                                    "params": {"temperature": -1}, "reply": {"channel": channel}})})
+                error = [e async for e in box.events()]
+                ok = await collect(await client.submit(MODEL_NAME, prompt="still alive?", params=SamplingParams(max_tokens=3)))
+            dead = await r.xrange(keys.dead_letter(MODEL_NAME))
+            pending = await r.xpending(stream, keys.group(MODEL_NAME))
+        await r.aclose()
+        return error, ok, dead, pending
+
+    error, ok, dead, pending = asyncio.run(main())
+    assert error[-1].done and error[-1].finish_reason == "error" and "temperature" in error[-1].error
+    assert ok.last.done and ok.last.error is None
+    reasons = [fields[b"reason"].decode() for _, fields in dead]
+    assert len(reasons) == 4
+    assert any("malformed msgpack" in r for r in reasons) and any("version 99" in r for r in reasons)
+    assert pending["pending"] == 0
+
+
+def test_cancel_storm_frees_every_block(redis_server, zoo, engine):
+    async def main():
+        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
+            async with QueueClient(redis_server.url) as client:
+                params = SamplingParams(max_tokens=400, ignore_eos=True)
+                ids = [f"storm-{i}" for i in range(20)]
+                streams = [await client.submit(MODEL_NAME, prompt_token_ids=[20 + i] * 30, params=params, request_id=rid)
+                           for i, rid in enumerate(ids)]
+
+                async def cancel_half(event):
+                    if event.seq == 2 and int(event.id.split("-")[1]) % 2 == 0:
+                        await client.cancel(MODEL_NAME, event.id)
+
+                results = await asyncio.gather(*(collect(s, cancel_half) for s in streams))
+        return results
+
+    results = asyncio.run(main())
+    for i, got in enumerate(results):
+        assert got.last.done
+        assert got.last.finish_reason == ("abort" if i % 2 == 0 else "length")
+    assert engine.scheduler.blocks.usage().used == 0
+
+
+def test_client_leaving_early_cancels_the_request(redis_server, zoo, engine):
+    async def main():
+        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine) as service:
+            async with QueueClient(redis_server.url) as client:
+                stream = await client.submit(MODEL_NAME, prompt="go", params=SamplingParams(max_tokens=1000, ignore_eos=True))
+                async for event in stream:
+                    if event.seq == 3:
+                        break
+                await stream.aclose()
+                for _ in range(100):
+                    if not service.inflight:
+                        break
+                    await asyncio.sleep(0.05)
+                return dict(service.inflight)
+
+    assert asyncio.run(main()) == {}
+    assert engine.scheduler.blocks.usage().used == 0
+
+
+def test_wire_format_is_plain_msgpack(redis_server, zoo, engine):
+    """What a producer in another language sees: maps of plain types with a version field."""
+    async def main():
+        r = aioredis.from_url(redis_server.url)
+        pubsub = r.pubsub()
+        await pubsub.subscribe("my-replies")
+        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
+            await r.xadd(Keys().requests(MODEL_NAME), {"data": msgpack.packb({
+                "v": 1, "id": "raw-1", "model": MODEL_NAME, "prompt_token_ids": [5, 6, 7],
+                "params": {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}, "reply": {"channel": "my-replies"},
+            })})
+            events = []
+            while not (events and events[-1]["done"]):
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+                if msg:
+                    events.extend(msgpack.unpackb(msg["data"], strict_map_key=False))
+        await pubsub.aclose()
+        await r.aclose()
+        return events
+
+    events = asyncio.run(main())
+    assert [e["seq"] for e in events] == list(range(len(events)))
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert all(e["v"] == 1 and e["id"] == "raw-1" for e in events)
+
+
+def test_worker_metrics_reach_redis_and_prometheus(redis_server, zoo, engine):
+    import urllib.request
+
+    from pagedserve.embedded_redis import free_port  # noqa: PLC0415
+
+    port = free_port()
+
+    async def main():
+        r = aioredis.from_url(redis_server.url)
+        settings = settings_for(redis_server.url, zoo.path("llama-gqa"), metrics_port=port, consumer="metered")
+        async with running_worker(settings, engine):
+            async with QueueClient(redis_server.url) as client:
+                await collect(await client.submit(MODEL_NAME, prompt="x", params=SamplingParams(max_tokens=2)))
+            await asyncio.sleep(0.5)  # a heartbeat or two
+            stored = await r.hgetall(Keys().metrics(MODEL_NAME, "metered"))
+            text = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
+        await r.aclose()
+        return stored, text
+
+    stored, text = asyncio.run(main())
+    assert {b"kv_cache_usage_perc", b"num_requests_running", b"queue_depth", b"generation_tokens_per_s"} <= set(stored)
+    assert int(stored[b"generation_tokens_total"]) == 2
+    assert 'pagedserve:num_requests_running{model_name="tiny"}' in text
+
+
+def test_two_live_workers_cannot_share_a_consumer_name(redis_server, zoo, engine):
+    from worker.serve.bridge import ConsumerNameTaken
+    from worker.serve.service import WorkerService
+
+    async def main():
+        settings = settings_for(redis_server.url, zoo.path("llama-gqa"), consumer="same-name")
+        async with running_worker(settings, engine):
+            await asyncio.sleep(0.3)
+            with pytest.raises(ConsumerNameTaken, match="same-name"):
+                await WorkerService(settings, engine).run()
+        # once the first one is gone, the name is free again
+        async with running_worker(settings, engine):
+            pass
+
+    asyncio.run(main())

@@ -1,0 +1,268 @@
+"""Block tables over a GPU and a CPU pool: paging, copy-on-write forks, prefix reuse and swap.
+
+Each sequence owns a block table (logical block i -> physical block) that covers exactly the
+token slots it has been given (``num_slots``). A block is written only while its reference
+count is 1; growing a sequence into a shared partial block first copies it (``(src, dst)``).
+
+Prefix cache: a full block is keyed by ``hash((parent_hash, tokens, extra_key))``, chained from
+the first block, and verified against the stored key on a hit. Lookups cap the hit at
+``(len(prompt) - 1) // block_size`` blocks so that a fully cached prompt still recomputes its
+last token (its logits are needed to sample).
+
+Swap moves whole sequence groups: blocks shared inside the group stay shared on the CPU side.
+Swapped-in blocks come back unhashed; their content is valid but they are not re-published.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from worker.core.block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    """A snapshot of the pools for logs, metrics and benchmarks."""
+
+    total: int
+    used: int
+    free: int
+    cached: int
+    cpu_total: int
+    cpu_used: int
+    logical: int  # block-table entries on the GPU; logical - used = blocks saved by sharing
+    tokens_held: int
+    slot_utilization: float  # tokens held / (used blocks * block_size); 1.0 when nothing is used
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks that match the start of a prompt, and their chained hashes."""
+
+    blocks: tuple[int, ...]
+    hashes: tuple[int, ...]
+    num_reclaimed: int  # how many of them are cached-free now, so taking them uses free capacity
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.gpu = BlockPool(num_blocks, name="gpu")
+        self.cpu = BlockPool(num_cpu_blocks, name="cpu")
+        self._tables: dict[int, list[int]] = {}
+        self._cpu_tables: dict[int, list[int]] = {}
+        self._num_slots: dict[int, int] = {}
+        self._hashes: dict[int, list[int]] = {}  # chained hashes of the seq's leading full blocks
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu.num_free
+
+    def block_table(self, seq_id: int) -> tuple[int, ...]:
+        return tuple(self._tables[seq_id])
+
+    def num_slots(self, seq_id: int) -> int:
+        return self._num_slots[seq_id]
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._tables or seq_id in self._cpu_tables
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+    def block_key(self, parent_hash: int | None, tokens: Sequence[int], extra_key: Hashable) -> tuple:
+        return (parent_hash, tuple(tokens), extra_key)
+
+    def match_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None) -> PrefixHit:
+        """Longest run of cached full blocks at the start of ``token_ids`` (last token excluded)."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        if self.enable_prefix_caching:
+            parent: int | None = None
+            bs = self.block_size
+            for i in range((len(token_ids) - 1) // bs):
+                key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+                parent = hash(key)
+                block = self.gpu.lookup(parent, key)
+                if block is None:
+                    break
+                blocks.append(block)
+                hashes.append(parent)
+        reclaimed = sum(1 for b in blocks if self.gpu.is_cached_free(b))
+        return PrefixHit(tuple(blocks), tuple(hashes), reclaimed)
+
+    def register_full_blocks(
+        self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: Hashable = None
+    ) -> None:
+        """Publish the seq's blocks that are full and whose KV has been computed."""
+        if not self.enable_prefix_caching or seq_id not in self._tables:
+            return
+        chain, table, bs = self._hashes[seq_id], self._tables[seq_id], self.block_size
+        for i in range(len(chain), min(num_computed // bs, len(table))):
+            key = self.block_key(chain[-1] if chain else None, token_ids[i * bs : (i + 1) * bs], extra_key)
+            chain.append(hash(key))
+            self.gpu.register(table[i], chain[-1], key)
+
+    # ------------------------------------------------------------------ allocation
+    def start(self, seq_id: int, hit: PrefixHit | None = None) -> int:
+        """Create an empty table for a new sequence, taking the prefix-hit blocks. Returns the
+        number of tokens already computed (the cached prefix)."""
+        if self.has_seq(seq_id):
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        hit = hit or PrefixHit((), (), 0)
+        for block in hit.blocks:
+            self.gpu.incref(block)
+        self._tables[seq_id] = list(hit.blocks)
+        self._hashes[seq_id] = list(hit.hashes)
+        self._num_slots[seq_id] = len(hit.blocks) * self.block_size
+        return self._num_slots[seq_id]
+
+    def cost_to_grow(self, seq_ids_and_counts: Sequence[tuple[int, int]]) -> int:
+        """Free GPU blocks needed to give each seq its extra slots, copy-on-write copies included.
+
+        Exact for applying ``grow`` in the given order (a shared block copied by one seq has one
+        reference fewer when the next seq looks at it). For swapped seqs it is the cost once they
+        are swapped back in, on top of ``swap_in_cost``."""
+        released: Counter[int] = Counter()
+        needed = 0
+        for seq_id, count in seq_ids_and_counts:
+            if count <= 0:
+                continue
+            start = self._num_slots[seq_id]
+            table, pool = (self._cpu_tables[seq_id], self.cpu) if self.is_swapped(seq_id) else (self._tables[seq_id], self.gpu)
+            if start % self.block_size:
+                last = table[start // self.block_size]
+                if pool.ref_count(last) - released[last] > 1:
+                    needed += 1
+                    released[last] += 1
+            needed += self.blocks_for(start + count) - len(table)
+        return needed
+
+    def grow(self, seq_id: int, count: int) -> list[tuple[int, int]]:
+        """Give the seq ``count`` more slots. Returns the copy-on-write copies ``(src, dst)``."""
+        start, table = self._num_slots[seq_id], self._tables[seq_id]
+        copies: list[tuple[int, int]] = []
+        if count <= 0:
+            return copies
+        if start % self.block_size:
+            index = start // self.block_size
+            shared = table[index]
+            if self.gpu.ref_count(shared) > 1:
+                table[index] = self.gpu.allocate()
+                self.gpu.decref(shared)
+                copies.append((shared, table[index]))
+        while len(table) < self.blocks_for(start + count):
+            table.append(self.gpu.allocate())
+        self._num_slots[seq_id] = start + count
+        return copies
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (no copy until one of them writes)."""
+        if self.has_seq(child_id):
+            raise ValueError(f"sequence {child_id} already has blocks")
+        table = self._tables[parent_id]
+        for block in table:
+            self.gpu.incref(block)
+        self._tables[child_id] = list(table)
+        self._hashes[child_id] = list(self._hashes[parent_id])
+        self._num_slots[child_id] = self._num_slots[parent_id]
+
+    def free(self, seq_id: int) -> None:
+        """Release the seq's blocks on whichever device they are. Unknown ids are ignored."""
+        for pool, tables in ((self.gpu, self._tables), (self.cpu, self._cpu_tables)):
+            # Release from the end so the prefix's head blocks are the last to be evicted.
+            for block in reversed(tables.pop(seq_id, [])):
+                pool.decref(block)
+        self._num_slots.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ swap
+    @staticmethod
+    def _count_unique(tables: dict[int, list[int]], seq_ids: Sequence[int]) -> int:
+        return len({b for s in seq_ids for b in tables[s]})
+
+    def swap_out_cost(self, seq_ids: Sequence[int]) -> int:
+        """CPU blocks needed to swap these seqs out (shared blocks counted once)."""
+        return self._count_unique(self._tables, seq_ids)
+
+    def swap_in_cost(self, seq_ids: Sequence[int]) -> int:
+        """GPU blocks needed to swap these seqs back in."""
+        return self._count_unique(self._cpu_tables, seq_ids)
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return seq_id in self._cpu_tables
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move the seqs' blocks to the CPU pool. Returns ``(gpu, cpu)`` copies."""
+        return self._move(seq_ids, self._tables, self._cpu_tables, self.gpu, self.cpu)
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move the seqs' blocks back to the GPU pool. Returns ``(cpu, gpu)`` copies."""
+        return self._move(seq_ids, self._cpu_tables, self._tables, self.cpu, self.gpu)
+
+    def _move(self, seq_ids, src_tables, dst_tables, src_pool: BlockPool, dst_pool: BlockPool):
+        if self._count_unique(src_tables, seq_ids) > dst_pool.num_free:
+            raise ValueError(f"not enough free {dst_pool.name} blocks to move {list(seq_ids)}")
+        mapping: dict[int, int] = {}  # a block shared inside the group is copied once
+        old_tables = [src_tables.pop(seq_id) for seq_id in seq_ids]
+        for seq_id, old in zip(seq_ids, old_tables):
+            for block in old:
+                if block in mapping:
+                    dst_pool.incref(mapping[block])
+                else:
+                    mapping[block] = dst_pool.allocate()
+            dst_tables[seq_id] = [mapping[block] for block in old]
+        for old in old_tables:
+            for block in old:
+                src_pool.decref(block)
+        return list(mapping.items())
+
+    # ------------------------------------------------------------------ reports and checks
+    def usage(self) -> BlockUsage:
+        filled: dict[int, int] = {}
+        for seq_id, table in self._tables.items():
+            slots = self._num_slots[seq_id]
+            for i, block in enumerate(table):
+                filled[block] = max(filled.get(block, 0), min(self.block_size, slots - i * self.block_size))
+        tokens = sum(filled.values())
+        used = self.gpu.num_used
+        return BlockUsage(
+            total=self.gpu.num_blocks,
+            used=used,
+            free=self.gpu.num_free,
+            cached=self.gpu.num_cached,
+            cpu_total=self.cpu.num_blocks,
+            cpu_used=self.cpu.num_used,
+            logical=sum(len(t) for t in self._tables.values()),
+            tokens_held=tokens,
+            slot_utilization=tokens / (used * self.block_size) if used else 1.0,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any table, refcount, free list or hash entry disagrees."""
+        self.gpu.check_invariants(Counter(b for t in self._tables.values() for b in t))
+        self.cpu.check_invariants(Counter(b for t in self._cpu_tables.values() for b in t))
+        both = self._tables.keys() & self._cpu_tables.keys()
+        if both:
+            raise AssertionError(f"sequences on both devices: {sorted(both)}")
+        for seq_id, slots in self._num_slots.items():
+            table = self._tables.get(seq_id, self._cpu_tables.get(seq_id))
+            if table is None or len(table) != self.blocks_for(slots):
+                raise AssertionError(f"seq {seq_id}: {slots} slots but table {table}")
+            if len(self._hashes[seq_id]) > len(table):
+                raise AssertionError(f"seq {seq_id}: more hashes than blocks")

@@ -1,0 +1,68 @@
+"""EngineConfig: the engine's settings, frozen and validated once, and the KV pool sizing rule."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from worker.core.config import PreemptionMode
+
+CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
+CPU_KV_CAP = 1 << 30
+GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str | None = None  # "cuda" when available, else "cpu"
+    attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch", "triton"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV pool
+    num_gpu_blocks: int | None = None  # exact pool size (overrides kv_cache_memory)
+    swap_space: int = 1 << 30  # bytes of CPU pool for preemption_mode="swap"
+    num_cpu_blocks: int | None = None  # exact CPU pool size (overrides swap_space)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's
+    enable_prefix_caching: bool = True
+    preemption_mode: PreemptionMode = "recompute"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_memory", "num_gpu_blocks", "num_cpu_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.swap_space, int) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
+
+    def gpu_blocks(self, block_bytes: int, free_bytes: int, on_cuda: bool) -> int:
+        """Pool size from the exact count, the byte budget, or a share of free memory."""
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        budget = self.kv_cache_memory
+        if budget is None:
+            budget = int(free_bytes * GPU_KV_FRACTION) if on_cuda else min(int(free_bytes * CPU_KV_FRACTION), CPU_KV_CAP)
+        blocks = budget // block_bytes
+        if blocks < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes} bytes")
+        return blocks
+
+    def cpu_blocks(self, block_bytes: int) -> int:
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        return self.swap_space // block_bytes if self.preemption_mode == "swap" else 0
+
+
+def available_ram() -> int:
+    """Bytes of memory available to a new allocation on this host."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

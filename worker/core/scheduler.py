@@ -1,0 +1,238 @@
+"""Continuous batching: every step decides which sequences compute how many tokens.
+
+Order of a step (``schedule``):
+
+1. Requests past their deadline are aborted.
+2. Running requests, most important first (lower ``priority``, then earlier arrival), get their
+   decode token or next prefill chunk under the token budget. When blocks run out, the least
+   important running request is preempted (recompute: blocks freed, requeued; swap: blocks moved
+   to the CPU pool); if none is left to preempt, the request itself is.
+3. If nothing was preempted, swapped requests come back in, then waiting requests are admitted
+   (taking prefix-cache hits) while budget, ``max_num_seqs`` and blocks last.
+
+``update(plan, result)`` applies what the runner returned (tokens, beam steps: step_apply.py) and
+turns the touched requests into outputs (detokenization, stop strings: output_builder.py). The
+requests, their sequences and the queues live in ``RequestTable``. No I/O and no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence as Seq
+
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from worker.core.block_manager import BlockManager
+from worker.core.config import SchedulerConfig
+from worker.core.detokenizer import Detokenizer
+from worker.core.output_builder import OutputBuilder
+from worker.core.outputs import RequestOutput
+from worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
+from worker.core.request import FinishReason, Request, RequestStatus, Sequence
+from worker.core.request_table import RequestTable
+from worker.core.step_apply import StepApplier
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_ids: frozenset[int] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
+        detokenizer: Detokenizer | None = None,
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.blocks = BlockManager(
+            config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, config.enable_prefix_caching
+        )
+        self.table = RequestTable(self.blocks)
+        # The table's containers, under the names the scheduling policy reads (never rebound).
+        self.requests, self.waiting = self.table.requests, self.table.waiting
+        self.running, self.swapped = self.table.running, self.table.swapped
+        self.stats = SchedulerStats()
+        self.applier = StepApplier(self.table, self.eos_token_ids)
+        self.outputs = OutputBuilder(self.table, detokenizer)
+        self._orders = itertools.count()
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        extra_key: Hashable = None,
+    ) -> Request:
+        """Queue a request. Raises InvalidRequestError if it could never be served."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "id")
+        self.config.check_fits(len(prompt_ids), params)
+        req = Request(
+            request_id, list(prompt_ids), params, arrival=self.clock(), order=next(self._orders),
+            priority=priority, deadline=deadline, extra_key=extra_key,
+        )
+        self.table.new_seq(req, list(prompt_ids), index=0)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Finish a request in any state and free its blocks. False if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.table.end_outside_update(req, FinishReason.ERROR if error else FinishReason.ABORT, error)
+        return True
+
+    def finish_seq(self, seq_id: int, reason: FinishReason) -> None:
+        """End one sequence (e.g. a stop string found outside the engine)."""
+        self.table.finish_seq(seq_id, reason)
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Apply the runner's result to the plan's requests; their outputs, in plan order."""
+        return self.outputs.build(self.applier.apply(plan, result))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests or self.table.ended_outside_update)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(r.seq_slots for r in self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> StepPlan:
+        self._expire_deadlines()
+        step = StepBuilder(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+        if not step.preempted and not self.swapped:
+            self._schedule_waiting(step)
+        return step.build(self.config.block_size, self.table.take_ended_ids())
+
+    def _expire_deadlines(self) -> None:
+        now = self.clock()
+        for req in list(self.requests.values()):
+            if req.deadline is not None and now >= req.deadline:
+                self.table.end_outside_update(req, FinishReason.ABORT, "deadline exceeded")
+
+    def _chunk_sizes(self, req: Request, budget: int) -> list[tuple[int, int]]:
+        """(seq_id, tokens) for each live seq, taking from ``budget`` in order."""
+        sizes = []
+        for seq in req.live_seqs:
+            count = min(seq.num_uncomputed, budget)
+            budget -= count
+            sizes.append((seq.seq_id, count))
+        return sizes
+
+    def _schedule_running(self, step: StepBuilder) -> None:
+        self.running.sort(key=lambda r: r.sort_key)
+        queue = list(self.running)
+        while queue and step.budget > 0:
+            req = queue.pop(0)
+            sizes = self._chunk_sizes(req, step.budget)
+            while self.blocks.cost_to_grow(sizes) > self.blocks.num_free_blocks:
+                victim = queue.pop() if queue else req
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            else:
+                self._emit(req, sizes, step)
+
+    def _schedule_swapped(self, step: StepBuilder) -> None:
+        self.swapped.sort(key=lambda r: r.sort_key)
+        for req in list(self.swapped):
+            ids = [s.seq_id for s in req.live_seqs]
+            sizes = self._chunk_sizes(req, step.budget)
+            cost = self.blocks.swap_in_cost(ids) + self.blocks.cost_to_grow(sizes)
+            if not self._may_start(req, step) or cost > self.blocks.num_free_blocks:
+                return
+            step.swap_in.extend(self.blocks.swap_in(ids))
+            self.swapped.remove(req)
+            self._run(req)
+            self._emit(req, sizes, step)
+
+    def _schedule_waiting(self, step: StepBuilder) -> None:
+        self.waiting.sort(key=lambda r: r.sort_key)
+        for req in list(self.waiting):
+            if not self._may_start(req, step):
+                return
+            hits = {s.seq_id: self.blocks.match_prefix(s.token_ids, req.extra_key) for s in req.live_seqs}
+            reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
+            sizes, budget, new_blocks = [], step.budget, 0
+            for seq in req.live_seqs:
+                cached = len(hits[seq.seq_id].blocks) * self.config.block_size
+                count = min(seq.num_tokens - cached, budget)
+                budget -= count
+                sizes.append((seq.seq_id, count))
+                new_blocks += self.blocks.blocks_for(cached + count) - len(hits[seq.seq_id].blocks)
+            if len(reclaimed) + new_blocks > self.blocks.num_free_blocks:
+                return
+            for seq in req.live_seqs:
+                seq.num_computed = self.blocks.start(seq.seq_id, hits[seq.seq_id])
+                self.stats.prefix_query_tokens += seq.num_tokens
+                self.stats.prefix_hit_tokens += seq.num_computed
+            self.waiting.remove(req)
+            self._run(req)
+            self._emit(req, sizes, step)
+
+    def _may_start(self, req: Request, step: StepBuilder) -> bool:
+        return step.budget > 0 and self.num_running_seqs + req.seq_slots <= self.config.max_num_seqs
+
+    def _run(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder) -> None:
+        """Grow the seqs' tables and add their work to the step."""
+        for seq_id, count in sizes:
+            if count <= 0:
+                continue
+            seq = self.table.seq(seq_id)
+            step.copies.extend(self.blocks.grow(seq_id, count))
+            step.seqs.append(self._scheduled(req, seq, count))
+            step.budget -= count
+
+    def _scheduled(self, req: Request, seq: Sequence, count: int) -> ScheduledSeq:
+        """The work and everything the runner needs to sample it, without asking back."""
+        p, start = req.params, seq.num_computed
+        samples = 0
+        if start + count == seq.num_tokens:
+            samples = p.num_seqs if req.needs_fork else 1
+        history = samples and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+        return ScheduledSeq(
+            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]), start,
+            self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
+            tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
+            tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
+        )
+
+    def _preempt(self, req: Request, step: StepBuilder) -> None:
+        ids = [s.seq_id for s in req.live_seqs]
+        self.running.remove(req)
+        step.preempted += 1
+        self.stats.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.blocks.swap_out_cost(ids) <= self.blocks.cpu.num_free:
+            step.swap_out.extend(self.blocks.swap_out(ids))
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            return
+        for seq in req.live_seqs:
+            self.blocks.free(seq.seq_id)
+            seq.num_computed = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)

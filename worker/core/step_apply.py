@@ -1,0 +1,92 @@
+"""Applying a step's results to the requests (the first half of ``Scheduler.update``).
+
+Sampled tokens: computed counts advance, full blocks are published to the prefix cache, ``n > 1``
+(and ``best_of``) requests fork once their prompt is done, token-level stops end sequences.
+Beam search: each new beam extends a parent beam; the first child of a parent takes the parent's
+sequence, further children fork it (shared blocks, copy-on-write), and parents nobody extends are
+dropped with their blocks. A finished search replaces the beams by its best hypotheses.
+"""
+
+from __future__ import annotations
+
+from worker.core.plan import BeamStep, SampledToken, StepPlan, StepResult
+from worker.core.request import FinishReason, Request, Sequence
+from worker.core.request_table import RequestTable
+
+
+class StepApplier:
+    def __init__(self, table: RequestTable, eos_token_ids: frozenset[int]) -> None:
+        self.table = table
+        self.eos_token_ids = eos_token_ids
+
+    def apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """The requests that got tokens or ended, in plan order (those ended outside ``update`` first)."""
+        touched: dict[str, Request] = {r.request_id: r for r in self.table.ended_outside_update}
+        self.table.ended_outside_update.clear()
+        for item in plan.seqs:
+            seq = self.table.seq(item.seq_id)
+            if seq is None or seq.finished:
+                continue  # aborted after it was scheduled
+            req = self.table.owner(item.seq_id)
+            seq.num_computed += item.num_tokens
+            self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, req.extra_key)
+            if item.num_samples == 0 or req.params.use_beam_search:
+                continue  # beam requests take their next tokens from ``result.beams``
+            tokens = list(result.samples[item.seq_id])
+            if len(tokens) != item.num_samples:
+                raise ValueError(f"seq {item.seq_id}: expected {item.num_samples} samples, got {len(tokens)}")
+            targets = [seq] + (self.table.fork(req, seq, len(tokens) - 1) if req.needs_fork else [])
+            for target, token in zip(targets, tokens):
+                self._append(req, target, token)
+            touched[req.request_id] = req
+        for request_id, step in result.beams.items():
+            req = self.table.requests.get(request_id)
+            if req is not None:  # else aborted while its beams ran
+                self._beam_step(req, step)
+                touched[request_id] = req
+        return list(touched.values())
+
+    def _append(self, req: Request, seq: Sequence, token: SampledToken) -> None:
+        seq.token_ids.append(token.token_id)
+        if token.logprob is not None:
+            seq.cumulative_logprob += token.logprob
+        if req.params.logprobs is not None:
+            seq.logprobs.append(token)
+        reason = seq.token_stop(req.params, self.eos_token_ids)
+        if reason is not None:
+            self.table.finish_seq(seq.seq_id, reason)
+
+    def _beam_step(self, req: Request, step: BeamStep) -> None:
+        if step.results is not None:
+            self._finish_beams(req, step.results)
+        else:
+            self._apply_beams(req, step.choices)
+
+    def _apply_beams(self, req: Request, choices: tuple[tuple[int, int], ...]) -> None:
+        """Next running beams as ``(parent seq id, token)``, best first."""
+        parents = {s.seq_id: s for s in req.live_seqs}
+        used: set[int] = set()
+        targets = []
+        for parent_id, token in choices:  # forks first, so children copy the parent before it grows
+            target = parents[parent_id] if parent_id not in used else self.table.fork(req, parents[parent_id], 1)[0]
+            used.add(parent_id)
+            targets.append((target, token))
+        for seq_id in parents.keys() - used:
+            self.table.drop_seq(req, parents[seq_id])
+        for target, token in targets:
+            target.token_ids.append(token)
+        req.seqs = [t for t, _ in targets]
+        req.forked = True
+
+    def _finish_beams(self, req: Request, results) -> None:
+        """End a beam-search request with its best hypotheses as the outputs."""
+        for seq in list(req.live_seqs):
+            self.table.drop_seq(req, seq)
+        outputs = []
+        for index, (tokens, score) in enumerate(results):
+            tokens = list(tokens)
+            seq = Sequence(-1 - index, req.prompt_ids + tokens, len(req.prompt_ids), index=index, cumulative_logprob=score)
+            seq.finish_reason = FinishReason.STOP if tokens and tokens[-1] in self.eos_token_ids else FinishReason.LENGTH
+            outputs.append(seq)
+        req.seqs = outputs
+        self.table.finish_request(req, FinishReason.STOP, None)

@@ -1,0 +1,51 @@
+"""Paged attention of one layer: ``PagedAttention`` stores the step's K/V into the cache slots and
+attends through block tables, with whichever ops ``kernels.ops.select_ops`` chose.
+
+The batch is ordered decodes first (one token each), then prefill chunks; ``AttentionMetadata``
+describes both parts and is passed explicitly into every layer (no global forward context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.ops import AttentionOps
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    num_decodes: int  # the first num_decodes tokens are single-token decodes, one per sequence
+    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor  # int32 [num_decodes]
+    prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
+    prefill_seq_lens: torch.Tensor  # int32 [num_prefills], context including the chunk
+    prefill_query_start: torch.Tensor  # int32 [num_prefills + 1], offsets relative to the prefill part
+
+
+class PagedAttention:
+    """Attention of one layer over its paged K/V cache."""
+
+    def __init__(self, ops: AttentionOps, scale: float) -> None:
+        self.ops = ops
+        self.scale = scale
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        k_cache, v_cache = kv_cache
+        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        d = meta.num_decodes
+        parts = []
+        if d:
+            parts.append(self.ops.decode(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale))
+        if q.shape[0] > d:
+            parts.append(self.ops.prefill(
+                q[d:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
+                meta.prefill_seq_lens, self.scale,
+            ))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,127 @@
+"""Executes a StepPlan: block moves first, then one forward over the whole mixed batch, then the
+next tokens (``Sampler``) and beam-search steps (``BeamSearcher``) of the rows that sample.
+
+The runner owns the KV tensors (one K and one V per layer on the device, and a CPU pool for swap)
+and turns the plan into tensors: input ids, positions, slot mapping, block tables. Each row
+carries its sampling parameters, so the runner never asks the scheduler anything, and it makes
+no scheduling decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from kernels.ops import AttentionOps
+from worker.runner.attention import AttentionMetadata
+from worker.runner.models.llama import LlamaForCausalLM
+from worker.core.plan import ScheduledSeq, StepPlan, StepResult
+from worker.runner.beam_search import BeamSearcher
+from worker.runner.sampler import Sampler
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    logits: torch.Tensor  # float32 [num_rows, vocab]
+    items: tuple[ScheduledSeq, ...]  # the sampling sequence of each row
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V, all layers, for one block."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * len(model.model.layers) * block_size * model.num_kv_heads * model.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype,
+        block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler, beams: BeamSearcher,
+    ) -> None:
+        self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
+        self.sampler, self.beams = sampler, beams
+        layers = len(model.model.layers)
+        shape = (2 * layers, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
+        with tqdm(total=2, desc="allocating KV cache", unit="pool", leave=False) as bar:
+            # K and V of every layer in one tensor, so block copies and swaps are one operation.
+            self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
+            bar.update(1)
+            self.cpu_pool = torch.zeros((2 * layers, num_cpu_blocks, *shape[2:]), dtype=dtype,
+                                        pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
+            bar.update(1)
+        self.kv_caches = [(self.kv_pool[2 * i], self.kv_pool[2 * i + 1]) for i in range(layers)]
+
+    def _pairs(self, pairs) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+
+    def apply_block_moves(self, plan: StepPlan) -> None:
+        """Swap out, then swap in, then copy-on-write: a block freed by a swap-out may be reused."""
+        if plan.swap_out:
+            self.ops.swap_blocks(self.kv_pool, self.cpu_pool, self._pairs(plan.swap_out))
+        if plan.swap_in:
+            self.ops.swap_blocks(self.cpu_pool, self.kv_pool, self._pairs(plan.swap_in))
+        if plan.copies:
+            self.ops.copy_blocks(self.kv_pool, self._pairs(plan.copies).to(self.device))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan; the sampled tokens of every sampling row and the beam steps it completes."""
+        self.beams.forget(plan.finished_request_ids)
+        step = self.forward(plan)
+        beam_rows = [i for i, item in enumerate(step.items) if item.params.use_beam_search]
+        sampled = [i for i, item in enumerate(step.items) if not item.params.use_beam_search]
+        samples, beams = {}, {}
+        if sampled:
+            items = [step.items[i] for i in sampled]
+            drawn = self.sampler.sample(step.logits[sampled], items)
+            samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
+        if beam_rows:
+            beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
+        return StepResult(samples, beams)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> StepLogits:
+        """Block moves, then one forward: logits of the rows that sample this step."""
+        self.apply_block_moves(plan)
+        # Single-token work (decodes, and one-token chunks) goes first, prefill chunks after.
+        items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
+        if not items:
+            return StepLogits(torch.empty(0, 0, device=self.device), ())
+        num_decodes = sum(1 for s in items if s.num_tokens == 1)
+        ids, positions, slots, last_index = [], [], [], []
+        for s in items:
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start, s.context_len))
+            slots.extend(s.slot_mapping(self.block_size))
+            last_index.append(len(ids) - 1)
+        meta = self._metadata(items, num_decodes, slots)
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches,
+        )
+        sampling = [i for i, s in enumerate(items) if s.num_samples]
+        rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=dev)
+        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling))
+
+    def _metadata(self, items: list[ScheduledSeq], num_decodes: int, slots: list[int]) -> AttentionMetadata:
+        dev = self.device
+        decodes, prefills = items[:num_decodes], items[num_decodes:]
+        query_start = [0]
+        for s in prefills:
+            query_start.append(query_start[-1] + s.num_tokens)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=num_decodes,
+            decode_block_tables=self._tables(decodes),
+            decode_seq_lens=torch.tensor([s.context_len for s in decodes], dtype=torch.int32, device=dev),
+            prefill_block_tables=self._tables(prefills),
+            prefill_seq_lens=torch.tensor([s.context_len for s in prefills], dtype=torch.int32, device=dev),
+            prefill_query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+        )
+
+    def _tables(self, items: list[ScheduledSeq]) -> torch.Tensor:
+        width = max((len(s.block_table) for s in items), default=0)
+        rows = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in items]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(items), width)

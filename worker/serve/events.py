@@ -1,0 +1,65 @@
+"""Engine outputs -> wire events: one event per request per step, numbered per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest
+from worker.core.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class InFlight:
+    """A stream entry this worker holds, and what it has sent about it."""
+
+    entry_id: str
+    request: WireRequest
+    next_seq: int = 0
+    reported_finish: set[int] = field(default_factory=set)
+
+    @property
+    def target(self) -> ReplyTarget:
+        return self.request.reply
+
+    def take_seq(self) -> int:
+        self.next_seq += 1
+        return self.next_seq - 1
+
+
+def request_finish_reason(out: RequestOutput) -> str | None:
+    reasons = [o.finish_reason for o in out.outputs]
+    for worst in ("error", "abort"):
+        if worst in reasons:
+            return worst
+    return reasons[0] if reasons else None
+
+
+def event_for(flight: InFlight, out: RequestOutput) -> WireEvent | None:
+    """The event this step's output calls for, or None when nothing changed."""
+    deltas = []
+    for o in out.outputs:
+        newly_finished = o.finish_reason is not None and o.index not in flight.reported_finish
+        if not (o.new_token_ids or o.text_delta or newly_finished):
+            continue
+        if newly_finished:
+            flight.reported_finish.add(o.index)
+        deltas.append(OutputDelta(o.index, list(o.new_token_ids), o.text_delta,
+                                  o.finish_reason if newly_finished else None, _logprobs(o)))
+    if not deltas and not out.finished:
+        return None
+    usage = None
+    if out.finished:
+        usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": sum(len(o.token_ids) for o in out.outputs)}
+    return WireEvent(out.request_id, flight.take_seq(), deltas, out.finished,
+                     request_finish_reason(out) if out.finished else None, out.error, usage)
+
+
+def error_event(request_id: str, seq: int, message: str) -> WireEvent:
+    return WireEvent(request_id, seq, [], True, "error", message, {"prompt_tokens": 0, "completion_tokens": 0})
+
+
+def _logprobs(o: CompletionOutput) -> list[dict] | None:
+    if o.logprobs is None or not o.new_token_ids:
+        return None
+    return [{"token_id": t.token_id, "logprob": t.logprob, "top": t.top_logprobs or {}}
+            for t in o.logprobs[-len(o.new_token_ids):]]

@@ -1,0 +1,76 @@
+"""The engine side of the worker: a plain loop in one thread that owns the engine.
+
+It takes new requests and aborts from a thread-safe inbox, runs a step, and hands the outputs to a
+callback (which moves them to the I/O thread). It never touches Redis. Whichever thread calls
+``run`` does all the torch work; the CLI runs it on the main thread, where the CPU thread pool
+is fastest (measured: a small model stepped 45% slower on a second thread after the main one had
+used torch).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable
+
+from shared.errors import InvalidRequestError
+from shared.protocol import WireRequest
+from worker.engine import Engine
+from worker.core.outputs import RequestOutput
+
+OnOutputs = Callable[[list[RequestOutput], list[tuple[str, str]]], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, on_outputs: OnOutputs) -> None:
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self._inbox: deque[tuple] = deque()
+        self._ready = threading.Event()
+        self._finish = threading.Event()
+
+    def add(self, req: WireRequest, prompt_ids: list[int]) -> None:
+        self._inbox.append(("add", req, prompt_ids))
+        self._ready.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._ready.set()
+
+    def finish(self) -> None:
+        """Return from ``run`` once the inbox and the engine are empty."""
+        self._finish.set()
+        self._ready.set()
+
+    @property
+    def queued(self) -> int:
+        return len(self._inbox)
+
+    def run(self) -> None:
+        while True:
+            work = []
+            while self._inbox:
+                work.append(self._inbox.popleft())
+            if not work and not self.engine.has_unfinished():
+                if self._finish.is_set():
+                    return
+                self._ready.wait(0.5)
+                self._ready.clear()
+                continue
+            outputs, errors = self._tick(work)
+            if outputs or errors:
+                self.on_outputs(outputs, errors)
+
+    def _tick(self, work: list[tuple]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        errors = []
+        for kind, *args in work:
+            if kind == "add":
+                req, ids = args
+                try:
+                    self.engine.add_request(req.id, ids, req.params, priority=req.priority,
+                                            deadline=req.deadline, extra_key=req.tenant)
+                except InvalidRequestError as err:
+                    errors.append((req.id, str(err)))
+            else:
+                self.engine.abort(args[0])
+        return (self.engine.step() if self.engine.has_unfinished() else []), errors

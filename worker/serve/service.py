@@ -1,0 +1,292 @@
+"""The worker service: Redis stream in, engine loop, pub/sub out. Nothing lost.
+
+The engine runs in one thread (``EngineLoop``), the Redis I/O in another, on an asyncio loop; a
+step never waits on Redis and Redis I/O never waits on a step. ``serve()`` (the CLI) computes on
+the calling thread and runs the I/O loop on a second thread; ``run()`` (tests, embedding) is a
+coroutine that computes on a worker thread. The I/O tasks:
+
+- reader: claims its own pending entries at start, then reads only as many new entries as it has
+  free capacity (a blocking read only while it has room);
+- outputs: each step's outputs become one batch of events (on the I/O loop);
+- publisher: sends each batch (one PUBLISH per reply channel per step, in order), then XACK+XDEL
+  the finished entries; on connection loss it retries the same batch with backoff;
+- maintenance: heartbeats in-flight entries and the liveness key, publishes metrics, and reclaims
+  entries of dead workers (re-run from the prompt, or an error event if tokens were already sent,
+  or the dead-letter stream after ``max_deliveries``);
+- cancels: aborts requests named on the model's cancel channel.
+
+SIGTERM: stop reading, finish in-flight work (aborting what is left after ``drain_timeout``),
+flush events, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ResponseError
+
+from shared.errors import InvalidRequestError
+from shared.keys import Keys
+from shared.prompts import encode_chat
+from shared.protocol import WireCancel, WireRequest
+from shared.redis_io import REDIS_DOWN, listen_forever
+from shared.settings import WorkerSettings
+from worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge, salvage_reply
+from worker.engine import Engine
+from worker.serve.loop import EngineLoop
+from worker.serve.events import InFlight, error_event, event_for
+from worker.serve.metrics import WorkerMetrics, engine_snapshot
+
+log = structlog.get_logger("pagedserve.worker")
+
+
+class WorkerService:
+    def __init__(self, settings: WorkerSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.model = settings.served_model_name
+        self.keys = Keys(settings.key_prefix)
+        self.inflight: dict[str, InFlight] = {}
+        self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread)
+        self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
+        self.stopping = asyncio.Event()
+        self._room = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tokens_out = 0  # generated tokens sent, for the metrics
+        self._rate_mark = (time.monotonic(), 0)
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.redis = aioredis.from_url(settings.redis_url)
+        self.prometheus = WorkerMetrics(settings.metrics_port, self.model) if settings.metrics_port else None
+        self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
+
+    # ------------------------------------------------------------------ lifecycle
+    def request_stop(self) -> None:
+        """SIGTERM: stop reading, finish what is held, abort what is left after the drain timeout."""
+        if not self.stopping.is_set():
+            log.info("draining", in_flight=len(self.inflight))
+            self.stopping.set()
+            self._room.set()
+            asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self._abort_leftovers)
+            self._finish_if_drained()
+
+    async def run(self) -> int:
+        """Serve until stopped, computing on a worker thread."""
+        loop = asyncio.get_running_loop()
+        return await self._serve_io(lambda: loop.run_in_executor(self._engine_thread, self.engine_loop.run))
+
+    def serve(self) -> int:
+        """Serve until SIGTERM/SIGINT, computing on the calling thread, I/O on a second thread."""
+        started, box = threading.Event(), {}
+
+        def io() -> None:
+            async def main() -> int:
+                box["loop"], box["engine_done"] = asyncio.get_running_loop(), asyncio.Event()
+                started.set()
+                return await self._serve_io(box["engine_done"].wait)
+
+            try:
+                box["rc"] = asyncio.run(main())
+            except ConsumerNameTaken as err:
+                box["error"] = err
+
+        thread = threading.Thread(target=io, name="pagedserve-io")
+        thread.start()
+        started.wait()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: box["loop"].call_soon_threadsafe(self.request_stop))
+        try:
+            self.engine_loop.run()
+        finally:
+            box["loop"].call_soon_threadsafe(box["engine_done"].set)
+            thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box.get("rc", 1)
+
+    async def _serve_io(self, engine_finished) -> int:
+        self._loop = asyncio.get_running_loop()
+        try:
+            await self._retrying("create group", self.bridge.ensure_group)
+            # Names are stable (a restarted worker takes its pending entries back): two live workers
+            # must not share one; a crashed predecessor's key expires within three heartbeats.
+            ttl = self.settings.heartbeat_s * 3
+            await self._retrying("claim consumer name", lambda: self.bridge.wait_for_name(ttl, ttl + 1))
+        except ConsumerNameTaken:
+            self.engine_loop.finish()
+            await self.redis.aclose()
+            raise
+        log.info("worker ready", model=self.model, consumer=self.settings.consumer, stream=self.bridge.stream)
+        side = [asyncio.create_task(t) for t in (self._reader(), self._maintenance(), self._cancels())]
+        publisher = asyncio.create_task(self._publisher())
+        try:
+            await engine_finished()
+        finally:
+            self.engine_loop.finish()
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            self.outbox.put_nowait(None)
+            await publisher
+            try:
+                await self.bridge.leave()
+            except REDIS_DOWN:
+                pass
+            await self.redis.aclose()
+            self._engine_thread.shutdown()
+            self._text_thread.shutdown()
+        log.info("worker stopped")
+        return 0
+
+    def _finish_if_drained(self) -> None:
+        if self.stopping.is_set() and not self.inflight:
+            self.engine_loop.finish()
+
+    def _abort_leftovers(self) -> None:
+        if self.inflight:
+            log.warning("drain timeout: aborting", requests=list(self.inflight))
+            for request_id in self.inflight:
+                self.engine_loop.abort(request_id)
+
+    async def _retrying(self, what: str, call):
+        delay = 0.05
+        while True:
+            try:
+                return await call()
+            except REDIS_DOWN as err:
+                log.warning("redis unavailable", during=what, error=str(err), retry_in_s=delay)
+            except ResponseError as err:
+                if "NOGROUP" not in str(err):
+                    raise
+                await self.bridge.ensure_group()  # Redis came back empty
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _free(self) -> int:
+        return self.settings.max_inflight - len(self.inflight)
+
+    # ------------------------------------------------------------------ intake
+    async def _reader(self) -> None:
+        own = await self._retrying("read own pending", lambda: self.bridge.read(100_000, None, own_pending=True))
+        for entry in own:
+            await self._reclaimed(await self.bridge.with_deliveries(entry))
+        while not self.stopping.is_set():
+            free = self._free()
+            if free <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            block = 1000 if not self.inflight else 50
+            entries = await self._retrying("read", lambda: self.bridge.read(free, block))
+            for entry in entries:
+                await self._accept(entry)
+
+    async def _reclaimed(self, entry: Entry) -> None:
+        if entry.deliveries > self.settings.max_deliveries:
+            await self._reject(entry, f"gave up after {entry.deliveries} deliveries")
+            return
+        await self._accept(entry, reclaimed=True)
+
+    async def _accept(self, entry: Entry, reclaimed: bool = False) -> None:
+        try:
+            req = WireRequest.decode(entry.data or b"")
+            if req.model != self.model:
+                raise InvalidRequestError(f"this worker serves {self.model!r}, not {req.model!r}", "model")
+        except InvalidRequestError as err:
+            await self._reject(entry, str(err))
+            return
+        if req.id in self.inflight:
+            return
+        flight = InFlight(entry.entry_id, req)
+        if reclaimed and await self.bridge.was_streamed(req.id):
+            self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, -1, "the worker serving this request died mid-stream"), entry.entry_id)])
+            return
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(self._text_thread, self._prompt_ids, req)
+        except InvalidRequestError as err:
+            self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, 0, str(err)), entry.entry_id)])
+            return
+        self.inflight[req.id] = flight
+        self.engine_loop.add(req, ids)
+
+    def _prompt_ids(self, req: WireRequest) -> list[int]:
+        if req.messages is not None:
+            return encode_chat(self.engine.tokenizer, req.messages)
+        return self.engine.encode(req.prompt if req.prompt is not None else req.prompt_token_ids)
+
+    async def _reject(self, entry: Entry, reason: str) -> None:
+        log.warning("dead-lettered", entry_id=entry.entry_id, reason=reason)
+        await self._retrying("dead-letter", lambda: self.bridge.dead_letter(entry, reason))
+        salvaged = salvage_reply(entry.data)
+        if salvaged:
+            request_id, target = salvaged
+            self.outbox.put_nowait([Outgoing(target, error_event(request_id, 0, reason))])
+
+    # ------------------------------------------------------------------ engine outputs
+    def _outputs_from_engine_thread(self, outputs: list, errors: list[tuple[str, str]]) -> None:
+        self._loop.call_soon_threadsafe(self._events_for, outputs, errors)
+
+    def _events_for(self, outputs: list, errors: list[tuple[str, str]]) -> None:
+        """One batch of events per engine step, in the I/O thread (the only one touching ``inflight``)."""
+        batch = [self._finish(rid, error_event(rid, self.inflight[rid].take_seq(), msg)) for rid, msg in errors]
+        for out in outputs:
+            flight = self.inflight.get(out.request_id)
+            event = event_for(flight, out) if flight else None
+            if event is not None:
+                self._tokens_out += sum(len(o.token_ids) for o in event.outputs)
+                batch.append(self._finish(out.request_id, event) if event.done else Outgoing(flight.target, event))
+        if batch:
+            self.outbox.put_nowait(batch)
+        self._finish_if_drained()
+
+    def _finish(self, request_id: str, event) -> Outgoing:
+        flight = self.inflight.pop(request_id)
+        self._room.set()
+        return Outgoing(flight.target, event, flight.entry_id)
+
+    # ------------------------------------------------------------------ output and upkeep
+    async def _publisher(self) -> None:
+        while (batch := await self.outbox.get()) is not None:
+            await self._retrying("publish", lambda: self.bridge.publish(batch))
+
+    async def _maintenance(self) -> None:
+        while True:
+            await self._retrying("maintenance", self._upkeep)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _upkeep(self) -> None:
+        """Heartbeat and metrics; then take over entries of dead workers while there is room."""
+        metrics = self._metrics()
+        metrics["queue_depth"] = await self.redis.xlen(self.bridge.stream)
+        if self.prometheus:
+            self.prometheus.update(metrics)
+        await self.bridge.heartbeat([f.entry_id for f in self.inflight.values()], self.settings.heartbeat_s * 3, metrics)
+        if not self.stopping.is_set() and self._free() > 0:
+            for entry in await self.bridge.reclaim(self.settings.claim_idle_ms, self._free()):
+                log.info("reclaimed", entry_id=entry.entry_id, deliveries=entry.deliveries)
+                await self._reclaimed(entry)
+
+    def _metrics(self) -> dict:
+        now = time.monotonic()
+        (then, count), self._rate_mark = self._rate_mark, (now, self._tokens_out)
+        rate = (self._tokens_out - count) / max(1e-6, now - then)
+        return engine_snapshot(self.engine, len(self.inflight), self.engine_loop.queued, self._tokens_out, rate)
+
+    async def _cancels(self) -> None:
+        await listen_forever(self.redis, self.keys.cancel(self.model), self._cancel)
+
+    def _cancel(self, data: bytes) -> None:
+        try:
+            cancel = WireCancel.decode(data)
+        except InvalidRequestError as err:
+            log.warning("bad cancel message", error=str(err))
+            return
+        if cancel.id in self.inflight:
+            log.info("cancel", request_id=cancel.id, reason=cancel.reason)
+            self.engine_loop.abort(cancel.id)
