@@ -21,7 +21,11 @@ import torch
 from shared.sampling import SamplingParams
 from shared.demo_model import build_model
 
-MODEL = dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=512)
+PRESETS = {  # the 115M model of the CPU figures, and a ~1.1B Llama-shaped one for GPUs
+    "llama-90m": dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=512),
+    "llama-1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
+                     vocab_size=512, padded_vocab_size=32000),
+}
 
 
 def workload(seed: int, count: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -32,10 +36,11 @@ def workload(seed: int, count: int, vocab: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int, max_batched: int) -> dict:
+def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batched: int) -> dict:
     from pagedserve import LLM
 
     llm = LLM(path, dtype=dtype, kv_cache_memory=kv_bytes, max_num_batched_tokens=max_batched, max_num_seqs=256)
+    llm.generate(work[0][0], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up (kernel compilation on CUDA)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params, use_tqdm=True)
@@ -45,24 +50,26 @@ def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int, max_batched: int
             "tokens_per_s": round(tokens / seconds, 1), "preemptions": llm.engine.scheduler.stats.num_preemptions}
 
 
-def run_transformers(path: Path, work, dtype: str, batch: int) -> dict:
+def run_transformers(path: Path, work, dtype: str, batch: int, device: str) -> dict:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     pad = model.config.pad_token_id
     start = time.perf_counter()
     tokens = 0
     for i in tqdm(range(0, len(work), batch), desc="transformers batches"):
         chunk = work[i : i + batch]
         width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
         longest = max(n for _, n in chunk)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                            do_sample=False, pad_token_id=pad)
         tokens += sum(n for _, n in chunk)  # what was asked for; the padding steps are waste
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"engine": f"transformers static batch={batch}", "seconds": round(seconds, 2), "output_tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 1)}
@@ -73,21 +80,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--hf-batch", type=int, default=32)
-    ap.add_argument("--kv-cache-memory", type=int, default=3 << 30, help="bytes")
+    ap.add_argument("--kv-cache-memory", type=int, default=None,
+                    help="bytes (default: 3 GiB on a CPU; on CUDA what memory leaves after profiling a step)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "pagedserve" / "bench-llama-90m")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-90m")
+    ap.add_argument("--model-dir", type=Path, default=None, help="default: ~/.cache/pagedserve/bench-<preset>")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     args = ap.parse_args(argv)
-    if not (args.model_dir / "config.json").exists():
-        build_model(args.model_dir, "llama", **MODEL, seed=0)
-    work = workload(args.seed, args.requests, MODEL["vocab_size"])
-    ours = run_pagedserve(args.model_dir, work, args.dtype, args.kv_cache_memory, args.max_num_batched_tokens)
-    base = run_transformers(args.model_dir, work, args.dtype, args.hf_batch)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = PRESETS[args.preset]
+    model_dir = args.model_dir or Path.home() / ".cache" / "pagedserve" / f"bench-{args.preset}"
+    if not (model_dir / "config.json").exists():
+        build_model(model_dir, "llama", **model, seed=0, device=device, dtype=args.dtype)
+    kv_bytes = args.kv_cache_memory if args.kv_cache_memory or device == "cuda" else 3 << 30
+    work = workload(args.seed, args.requests, model.get("padded_vocab_size") or model["vocab_size"])
+    ours = run_pagedserve(model_dir, work, args.dtype, kv_bytes, args.max_num_batched_tokens)
+    base = run_transformers(model_dir, work, args.dtype, args.hf_batch, device)
     result = {
-        "bench": "offline_throughput", "requests": args.requests, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "model": MODEL, "results": [ours, base], "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 2),
+        "bench": "offline_throughput", "requests": args.requests, "dtype": args.dtype, "device": device,
+        "threads": torch.get_num_threads(), "preset": args.preset, "model": model, "results": [ours, base],
+        "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 2),
     }
     print(json.dumps(result))
+    if args.out:
+        args.out.write_text(json.dumps(result) + "\n")
     print(f"{'engine':<36} {'seconds':>8} {'out tokens':>10} {'tok/s':>8}")
     for r in (ours, base):
         print(f"{r['engine']:<36} {r['seconds']:>8} {r['output_tokens']:>10} {r['tokens_per_s']:>8}")

@@ -40,7 +40,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, "the request body is not valid JSON") from None
-    parsed = parse(body, chat, state.limits)
+    parsed = parse(body, chat, state.limits, state.sampling_defaults)
     if parsed.model != state.settings.served_model_name:
         raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")
     prompts = state.prompt_ids(parsed)

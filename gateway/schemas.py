@@ -52,7 +52,8 @@ class ParsedRequest:
     user: str | None
 
 
-def parse(body: Any, chat: bool, limits: Limits) -> ParsedRequest:
+def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -> ParsedRequest:
+    """``defaults``: sampling parameters (the model's generation config) for fields the body leaves unset."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
@@ -68,7 +69,7 @@ def parse(body: Any, chat: bool, limits: Limits) -> ParsedRequest:
     max_tokens = body.get("max_completion_tokens") if chat and "max_completion_tokens" in body else body.get("max_tokens")
     if max_tokens is None:
         max_tokens = limits.default_chat_max_tokens if chat else 16
-    sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body and body[k] is not None}
+    sampling = {**(defaults or {}), **{k: body[k] for k in SAMPLING_FIELDS if k in body and body[k] is not None}}
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None:

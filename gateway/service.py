@@ -11,17 +11,20 @@ import time
 import uuid
 
 import redis.asyncio as aioredis
+import structlog
 
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ApiError, Limits, ParsedRequest
 from shared.replies import ReplyDispatcher
 from shared.keys import Keys
-from shared.model_source import max_model_len, model_or_demo, resolve_model_dir
+from shared.model_source import generation_defaults, max_model_len, model_or_demo, resolve_model_dir
 from shared.errors import InvalidRequestError
 from shared.prompts import check_token_ids, encode_chat
 from shared.producer import Producer
 from shared.protocol import ReplyTarget, WireRequest
 from shared.settings import GatewaySettings
+
+log = structlog.get_logger("pagedserve.gateway")
 
 
 class GatewayService:
@@ -33,6 +36,9 @@ class GatewayService:
         path = resolve_model_dir(model_or_demo(settings.model))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.max_model_len = max_model_len(AutoConfig.from_pretrained(path))
+        self.sampling_defaults = generation_defaults(path, settings.generation_config)
+        log.info("sampling defaults for unset request fields", source=settings.generation_config,
+                 defaults=self.sampling_defaults or "none")
         self.limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens,
                              default_chat_max_tokens=settings.default_chat_max_tokens)
         # Blocking pool: a burst of requests waits for a connection instead of failing.

@@ -68,6 +68,7 @@ def _prefill_kernel(
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
+    max_seq_len: int | None = None,  # part of the ops contract; each program walks its own length
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.prefill_attention``."""
     check_cache(k_cache, v_cache)

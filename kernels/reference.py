@@ -84,22 +84,24 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_seq_len: int | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence over its whole context. ``q``/``out``: ``[num_seqs, num_heads, head_dim]``."""
+    """One query token per sequence over its whole context. ``q``/``out``: ``[num_seqs, num_heads, head_dim]``.
+    ``max_seq_len``: ``seq_lens.max()`` when the caller knows it (saves reading it back)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     buckets = length_buckets(seq_lens)
     if buckets == [None]:
-        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace)
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_seq_len)
     out = torch.empty_like(q)
     for idx in buckets:
         out[idx] = _decode(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, workspace)
     return out
 
 
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace) -> torch.Tensor:
-    max_len = int(seq_lens.max())
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_len: int | None = None) -> torch.Tensor:
+    max_len = max_len if max_len is not None else int(seq_lens.max())
     k = gather_context(k_cache, block_tables, max_len, workspace, "k")
     v = gather_context(v_cache, block_tables, max_len, workspace, "v")
     positions = torch.arange(max_len, device=q.device)
@@ -115,6 +117,8 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Causal attention for variable-length query chunks whose earlier tokens are already cached.
@@ -127,7 +131,8 @@ def prefill_attention(
         return torch.empty_like(q)
     starts = query_start_loc.long()
     q_lens = starts[1:] - starts[:-1]
-    num_seqs, max_q, max_len = q_lens.shape[0], int(q_lens.max()), int(seq_lens.max())
+    max_q = max_query_len if max_query_len is not None else int(q_lens.max())
+    max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
     # Pad the chunks into [S, max_q]: row r of seq s is token starts[s] + r.
     rows = torch.arange(max_q, device=q.device)
     valid_q = rows[None, :] < q_lens[:, None]
@@ -155,10 +160,19 @@ def copy_blocks(kv_pool: torch.Tensor, pairs: torch.Tensor) -> None:
 
 def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: torch.Tensor) -> None:
     """Copy blocks between two pools of the same layout (GPU <-> CPU), every layer at once:
-    ``dst_pool[:, d] = src_pool[:, s]`` for ``(s, d)`` in ``pairs``."""
+    ``dst_pool[:, d] = src_pool[:, s]`` for ``(s, d)`` in ``pairs``.
+
+    One gather on the source device, one transfer, one scatter. Into the CPU the transfer blocks:
+    the host scatters right after it, so it must not read a buffer still being filled. Onto the
+    GPU it is asynchronous from pinned memory and ordered before the next kernel on the stream."""
     if pairs.numel() == 0:
         return
     src = pairs[:, 0].long().to(src_pool.device)
     dst = pairs[:, 1].long().to(dst_pool.device)
-    staged = src_pool.index_select(1, src)  # one gather, then one transfer
-    dst_pool.index_copy_(1, dst, staged.to(dst_pool.device, non_blocking=dst_pool.is_pinned()))
+    staged = src_pool.index_select(1, src)
+    if dst_pool.device.type == "cpu":
+        moved = staged.to(dst_pool.device)
+    else:
+        moved = (staged.pin_memory() if staged.device.type == "cpu" and torch.cuda.is_available() else staged).to(
+            dst_pool.device, non_blocking=True)
+    dst_pool.index_copy_(1, dst, moved)

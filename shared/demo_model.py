@@ -60,8 +60,15 @@ def build_model(
     initializer_range: float = 0.02,
     rope_scaling: dict | None = None,
     seed: int = 0,
+    padded_vocab_size: int | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
 ) -> Path:
-    """Write a random-weight model of ``family`` with its tokenizer to ``path``; return the path."""
+    """Write a random-weight model of ``family`` with its tokenizer to ``path``; return the path.
+
+    ``padded_vocab_size``: a larger embedding than the tokenizer needs (as many checkpoints pad
+    theirs), for benchmarks with realistic vocabularies. ``device``/``dtype``: where the random
+    weights are made and how they are saved (a 1B model is made in seconds on a GPU)."""
     import torch
     import transformers
 
@@ -71,7 +78,7 @@ def build_model(
     path = Path(path)
     tokenizer = build_tokenizer(vocab_size)
     config = getattr(transformers, config_name)(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        vocab_size=max(len(tokenizer), padded_vocab_size or 0), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
         initializer_range=initializer_range, bos_token_id=tokenizer.bos_token_id,
@@ -80,7 +87,10 @@ def build_model(
     if rope_scaling:
         _set_rope_scaling(config, rope_scaling)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).eval()
+    with torch.device(device):
+        model = getattr(transformers, model_name)(config).eval()
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

@@ -34,6 +34,26 @@ def served_name(model: str | None, served_model_name: str | None) -> str:
     return served_model_name or model or DEMO_NAME
 
 
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(path: str | Path, source: str = "auto") -> dict:
+    """Sampling defaults from the model's ``generation_config.json`` (``source="auto"``), for the
+    parameters a request leaves unset, as vLLM applies them; ``source="vllm"`` ignores the file."""
+    if source not in ("auto", "vllm"):
+        raise ValueError(f"generation config must be 'auto' or 'vllm', got {source!r}")
+    file = Path(path) / "generation_config.json"
+    if source == "vllm" or not file.is_file():
+        return {}
+    import json
+
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{file} is not readable JSON: {err}") from None
+    return {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
+
+
 def resolve_model_dir(model: str | Path) -> Path:
     """A local directory as is; anything else is a hub id, downloaded (or found) in the HF cache."""
     path = Path(model).expanduser()

@@ -66,6 +66,13 @@ def _positive(kind):
     return parse
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
     parser.add_argument("--dtype", default=e("dtype", "auto"))
@@ -76,6 +83,8 @@ def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str])
     parser.add_argument("--max-num-batched-tokens", type=_positive(int), default=e("max_num_batched_tokens", 2048, int))
     parser.add_argument("--max-model-len", type=_positive(int), default=e("max_model_len", None, int))
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default=e("preemption_mode", "recompute"))
+    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=e("gpu_memory_utilization", 0.9, float),
+                        help="share of the GPU's memory for weights, KV cache and a step's activations (0, 1]")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -83,7 +92,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "dtype": args.dtype, "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
         "num_gpu_blocks": args.num_gpu_blocks, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-        "preemption_mode": args.preemption_mode,
+        "preemption_mode": args.preemption_mode, "gpu_memory_utilization": args.gpu_memory_utilization,
     }
 
 
@@ -139,6 +148,7 @@ class GatewaySettings:
     default_chat_max_tokens: int
     cors_origins: tuple[str, ...]
     key_prefix: str
+    generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset fields; "vllm": ignore it
 
 
 def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -160,6 +170,9 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
     p.add_argument("--default-chat-max-tokens", type=_positive(int), default=e("default_chat_max_tokens", 256, int))
     p.add_argument("--cors-origin", action="append", default=None, help="allowed CORS origin (repeatable; default: none)")
     p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"))
+    p.add_argument("--generation-config", choices=["auto", "vllm"], default=e("generation_config", "auto"),
+                   help="auto: sampling defaults from the model's generation_config.json for unset request fields; "
+                        "vllm: ignore it")
     return p
 
 
@@ -172,5 +185,5 @@ def gateway_settings(argv: list[str] | None = None, environ: Mapping[str, str] |
         host=args.host, port=args.port, gateway_id=args.gateway_id, api_keys=tuple(keys),
         max_body_bytes=args.max_body_bytes, max_queue_depth=args.max_queue_depth, request_timeout_s=args.request_timeout,
         max_n=args.max_n, max_tokens=args.max_tokens, default_chat_max_tokens=args.default_chat_max_tokens,
-        cors_origins=tuple(args.cors_origin or ()), key_prefix=args.key_prefix,
+        cors_origins=tuple(args.cors_origin or ()), key_prefix=args.key_prefix, generation_config=args.generation_config,
     )

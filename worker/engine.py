@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from kernels.ops import select_ops
+from shared.model_source import generation_defaults
 from shared.prompts import check_token_ids
 from shared.sampling import SamplingParams
 from worker.core.config import SchedulerConfig
@@ -27,6 +28,7 @@ from worker.core.request import Request
 from worker.core.scheduler import Scheduler
 from worker.runner.beam_search import BeamSearcher
 from worker.runner.loader import inspect_model, load_weights
+from worker.runner.memory_profile import peak_step_bytes
 from worker.runner.model_runner import ModelRunner, kv_block_bytes
 from worker.runner.sampler import Sampler
 
@@ -44,11 +46,15 @@ class Engine:
         ops = select_ops(device, config.attention_backend)
         model = load_weights(info, ops, device)
         block_bytes = kv_block_bytes(model, config.block_size, info.dtype)
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram()
-        num_gpu = config.gpu_blocks(block_bytes, free, device.type == "cuda")
-        num_cpu = config.cpu_blocks(block_bytes)
         max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
         eos = frozenset(info.eos_token_ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
+
+        def make_runner(num_gpu: int, num_cpu: int = 0) -> ModelRunner:
+            return ModelRunner(model, ops, device, info.dtype, config.block_size, num_gpu, num_cpu,
+                               Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos))
+
+        num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
+        num_cpu = config.cpu_blocks(block_bytes)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_gpu_blocks=num_gpu, block_size=config.block_size, num_cpu_blocks=num_cpu,
@@ -58,13 +64,29 @@ class Engine:
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer),
         )
-        self.runner = ModelRunner(model, ops, device, info.dtype, config.block_size, num_gpu, num_cpu,
-                                  Sampler(eos, seed=config.seed), BeamSearcher(eos))
+        self.runner = make_runner(num_gpu, num_cpu)
+        self.sampling_defaults = generation_defaults(info.path, config.generation_config)
         log.info(
-            "kv cache allocated", device=str(device), dtype=str(info.dtype).replace("torch.", ""),
+            "kv cache allocated", sampling_defaults=self.sampling_defaults or "none", device=str(device), dtype=str(info.dtype).replace("torch.", ""),
             gpu_blocks=num_gpu, cpu_blocks=num_cpu, block_size=config.block_size,
             kv_bytes=num_gpu * block_bytes, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
+
+    def _pool_blocks(self, make_runner, block_bytes: int, device: torch.device, max_len: int, vocab: int) -> int:
+        """KV blocks for the pool; on CUDA what is left after the weights and one worst-case step."""
+        config = self.config
+        if device.type != "cuda":
+            return config.gpu_blocks(block_bytes, available_ram(), False)
+        peak = 0
+        if config.sizes_pool_from_memory:
+            peak = peak_step_bytes(make_runner, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+                                   max_len, vocab, device)
+        free, total = torch.cuda.mem_get_info(device)
+        blocks = config.gpu_blocks(block_bytes, free, True, total, peak)
+        log.info("gpu memory", total_gib=round(total / 2**30, 2), in_use_gib=round((total - free) / 2**30, 2),
+                 step_peak_gib=round(peak / 2**30, 3), utilization=config.gpu_memory_utilization,
+                 kv_gib=round(blocks * block_bytes / 2**30, 2))
+        return blocks
 
     def encode(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):

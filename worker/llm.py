@@ -38,7 +38,7 @@ class LLM:
         """Generate for every prompt; outputs come back in input order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = _broadcast(params or SamplingParams(), len(prompts))
+        params_list = _broadcast(params or self.get_default_sampling_params(), len(prompts))
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params_list):
@@ -50,6 +50,11 @@ class LLM:
             self.engine.step()
             raise
         return self._run(ids, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's generation-config defaults (temperature, top_p,
+        top_k, min_p, repetition_penalty) unless the engine was built with ``generation_config="vllm"``."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def chat(
         self,

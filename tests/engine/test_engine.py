@@ -114,3 +114,15 @@ def test_kv_pool_sized_from_a_byte_budget(zoo):
     llm = LLM(zoo.path("llama-gqa"), dtype="float32", kv_cache_memory=1 << 20, block_size=16)
     # 2 layers x K,V x 16 slots x 2 kv heads x 16 dims x 4 bytes = 8 KiB per block
     assert llm.engine.scheduler.config.num_gpu_blocks == (1 << 20) // 8192
+
+
+def test_generation_config_gives_the_default_sampling_params(zoo, tmp_path):
+    import shutil
+
+    path = shutil.copytree(zoo.path("llama-gqa"), tmp_path / "model")
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "top_k": 7}))
+    defaults = LLM(path, dtype="float32", num_gpu_blocks=64).get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k) == (0.0, 7)
+    plain = LLM(path, dtype="float32", num_gpu_blocks=64, generation_config="vllm").get_default_sampling_params()
+    assert plain == SamplingParams()

@@ -9,7 +9,6 @@ from worker.core.config import PreemptionMode
 
 CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
 CPU_KV_CAP = 1 << 30
-GPU_KV_FRACTION = 0.90  # of free device memory after the weights are loaded
 
 
 @dataclass(frozen=True)
@@ -29,25 +28,39 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = "recompute"
     seed: int = 0
+    gpu_memory_utilization: float = 0.9  # share of the device's memory this engine may fill (weights, KV, steps)
+    generation_config: str = "auto"  # "auto": the model's generation_config.json gives the default SamplingParams; "vllm": not
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "num_gpu_blocks", "num_cpu_blocks", "max_model_len"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.swap_space, int) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
 
-    def gpu_blocks(self, block_bytes: int, free_bytes: int, on_cuda: bool) -> int:
-        """Pool size from the exact count, the byte budget, or a share of free memory."""
+    @property
+    def sizes_pool_from_memory(self) -> bool:
+        return self.num_gpu_blocks is None and self.kv_cache_memory is None
+
+    def gpu_blocks(self, block_bytes: int, free_bytes: int, on_cuda: bool, total_bytes: int = 0,
+                   step_peak_bytes: int = 0) -> int:
+        """Pool size from the exact count, the byte budget, or what memory leaves: on CUDA
+        ``gpu_memory_utilization * total - in use now (weights, context) - one step's peak``; on a
+        CPU a quarter of the available RAM, at most 1 GiB."""
         if self.num_gpu_blocks is not None:
             return self.num_gpu_blocks
         budget = self.kv_cache_memory
-        if budget is None:
-            budget = int(free_bytes * GPU_KV_FRACTION) if on_cuda else min(int(free_bytes * CPU_KV_FRACTION), CPU_KV_CAP)
+        if budget is None and on_cuda:
+            budget = int(self.gpu_memory_utilization * total_bytes) - (total_bytes - free_bytes) - step_peak_bytes
+        elif budget is None:
+            budget = min(int(free_bytes * CPU_KV_FRACTION), CPU_KV_CAP)
         blocks = budget // block_bytes
         if blocks < 1:
-            raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes} bytes")
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes} bytes; raise "
+                             "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
         return blocks
 
     def cpu_blocks(self, block_bytes: int) -> int:

@@ -23,6 +23,10 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # int32 [num_prefills, max_blocks]
     prefill_seq_lens: torch.Tensor  # int32 [num_prefills], context including the chunk
     prefill_query_start: torch.Tensor  # int32 [num_prefills + 1], offsets relative to the prefill part
+    # Maxima known on the host when the metadata is built, so no kernel launcher syncs to read them.
+    decode_max_seq_len: int = 0
+    prefill_max_query_len: int = 0
+    prefill_max_seq_len: int = 0
 
 
 class PagedAttention:
@@ -42,10 +46,12 @@ class PagedAttention:
         d = meta.num_decodes
         parts = []
         if d:
-            parts.append(self.ops.decode(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale))
+            parts.append(self.ops.decode(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
+                                         max_seq_len=meta.decode_max_seq_len))
         if q.shape[0] > d:
             parts.append(self.ops.prefill(
                 q[d:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
-                meta.prefill_seq_lens, self.scale,
+                meta.prefill_seq_lens, self.scale, max_query_len=meta.prefill_max_query_len,
+                max_seq_len=meta.prefill_max_seq_len,
             ))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

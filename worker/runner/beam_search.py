@@ -16,6 +16,7 @@ import torch
 from worker.core.plan import BeamStep
 
 NEG = -1.0e9
+HOST = torch.device("cpu")  # the search's bookkeeping (a few scores per beam) lives on the host
 
 
 @dataclass
@@ -41,21 +42,25 @@ class BeamState:
     done: bool = False
 
     def __post_init__(self) -> None:
-        self.running_scores = torch.zeros(1)
-        self.finished_scores = torch.full((self.width,), NEG)
-        self.finished_flags = torch.zeros(self.width, dtype=torch.bool)
+        self.running_scores = torch.zeros(1, device=HOST)
+        self.finished_scores = torch.full((self.width,), NEG, device=HOST)
+        self.finished_flags = torch.zeros(self.width, dtype=torch.bool, device=HOST)
         self.finished_tokens = [[] for _ in range(self.width)]
         self.tokens = [[]]
 
     def step(self, logits: torch.Tensor) -> list[BeamChoice]:
-        """``logits`` ``[running beams, vocab]`` -> the next running beams (empty once done)."""
+        """``logits`` ``[running beams, vocab]`` -> the next running beams (empty once done).
+
+        The scores over the vocabulary and their top ``2k`` are computed on the logits' device;
+        only those ``2k`` candidates come to the host."""
         k, vocab = self.width, logits.shape[1]
-        acc = (torch.log_softmax(logits.float(), dim=-1) + self.running_scores[:, None]).reshape(-1)
+        running = self.running_scores.to(logits.device)
+        acc = (torch.log_softmax(logits.float(), dim=-1) + running[:, None]).reshape(-1)
         keep = min(max(2, 1 + len(self.eos_token_ids)) * k, acc.numel())
-        top_scores, top_index = torch.topk(acc, keep)
+        top_scores, top_index = (t.to(HOST) for t in torch.topk(acc, keep))
         parents, tokens = (top_index // vocab).tolist(), (top_index % vocab).tolist()
         length = self.generated + 1
-        hits = torch.tensor([t in self.eos_token_ids or length >= self.max_new_tokens for t in tokens])
+        hits = torch.tensor([t in self.eos_token_ids or length >= self.max_new_tokens for t in tokens], device=HOST)
         candidates = [self.tokens[p] + [t] for p, t in zip(parents, tokens)]
         masked = top_scores + hits.float() * NEG
         chosen = torch.topk(masked, min(k, keep))[1].tolist()
@@ -70,7 +75,7 @@ class BeamState:
 
     def _merge_finished(self, top_scores, hits, candidates, length) -> None:
         k = self.width
-        just_finished = hits & (torch.arange(len(candidates)) < k)
+        just_finished = hits & (torch.arange(len(candidates), device=HOST) < k)
         scores = top_scores / (length**self.length_penalty)
         full = bool(self.finished_flags.all()) and self.early_stopping is True
         scores = scores + float(full) * NEG + float(not self.improvable) * NEG + (~just_finished).float() * NEG
@@ -86,7 +91,7 @@ class BeamState:
         lp = self.length_penalty
         hypothetical = self.max_new_tokens if (self.early_stopping == "never" and lp > 0.0) else self.generated
         best_running = self.running_scores[0] / (hypothetical**lp)
-        worst_finished = torch.where(self.finished_flags, self.finished_scores.min(), torch.tensor(NEG))
+        worst_finished = torch.where(self.finished_flags, self.finished_scores.min(), torch.tensor(NEG, device=HOST))
         self.improvable = self.improvable and bool((best_running > worst_finished).any())
 
     def results(self, n: int) -> list[tuple[list[int], float]]:

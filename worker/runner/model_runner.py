@@ -9,6 +9,7 @@ no scheduling decision.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ class StepLogits:
 
 def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V, all layers, for one block."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = torch.empty((), dtype=dtype, device="meta").element_size()
     return 2 * len(model.model.layers) * block_size * model.num_kv_heads * model.head_dim * elem
 
 
@@ -41,28 +42,45 @@ class ModelRunner:
     ) -> None:
         self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
         self.sampler, self.beams = sampler, beams
+        self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         layers = len(model.model.layers)
         shape = (2 * layers, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
         with tqdm(total=2, desc="allocating KV cache", unit="pool", leave=False) as bar:
             # K and V of every layer in one tensor, so block copies and swaps are one operation.
             self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
             bar.update(1)
-            self.cpu_pool = torch.zeros((2 * layers, num_cpu_blocks, *shape[2:]), dtype=dtype,
+            self.cpu_pool = torch.zeros((2 * layers, num_cpu_blocks, *shape[2:]), dtype=dtype, device="cpu",
                                         pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
             bar.update(1)
         self.kv_caches = [(self.kv_pool[2 * i], self.kv_pool[2 * i + 1]) for i in range(layers)]
 
-    def _pairs(self, pairs) -> torch.Tensor:
-        return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+    def _pairs(self, pairs, device: torch.device) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)
 
     def apply_block_moves(self, plan: StepPlan) -> None:
         """Swap out, then swap in, then copy-on-write: a block freed by a swap-out may be reused."""
-        if plan.swap_out:
-            self.ops.swap_blocks(self.kv_pool, self.cpu_pool, self._pairs(plan.swap_out))
-        if plan.swap_in:
-            self.ops.swap_blocks(self.cpu_pool, self.kv_pool, self._pairs(plan.swap_in))
+        if plan.swap_out or plan.swap_in:
+            with self._swap_stream():
+                if plan.swap_out:
+                    self.ops.swap_blocks(self.kv_pool, self.cpu_pool, self._pairs(plan.swap_out, self.device))
+                if plan.swap_in:
+                    self.ops.swap_blocks(self.cpu_pool, self.kv_pool, self._pairs(plan.swap_in, self.cpu_pool.device))
         if plan.copies:
-            self.ops.copy_blocks(self.kv_pool, self._pairs(plan.copies).to(self.device))
+            self.ops.copy_blocks(self.kv_pool, self._pairs(plan.copies, self.device))
+
+    @contextlib.contextmanager
+    def _swap_stream(self):
+        """On CUDA, swaps run on their own stream, after the work already queued (whose writes a
+        swap-out must see) and before anything queued after them (the forward that reuses a
+        swapped-out block or reads a swapped-in one): a stream wait on each side."""
+        if self.swap_stream is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.swap_stream.wait_stream(compute)
+        with torch.cuda.stream(self.swap_stream):
+            yield
+        compute.wait_stream(self.swap_stream)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -119,6 +137,9 @@ class ModelRunner:
             prefill_block_tables=self._tables(prefills),
             prefill_seq_lens=torch.tensor([s.context_len for s in prefills], dtype=torch.int32, device=dev),
             prefill_query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            decode_max_seq_len=max((s.context_len for s in decodes), default=0),
+            prefill_max_query_len=max((s.num_tokens for s in prefills), default=0),
+            prefill_max_seq_len=max((s.context_len for s in prefills), default=0),
         )
 
     def _tables(self, items: list[ScheduledSeq]) -> torch.Tensor:

@@ -1,17 +1,22 @@
-"""Batched sampling with per-request parameters.
+"""Batched sampling with per-row parameters, on the logits' device.
 
-Order per row: min_tokens (EOS and stop ids masked), repetition penalty (prompt and output
-tokens), presence and frequency penalties (output tokens), then greedy argmax, or temperature,
-top-k, top-p, min-p and a draw. Reported logprobs are of the raw model distribution
-(``log_softmax`` of the logits before any processing), like vLLM's default.
+Order per row, as transformers' warpers and vLLM apply it: ``min_tokens`` (EOS and stop ids
+masked), repetition penalty (prompt and output tokens), presence and frequency penalties (output
+tokens); then greedy argmax, or temperature, top-k, top-p over the renormalised top-k
+distribution, min-p, and a draw. Every per-row parameter is a tensor built once per step from the
+rows; token histories become one padded matrix, scattered into masks and counts, so no Python
+loop touches vocabulary-sized work. Reported logprobs are of the raw model distribution
+(``log_softmax`` before any processing), like vLLM's default; they reach the host once per step.
 
-Seeded rows draw with a generator seeded from ``(seed, output index, position)``, so the same seed
-gives the same tokens whatever else is in the batch and across preemption.
+Seeded rows draw with a generator (on the logits' device) seeded from ``(seed, output index,
+position)``, so the same seed gives the same tokens whatever else is in the batch and across
+preemption; unseeded rows share one generator on the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -32,88 +37,128 @@ class SampleRow:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: frozenset[int], seed: int = 0) -> None:
-        self.eos_token_ids = sorted(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, eos_token_ids: frozenset[int], seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[list[SampledToken]]:
+    def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[list[SampledToken]]:
         """``logits`` ``[len(rows), vocab]`` -> ``num_samples`` tokens per row."""
-        expand = torch.tensor([r.num_samples for r in rows], device=logits.device)
+        dev = logits.device
+        expand = torch.tensor([r.num_samples for r in rows], device=dev)
         logits = logits.float().repeat_interleave(expand, dim=0)
         flat = [(r, r.seq_index + k if r.num_samples > 1 else r.seq_index) for r in rows for k in range(r.num_samples)]
+        params = [r.params for r, _ in flat]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = self._process(logits.clone(), [r for r, _ in flat])
+        processed = apply_penalties(logits.clone(), [r for r, _ in flat], self.eos_token_ids)
         tokens = self._draw(processed, flat)
         picked = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        tops = _top_logprobs(raw_logprobs, params)
+        token_list, picked_list = tokens.tolist(), picked.tolist()  # the step's one move to the host
         out, i = [], 0
         for r in rows:
-            out.append([self._token(raw_logprobs[i + k], tokens[i + k], picked[i + k], r.params) for k in range(r.num_samples)])
+            out.append([_token(token_list[i + k], picked_list[i + k], tops.get(i + k), r.params) for k in range(r.num_samples)])
             i += r.num_samples
         return out
-
-    @staticmethod
-    def _token(row_logprobs, token, logprob, params: SamplingParams) -> SampledToken:
-        top = None
-        if params.logprobs is not None:
-            top = {}
-            if params.logprobs:
-                values, ids = row_logprobs.topk(params.logprobs)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            top[int(token)] = float(logprob)
-        return SampledToken(int(token), float(logprob), top)
-
-    def _process(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        vocab = logits.shape[1]
-        for i, r in enumerate(rows):
-            p = r.params
-            if r.num_output < p.min_tokens:
-                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if t < vocab]
-                logits[i, banned] = float("-inf")
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.int64)
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
-                counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.int64), minlength=vocab)[:vocab].float()
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        return logits
 
     def _draw(self, logits: torch.Tensor, flat: list[tuple[SampleRow, int]]) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, (r, _) in enumerate(flat) if not r.params.greedy]
         if not random_rows:
             return tokens
-        idx = torch.tensor(random_rows, dtype=torch.int64)
-        params = [flat[i][0].params for i in random_rows]
-        probs = filtered_probs(logits[idx], params)
-        noise = torch.empty_like(probs)
+        idx = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
+        probs = filtered_probs(logits[idx], [flat[i][0].params for i in random_rows])
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for j, i in enumerate(random_rows):
             row, seq_index = flat[i]
-            gen = self.generator
             if row.params.seed is not None:
-                gen = torch.Generator().manual_seed(_mix(row.params.seed, seq_index, row.num_output))
-            noise[j].exponential_(generator=gen)
+                gen = torch.Generator(device=logits.device).manual_seed(_mix(row.params.seed, seq_index, row.num_output))
+                noise[j].exponential_(generator=gen)
         # Exponential race: argmax(p / E) draws from p, one independent E per token.
         tokens[idx] = (probs / noise).argmax(dim=-1)
         return tokens
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, as a probability distribution per row."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """min_tokens masking, then repetition, presence and frequency penalties, in place."""
+    num_rows, vocab = logits.shape
+    dev = logits.device
+    banned = [(*eos_token_ids, *r.params.stop_token_ids) if r.num_output < r.params.min_tokens else () for r in rows]
+    if any(banned):
+        logits.masked_fill_(_token_mask(banned, vocab, dev), float("-inf"))
+    rep = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in rep):
+        seen = _token_mask([(*r.prompt_ids, *r.output_ids) if p != 1.0 else () for r, p in zip(rows, rep)], vocab, dev)
+        penalty = torch.tensor(rep, dtype=logits.dtype, device=dev)[:, None]
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
+        counts = _token_counts([r.output_ids for r in rows], vocab, dev).to(logits.dtype)
+        presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=dev)[:, None]
+        frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=dev)[:, None]
+        logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _padded(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[rows, longest]`` int64 token ids padded with ``vocab`` (a column callers drop); ids at or
+    past the vocabulary (e.g. stop ids of another tokenizer) also land in that column."""
+    width = max((len(t) for t in token_lists), default=0) or 1
+    rows = [[t if 0 <= t < vocab else vocab for t in tokens] + [vocab] * (width - len(tokens)) for tokens in token_lists]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[rows, vocab]`` occurrence counts of each row's tokens (one ``scatter_add_``)."""
+    ids = _padded(token_lists, vocab, device)
+    counts = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.int32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def _token_mask(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    return _token_counts(token_lists, vocab, device) > 0
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p over the renormalised top-k, then min-p, as a
+    probability distribution per row (rows need not sum to one; the draw does not care)."""
+    dev, dtype = logits.device, logits.dtype
+    temps = torch.tensor([p.temperature for p in params], dtype=dtype, device=dev)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     vocab = probs.shape[1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=dtype, device=dev)
+    min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=dev)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab)[None, :]
+    rank = torch.arange(vocab, device=dev)[None, :]
+    sorted_probs = sorted_probs * (rank < top_k[:, None])
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)  # top-p sees the top-k distribution
     # Keep a token while the mass *before* it is < top_p: the most likely token always survives.
     before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < top_k[:, None]) & (before < top_p[:, None])
-    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    keep = (before < top_p[:, None]) & (sorted_probs >= min_p[:, None] * sorted_probs[:, :1])
     sorted_probs = sorted_probs * keep
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def _top_logprobs(raw_logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> dict[int, tuple[list[int], list[float]]]:
+    """Row -> (ids, logprobs) of its ``logprobs`` most likely tokens, with one top-k for the step."""
+    wanted = [i for i, p in enumerate(params) if p.logprobs]
+    if not wanted:
+        return {}
+    k = max(params[i].logprobs for i in wanted)
+    idx = torch.tensor(wanted, dtype=torch.int64, device=raw_logprobs.device)
+    values, ids = raw_logprobs[idx].topk(k, dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return {i: (ids[j][: params[i].logprobs], values[j][: params[i].logprobs]) for j, i in enumerate(wanted)}
+
+
+def _token(token: int, logprob: float, top: tuple[list[int], list[float]] | None, params: SamplingParams) -> SampledToken:
+    alternatives = None
+    if params.logprobs is not None:
+        alternatives = dict(zip(*top)) if top else {}
+        alternatives[token] = logprob
+    return SampledToken(token, logprob, alternatives)
 
 
 def _mix(seed: int, seq_index: int, position: int) -> int:

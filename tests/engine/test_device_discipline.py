@@ -1,0 +1,59 @@
+"""Every tensor names its device: engine steps with ``torch.set_default_device("meta")``.
+
+The engine's own device is the CPU; any tensor created without an explicit device (a forgotten
+``device=``) lands on ``meta`` instead and the step fails, as it would mix CPU and CUDA tensors on
+a GPU. The workload covers every sampling feature and the block moves (swap preemption, CoW).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM
+from shared.sampling import SamplingParams
+
+FEATURES = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+    "temperature": SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True),
+    "top_k_p": SamplingParams(temperature=1.0, top_k=20, top_p=0.8, max_tokens=12, ignore_eos=True),
+    "min_p": SamplingParams(min_p=0.1, max_tokens=12, ignore_eos=True),
+    "penalties": SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4,
+                                max_tokens=12, ignore_eos=True),
+    "seeded": SamplingParams(seed=7, max_tokens=12, ignore_eos=True),
+    "logprobs": SamplingParams(logprobs=3, max_tokens=12, ignore_eos=True),
+    "min_tokens_stop_ids": SamplingParams(min_tokens=4, stop_token_ids=(40, 41, 42), max_tokens=12),
+    "n3": SamplingParams(n=3, temperature=0.9, max_tokens=12, ignore_eos=True),
+    "best_of": SamplingParams(n=2, best_of=3, max_tokens=12, ignore_eos=True),
+    "beam": SamplingParams(use_beam_search=True, beam_width=3, n=2, temperature=0.0, max_tokens=12, ignore_eos=True),
+}
+
+
+@pytest.fixture(scope="module")
+def tight_llm(zoo):
+    # 24 blocks of 4 tokens for 11 requests of ~20-tokens prompts: preemption (by swap) is certain.
+    return LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=24, block_size=4, num_cpu_blocks=256,
+               preemption_mode="swap", max_num_batched_tokens=64)
+
+
+def test_every_feature_steps_with_no_tensor_on_the_default_device(tight_llm):
+    engine = tight_llm.engine
+    for i, (name, params) in enumerate(FEATURES.items()):
+        engine.add_request(name, [20 + i, *range(30, 45)], params)
+    done, moves = {}, {"swap_out": 0, "swap_in": 0, "copies": 0}
+    torch.set_default_device("meta")
+    try:
+        while engine.has_unfinished():
+            plan = engine.scheduler.schedule()
+            for kind in moves:
+                moves[kind] += len(getattr(plan, kind))
+            result = engine.runner.execute(plan)
+            for out in engine.scheduler.update(plan, result):
+                if out.finished:
+                    done[out.request_id] = out
+    finally:
+        torch.set_default_device(None)
+    assert set(done) == set(FEATURES)
+    assert all(out.error is None for out in done.values())
+    assert moves["swap_out"] and moves["swap_in"] and moves["copies"], moves
+    assert engine.scheduler.blocks.usage().used == 0
