@@ -36,17 +36,19 @@ def workload(seed: int, count: int, vocab: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batched: int) -> dict:
+def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batched: int, eager: bool) -> dict:
     from pagedserve import LLM
 
-    llm = LLM(path, dtype=dtype, kv_cache_memory=kv_bytes, max_num_batched_tokens=max_batched, max_num_seqs=256)
+    llm = LLM(path, dtype=dtype, kv_cache_memory=kv_bytes, max_num_batched_tokens=max_batched, max_num_seqs=256,
+              enforce_eager=eager)
     llm.generate(work[0][0], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up (kernel compilation on CUDA)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params, use_tqdm=True)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"engine": "pagedserve", "seconds": round(seconds, 2), "output_tokens": tokens,
+    name = "pagedserve" + (" (CUDA graphs)" if llm.engine.runner.graphs is not None else "")
+    return {"engine": name, "seconds": round(seconds, 2), "output_tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 1), "preemptions": llm.engine.scheduler.stats.num_preemptions}
 
 
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", type=Path, default=None, help="default: ~/.cache/pagedserve/bench-<preset>")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
+    ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = PRESETS[args.preset]
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         build_model(model_dir, "llama", **model, seed=0, device=device, dtype=args.dtype)
     kv_bytes = args.kv_cache_memory if args.kv_cache_memory or device == "cuda" else 3 << 30
     work = workload(args.seed, args.requests, model.get("padded_vocab_size") or model["vocab_size"])
-    ours = run_pagedserve(model_dir, work, args.dtype, kv_bytes, args.max_num_batched_tokens)
+    ours = run_pagedserve(model_dir, work, args.dtype, kv_bytes, args.max_num_batched_tokens, args.enforce_eager)
     base = run_transformers(model_dir, work, args.dtype, args.hf_batch, device)
     result = {
         "bench": "offline_throughput", "requests": args.requests, "dtype": args.dtype, "device": device,

@@ -49,7 +49,7 @@ class GatewayService:
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
 
     async def start(self) -> None:
-        await self.dispatcher.start()
+        await self.dispatcher.start(wait=False)  # Redis may be down now: serve 503s until it is back
 
     async def close(self) -> None:
         await self.dispatcher.stop()
@@ -94,6 +94,7 @@ class GatewayService:
                            "queue_full", "rate_limit_exceeded", {"Retry-After": "1"})
 
     async def enqueue(self, parsed: ParsedRequest, prompts: list[list[int]], ids: list[str]) -> None:
+        await self.dispatcher.ready(timeout=5.0)  # subscribed before anything is queued
         now = time.time()
         timeout = parsed.timeout or self.settings.request_timeout_s
         reply = ReplyTarget("channel", self.dispatcher.channel)

@@ -27,6 +27,7 @@ class AttentionOps:
     prefill: Callable
     copy_blocks: Callable
     swap_blocks: Callable
+    backend: str = "torch"  # "triton" kernels can be captured in CUDA graphs; the reference cannot
 
 
 def select_ops(device: torch.device, backend: str = "auto") -> AttentionOps:
@@ -60,4 +61,4 @@ def triton_ops() -> AttentionOps:
     from kernels.prefill_attention import prefill_attention
     from kernels.store_kv import store_kv
 
-    return AttentionOps(store_kv, paged_attention_decode, prefill_attention, copy_blocks, swap_blocks)
+    return AttentionOps(store_kv, paged_attention_decode, prefill_attention, copy_blocks, swap_blocks, "triton")

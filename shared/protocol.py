@@ -174,7 +174,7 @@ def _check_prompt(msg: dict) -> None:
         raise ProtocolError("prompt_token_ids must be a list of integers", "prompt_token_ids")
     messages = msg.get("messages")
     if messages is not None and (
-        not isinstance(messages, list)
+        not isinstance(messages, list) or not messages
         or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
     ):
-        raise ProtocolError("messages must be a list of {role, content} string maps", "messages")
+        raise ProtocolError("messages must be a non-empty list of {role, content} string maps", "messages")

@@ -17,10 +17,11 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 async def listen_forever(
     client: aioredis.Redis, channel: str, on_message: Callable[[bytes], None],
-    on_subscribed: Callable[[], None] | None = None,
+    on_subscribed: Callable[[], None] | None = None, on_lost: Callable[[], None] | None = None,
 ) -> None:
     """Call ``on_message`` for every message on ``channel``, resubscribing after a lost connection
-    (messages published meanwhile are gone: pub/sub keeps nothing). Runs until cancelled."""
+    (messages published meanwhile are gone: pub/sub keeps nothing). Runs until cancelled.
+    ``on_subscribed`` / ``on_lost`` tell when the subscription holds and when it broke."""
     while True:
         try:
             async with client.pubsub() as pubsub:
@@ -31,5 +32,7 @@ async def listen_forever(
                     elif msg["type"] == "message":
                         on_message(msg["data"])
         except REDIS_DOWN as err:
+            if on_lost is not None:
+                on_lost()
             log.warning("subscription lost; resubscribing", channel=channel, error=str(err))
             await asyncio.sleep(0.2)

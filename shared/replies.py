@@ -15,6 +15,7 @@ from typing import AsyncIterator
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.errors import InvalidRequestError
 from shared.protocol import WireEvent, decode_events
@@ -78,10 +79,21 @@ class ReplyDispatcher:
         self._task: asyncio.Task | None = None
         self._subscribed = asyncio.Event()
 
-    async def start(self) -> None:
+    async def start(self, wait: bool = True) -> None:
+        """Start reading; with ``wait``, return once subscribed (a service starts without waiting,
+        so it can answer "Redis unavailable" instead of not answering at all)."""
         if self._task is None:
             self._task = asyncio.create_task(self._read())
-        await self._subscribed.wait()
+        if wait:
+            await self._subscribed.wait()
+
+    async def ready(self, timeout: float) -> None:
+        """Return once the channel is subscribed; ``RedisConnectionError`` if it is not within ``timeout``:
+        a request sent before the subscription holds could lose its first events."""
+        try:
+            await asyncio.wait_for(self._subscribed.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise RedisConnectionError(f"not subscribed to {self.channel} (Redis unreachable?)") from None
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -97,7 +109,7 @@ class ReplyDispatcher:
         self._boxes.pop(request_id, None)
 
     async def _read(self) -> None:
-        await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set)
+        await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set, self._subscribed.clear)
 
     def _deliver(self, data: bytes) -> None:
         try:

@@ -135,10 +135,16 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        """From a wire map; any malformed value is an ``InvalidRequestError`` naming its field."""
+        if not all(isinstance(k, str) for k in data):
+            raise InvalidRequestError("sampling parameter names must be strings", "params")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
+        for name in ("stop", "stop_token_ids"):
+            if name in data and not isinstance(data[name], (list, tuple, str, type(None))):
+                raise InvalidRequestError(f"{name} must be a list", name)
         return cls(**data)
 
 

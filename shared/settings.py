@@ -66,6 +66,12 @@ def _positive(kind):
     return parse
 
 
+def boolean(text: str) -> bool:
+    if text.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise ValueError(text)
+    return text.lower() in ("1", "true", "yes")
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -75,7 +81,8 @@ def _fraction(text: str) -> float:
 
 def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
-    parser.add_argument("--dtype", default=e("dtype", "auto"))
+    parser.add_argument("--dtype", default=e("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=e("device", None), help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--block-size", type=_positive(int), default=e("block_size", 16, int))
     parser.add_argument("--kv-cache-memory", type=_positive(int), default=e("kv_cache_memory", None, int), help="bytes")
     parser.add_argument("--num-gpu-blocks", type=_positive(int), default=e("num_gpu_blocks", None, int))
@@ -83,16 +90,19 @@ def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str])
     parser.add_argument("--max-num-batched-tokens", type=_positive(int), default=e("max_num_batched_tokens", 2048, int))
     parser.add_argument("--max-model-len", type=_positive(int), default=e("max_model_len", None, int))
     parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default=e("preemption_mode", "recompute"))
+    parser.add_argument("--enforce-eager", action="store_true", default=e("enforce_eager", False, boolean),
+                        help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=_fraction, default=e("gpu_memory_utilization", 0.9, float),
                         help="share of the GPU's memory for weights, KV cache and a step's activations (0, 1]")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {
-        "dtype": args.dtype, "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
+        "dtype": args.dtype, "device": args.device, "block_size": args.block_size, "kv_cache_memory": args.kv_cache_memory,
         "num_gpu_blocks": args.num_gpu_blocks, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "preemption_mode": args.preemption_mode, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": args.enforce_eager,
     }
 
 

@@ -82,3 +82,11 @@ def redis_server(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+def examples(count: int) -> int:
+    """Hypothesis examples for a property test: a tenth under mutation testing (mutmut sets
+    MUTANT_UNDER_TEST), where each of a thousand mutants reruns the test."""
+    import os
+
+    return max(15, count // 10) if os.environ.get("MUTANT_UNDER_TEST") else count

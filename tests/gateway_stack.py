@@ -55,7 +55,7 @@ class Stack:
         return self
 
     def add_gateway(self, **overrides) -> str:
-        settings = gateway_settings(self.redis.url, self.model_path, **overrides)
+        settings = gateway_settings(**{"redis_url": self.redis.url, **overrides}, model_path=self.model_path)
 
         async def up():
             runner = web.AppRunner(create_app(settings), handler_cancellation=True)

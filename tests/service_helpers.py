@@ -57,3 +57,71 @@ async def collect(stream, on_event=None) -> Collected:
         if on_event is not None:
             await on_event(event)
     return got
+
+
+class ChannelTap:
+    """Records every message on pub/sub channels matching some patterns: what crossed Redis, for
+    asserting that a cancel was sent and how a request really ended. Runs on the loop that starts it."""
+
+    def __init__(self, url: str, *patterns: str) -> None:
+        import redis.asyncio as aioredis
+
+        self.redis = aioredis.from_url(url)
+        self.patterns = patterns
+        self.messages: list[tuple[str, bytes]] = []
+        self._task = None
+
+    async def start(self) -> "ChannelTap":
+        self.pubsub = self.redis.pubsub()
+        await self.pubsub.psubscribe(*self.patterns)
+        self._task = asyncio.create_task(self._read())
+        return self
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self.pubsub.aclose()
+        await self.redis.aclose()
+
+    async def _read(self) -> None:
+        while True:
+            msg = await self.pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if msg is not None:
+                self.messages.append((msg["channel"].decode(), msg["data"]))
+
+    def events(self, request_id: str) -> list[WireEvent]:
+        from shared.protocol import decode_events
+
+        return [e for channel, data in list(self.messages) if ":replies:" in channel
+                for e in decode_events(data) if e.id == request_id]
+
+    def cancels(self) -> list:
+        from shared.protocol import WireCancel
+
+        return [WireCancel.decode(data) for channel, data in list(self.messages) if ":cancel:" in channel]
+
+
+def poll(condition, timeout: float, what: str, interval: float = 0.05) -> None:
+    """Wait until ``condition()`` is true; fail with ``what`` after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+async def apoll(condition, timeout: float, what: str, interval: float = 0.05) -> None:
+    """``poll`` for coroutines: the event loop keeps running while it waits; ``condition`` may be
+    a coroutine function (e.g. a Redis query)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+
+    async def holds() -> bool:
+        result = condition()
+        return bool(await result) if asyncio.iscoroutine(result) else bool(result)
+
+    while not await holds():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)

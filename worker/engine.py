@@ -27,6 +27,7 @@ from worker.core.outputs import RequestOutput
 from worker.core.request import Request
 from worker.core.scheduler import Scheduler
 from worker.runner.beam_search import BeamSearcher
+from worker.runner.cuda_graphs import GraphLimits
 from worker.runner.loader import inspect_model, load_weights
 from worker.runner.memory_profile import peak_step_bytes
 from worker.runner.model_runner import ModelRunner, kv_block_bytes
@@ -49,9 +50,9 @@ class Engine:
         max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
         eos = frozenset(info.eos_token_ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
 
-        def make_runner(num_gpu: int, num_cpu: int = 0) -> ModelRunner:
+        def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
             return ModelRunner(model, ops, device, info.dtype, config.block_size, num_gpu, num_cpu,
-                               Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos))
+                               Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs)
 
         num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
         num_cpu = config.cpu_blocks(block_bytes)
@@ -64,7 +65,8 @@ class Engine:
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer),
         )
-        self.runner = make_runner(num_gpu, num_cpu)
+        graphs = None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs)
+        self.runner = make_runner(num_gpu, num_cpu, graphs)
         self.sampling_defaults = generation_defaults(info.path, config.generation_config)
         log.info(
             "kv cache allocated", sampling_defaults=self.sampling_defaults or "none", device=str(device), dtype=str(info.dtype).replace("torch.", ""),

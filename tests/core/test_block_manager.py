@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.core.block_manager import BlockManager
+from worker.core.block_manager import BlockManager, BlockUsage
 from worker.core.block_pool import BlockPool
 from worker.core.errors import OutOfBlocksError
 
@@ -204,3 +204,19 @@ def test_invariant_check_catches_corruption():
     bm._tables[0].append(3)  # a table entry the pool never handed out
     with pytest.raises(AssertionError):
         bm.check_invariants()
+
+
+def test_usage_reports_every_figure_exactly():
+    bm = BlockManager(num_blocks=8, block_size=4, num_cpu_blocks=6, enable_prefix_caching=False)
+    assert bm.usage() == BlockUsage(total=8, used=0, free=8, cached=0, cpu_total=6, cpu_used=0, logical=0,
+                                    tokens_held=0, slot_utilization=1.0)
+    bm.start(0)
+    bm.grow(0, 6)  # blocks 0 (full) and 1 (2 of 4)
+    bm.fork(0, 1)  # shares both: 4 table entries on 2 blocks
+    bm.start(2)
+    bm.grow(2, 3)  # block 2 (3 of 4)
+    assert bm.usage() == BlockUsage(total=8, used=3, free=5, cached=0, cpu_total=6, cpu_used=0, logical=5,
+                                    tokens_held=4 + 2 + 3, slot_utilization=9 / 12)
+    bm.swap_out([2])
+    usage = bm.usage()
+    assert (usage.used, usage.cpu_used, usage.logical, usage.tokens_held) == (2, 1, 4, 6)

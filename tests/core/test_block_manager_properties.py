@@ -8,6 +8,7 @@ a wrong prefix hit, a missed copy-on-write or a bad swap mapping shows up as wro
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.conftest import examples
 from worker.core.block_manager import BlockManager
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # tiny alphabet: many prefix hits
@@ -110,5 +111,5 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.cpu.num_free == self.bm.cpu.num_blocks
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)
+BlockManagerMachine.TestCase.settings = settings(max_examples=examples(400), stateful_step_count=40, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -190,4 +190,27 @@ def test_stop_token_and_min_tokens():
         _, out = step(sched, sim)
         done.update({r.request_id: r.outputs[0] for r in out if r.finished})
     assert done["stop"].token_ids == [first] and done["stop"].finish_reason == FinishReason.STOP.value
-    assert len(done["min"].token_ids) >= 2
+    assert done["min"].token_ids == reference_output(prompt, 0, 5, eos=first, min_tokens=2)
+    assert done["min"].finish_reason == (FinishReason.STOP.value if done["min"].token_ids[-1] == first else FinishReason.LENGTH.value)
+
+
+def test_abort_with_an_error_reports_it():
+    sched, sim = make()
+    sched.add("bad", [1, 2, 3], params())
+    step(sched, sim)
+    assert sched.abort("bad", error="the engine step failed")
+    _, out = step(sched, sim)
+    assert out[0].error == "the engine step failed"
+    assert out[0].outputs[0].finish_reason == FinishReason.ERROR.value
+
+
+def test_one_preemption_is_counted_once():
+    """Two requests that fit alone but not together: exactly one preemption, in the plan and in the stats."""
+    sched, sim = make(num_blocks=4, block_size=2, max_num_seqs=2)
+    sched.add("first", [1, 2], params(max_tokens=5))  # needs 4 blocks at its end
+    sched.add("second", [3, 4], params(max_tokens=5))
+    preempted = []
+    while sched.has_work:
+        plan, _ = step(sched, sim)
+        preempted.append(plan.num_preempted)
+    assert sum(preempted) == sched.stats.num_preemptions == max(preempted) == 1

@@ -37,7 +37,7 @@ def hf_beams(hf, prompt, k, max_new, length_penalty=1.0, early_stopping=False):
 @pytest.mark.parametrize("k", [2, 4, 6])
 def test_beam_search_equals_transformers_for_several_prompts_at_once(zoo, hf, k):
     cases = random_prompts(seed=20 + k, count=5, max_len=80, vocab=512, max_new=24)
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=512, block_size=7)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=512, block_size=7)
     params = [SamplingParams(use_beam_search=True, beam_width=k, n=k, max_tokens=n) for _, n in cases]
     done = run_checked(llm, [p for p, _ in cases], params)  # invariants every step, nothing leaked
     for i, (prompt, n) in enumerate(cases):
@@ -48,7 +48,7 @@ def test_beam_search_equals_transformers_for_several_prompts_at_once(zoo, hf, k)
 
 @pytest.mark.parametrize("length_penalty,early_stopping", [(0.0, True), (2.0, "never"), (-1.0, False)])
 def test_length_penalty_and_early_stopping_like_transformers(zoo, hf, length_penalty, early_stopping):
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=256)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256)
     prompt = [33, 44, 55, 66, 77]
     params = SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=20, length_penalty=length_penalty,
                             early_stopping=early_stopping)
@@ -59,7 +59,7 @@ def test_length_penalty_and_early_stopping_like_transformers(zoo, hf, length_pen
 
 
 def test_beams_share_blocks_and_abort_frees_everything(zoo):
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=256, block_size=4)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256, block_size=4)
     engine = llm.engine
     engine.add_request("beam", list(range(20, 60)), SamplingParams(use_beam_search=True, beam_width=4, max_tokens=50,
                                                                    ignore_eos=True))
@@ -77,7 +77,7 @@ def test_beams_share_blocks_and_abort_frees_everything(zoo):
 
 
 def test_best_of_returns_the_most_likely_samples(zoo):
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=256)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256)
     out = llm.generate([[5, 6, 7]], SamplingParams(n=2, best_of=6, temperature=1.0, seed=4, max_tokens=6, ignore_eos=True),
                        use_tqdm=False)[0]
     every = llm.generate([[5, 6, 7]], SamplingParams(n=6, temperature=1.0, seed=4, max_tokens=6, ignore_eos=True),
@@ -99,7 +99,7 @@ def test_beam_parameters_are_validated():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_search_survives_preemption(zoo, hf, mode):
     cases = random_prompts(seed=40, count=8, max_len=60, vocab=512, max_new=20)
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=48, num_cpu_blocks=200, block_size=7,
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=48, num_cpu_blocks=200, block_size=7,
               preemption_mode=mode, max_num_batched_tokens=64)
     params = [SamplingParams(use_beam_search=True, beam_width=4, n=2, max_tokens=n) for _, n in cases]
     done = run_checked(llm, [p for p, _ in cases], params)

@@ -32,7 +32,7 @@ FEATURES = {
 @pytest.fixture(scope="module")
 def tight_llm(zoo):
     # 24 blocks of 4 tokens for 11 requests of ~20-tokens prompts: preemption (by swap) is certain.
-    return LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=24, block_size=4, num_cpu_blocks=256,
+    return LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=24, block_size=4, num_cpu_blocks=256,
                preemption_mode="swap", max_num_batched_tokens=64)
 
 

@@ -14,7 +14,7 @@ from worker.runner.loader import UnsupportedModelError
 
 @pytest.fixture(scope="module")
 def llm(zoo):
-    return LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=512, block_size=16)
+    return LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=512, block_size=16)
 
 
 def drain(engine):
@@ -85,9 +85,18 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
 
 
 def test_n_samples_with_temperature_differ_and_share_prompt(llm):
-    out = llm.generate([list(range(20, 60))], SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True),
-                       use_tqdm=False)[0]
+    engine = llm.engine
+    params = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=10, ignore_eos=True)
+    engine.add_request("shared", list(range(20, 60)), params)  # 40 tokens: blocks 0-1 full, block 2 partial
+    engine.step()  # prefill once, then fork into 4
+    blocks = engine.scheduler.blocks
+    tables = [blocks.block_table(s.seq_id) for s in engine.scheduler.requests["shared"].seqs]
+    assert len(tables) == 4 and len({t[:3] for t in tables}) == 1  # every block of the prompt shared
+    assert [blocks.gpu.ref_count(b) for b in tables[0][:2]] == [4, 4]
+    assert blocks.usage().used < 4 * len(tables[0])
+    out = drain(engine)["shared"]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert blocks.usage().used == 0
 
 
 def test_bad_input_is_a_clear_error(llm):
@@ -111,7 +120,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path, zoo):
 
 
 def test_kv_pool_sized_from_a_byte_budget(zoo):
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", kv_cache_memory=1 << 20, block_size=16)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", kv_cache_memory=1 << 20, block_size=16)
     # 2 layers x K,V x 16 slots x 2 kv heads x 16 dims x 4 bytes = 8 KiB per block
     assert llm.engine.scheduler.config.num_gpu_blocks == (1 << 20) // 8192
 
@@ -122,7 +131,24 @@ def test_generation_config_gives_the_default_sampling_params(zoo, tmp_path):
     path = shutil.copytree(zoo.path("llama-gqa"), tmp_path / "model")
     config = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "top_k": 7}))
-    defaults = LLM(path, dtype="float32", num_gpu_blocks=64).get_default_sampling_params()
+    defaults = LLM(path, device="cpu", dtype="float32", num_gpu_blocks=64).get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k) == (0.0, 7)
-    plain = LLM(path, dtype="float32", num_gpu_blocks=64, generation_config="vllm").get_default_sampling_params()
+    plain = LLM(path, device="cpu", dtype="float32", num_gpu_blocks=64, generation_config="vllm").get_default_sampling_params()
     assert plain == SamplingParams()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_seeded_sampling_is_identical_across_preemption(zoo, mode):
+    """A seeded request draws the same tokens whether or not it was preempted (and recomputed or
+    swapped) on the way: its draws depend on (seed, output index, position) only."""
+    prompts = [[30 + i, *range(40, 60)] for i in range(8)]
+    params = [SamplingParams(temperature=1.0, top_k=30, seed=100 + i, max_tokens=40, ignore_eos=True, n=1 + i % 2)
+              for i in range(8)]
+    roomy = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=512, block_size=4)
+    alone = [roomy.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    tight = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=40, block_size=4, num_cpu_blocks=512,
+                preemption_mode=mode, max_num_batched_tokens=64)
+    together = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.stats.num_preemptions > 0
+    for a, b in zip(alone, together):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]

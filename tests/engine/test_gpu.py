@@ -118,3 +118,15 @@ def test_the_whole_stack_streams_from_a_gpu_worker(tmp_path, monkeypatch):
         chunks = list(client.chat.completions.create(model=stack.served_model_name, stream=True, max_tokens=8,
                                                      messages=[{"role": "user", "content": "hello"}]))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_cuda_graphs_give_the_eager_tokens(zoo):
+    cases = random_prompts(seed=8, count=40, max_len=200, vocab=VOCAB, max_new=60)  # batch sizes across buckets
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases]
+    graphed = cuda_llm(zoo, num_gpu_blocks=2048)
+    assert graphed.engine.runner.graphs is not None
+    eager = cuda_llm(zoo, num_gpu_blocks=2048, enforce_eager=True)
+    assert eager.engine.runner.graphs is None
+    a = run_checked(graphed, [p for p, _ in cases], params)
+    b = run_checked(eager, [p for p, _ in cases], params)
+    assert [a[i].outputs[0].token_ids for i in range(len(cases))] == [b[i].outputs[0].token_ids for i in range(len(cases))]

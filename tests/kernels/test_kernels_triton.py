@@ -111,3 +111,33 @@ def test_engine_on_the_triton_backend_matches_transformers(zoo, device):
                         use_tqdm=False)
     for (prompt, n), out in zip(cases, outs):
         assert out.outputs[0].token_ids == zoo.hf_greedy("llama-gqa", prompt, n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
+    """What a CUDA graph replays (static buffers padded to a bucket, slot -1 rows, the decode grid
+    launched for max_model_len) computes the eager step's logits. On the CPU this runs the graph's
+    forward without capturing it; on CUDA the parity tests in tests/engine/test_gpu.py replay it."""
+    from shared.sampling import SamplingParams
+    from pagedserve import LLM
+    from worker.runner.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
+
+    llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
+              num_gpu_blocks=64, max_model_len=64, enforce_eager=True)
+    engine = llm.engine
+    for i, length in enumerate((3, 11, 17)):
+        engine.add_request(str(i), list(range(20 + i, 20 + i + length)), SamplingParams(temperature=0.0, max_tokens=20))
+    engine.step()  # the prompts; every step after this one is decode only
+    plan = engine.scheduler.schedule()
+    items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
+    assert len(items) == 3 and all(s.num_tokens == 1 for s in items)
+    eager = engine.runner.forward(plan).logits
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, 8, GraphLimits(max_model_len=64, max_num_seqs=4))
+    assert graphs.can_run(items) and graphs.sizes == [1, 2, 4]
+    bucket = _Bucket(4, graphs.max_blocks, runner.device)
+    graphs._load(bucket, items)
+    with torch.inference_mode():
+        replayed = graphs._forward(bucket, graphs._metadata(bucket))
+    assert bucket.slots[3] == -1 and bucket.lens[3] == 1  # the padding row writes nothing
+    close(replayed[:3], eager, torch.float32)

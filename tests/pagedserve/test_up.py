@@ -2,6 +2,7 @@
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -44,6 +45,8 @@ def test_up_serves_and_sigterm_leaves_nothing(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "up", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        assert ready, "pagedserve up printed nothing within 300 s"
         banner = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}" in banner, banner
         body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 5}).encode()

@@ -13,7 +13,7 @@ from worker.runner.sampler import Sampler
 
 def test_the_worst_case_step_runs_within_its_scratch_pool(zoo):
     """The profile's dummy step (the CUDA sizing runs exactly this) fits the pool it is given."""
-    engine = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=16).engine
+    engine = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=16).engine
     model, cpu = engine.runner.model, torch.device("cpu")
     blocks = profile_blocks_needed(300, 128, 16)
     assert blocks == 8

@@ -7,7 +7,7 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
+import threading
 
 import redis.asyncio as aioredis
 
@@ -16,7 +16,7 @@ from shared.keys import Keys
 from shared.protocol import ReplyTarget, WireRequest
 from shared.sampling import SamplingParams
 from pagedserve.embedded_redis import RedisServer
-from tests.service_helpers import MODEL_NAME, collect, running_worker, settings_for
+from tests.service_helpers import MODEL_NAME, apoll, collect, running_worker, settings_for
 from pagedserve import LLM
 from worker.engine import Engine
 from worker.core.engine_config import EngineConfig
@@ -25,17 +25,18 @@ KEYS = Keys()
 
 
 def start_worker_process(url: str, model_path, consumer: str, *extra: str) -> subprocess.Popen:
+    """A worker process whose log lines collect in ``proc.log`` (read by a thread, so a full pipe never blocks it)."""
     cmd = [sys.executable, "-m", "worker", "--model", str(model_path), "--redis-url", url, "--served-model-name",
            MODEL_NAME, "--consumer", consumer, "--claim-idle-ms", "1500", "--heartbeat", "0.3",
-           "--num-gpu-blocks", "512", "--dtype", "float32", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+           "--num-gpu-blocks", "512", "--dtype", "float32", "--device", "cpu", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc.log = []
+    threading.Thread(target=lambda: proc.log.extend(proc.stderr), daemon=True).start()
+    return proc
 
 
 async def wait_alive(r, consumer: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not await r.exists(KEYS.alive(MODEL_NAME, consumer)):
-        assert time.monotonic() < deadline, f"worker {consumer} never came up"
-        await asyncio.sleep(0.1)
+    await apoll(lambda: r.exists(KEYS.alive(MODEL_NAME, consumer)), timeout, f"worker {consumer} to come up")
 
 
 async def stream_is_clean(r) -> bool:
@@ -55,16 +56,19 @@ def test_sigkill_mid_run_every_request_completes_or_errors(redis_server, zoo):
             async with QueueClient(redis_server.url) as client:
                 params = SamplingParams(max_tokens=1500, ignore_eos=True)  # long enough to be killed mid-run
                 streams = [await client.submit(MODEL_NAME, prompt_token_ids=[30 + i] * 20, params=params) for i in range(12)]
-                tasks = [asyncio.create_task(collect(s)) for s in streams]
-                await asyncio.sleep(0.5)
+                started: set[str] = set()
+
+                async def note(event) -> None:
+                    started.add(event.id)
+
+                tasks = [asyncio.create_task(collect(s, note)) for s in streams]
+                # 2 workers x 6 in flight: every request is streaming before one worker dies
+                await apoll(lambda: len(started) == 12, 60, "all twelve requests to stream")
                 owners = await r.xpending_range(KEYS.requests(MODEL_NAME), KEYS.group(MODEL_NAME), "-", "+", 100)
                 victim = max(workers, key=lambda w: sum(o["consumer"].decode() == w for o in owners))
                 workers[victim].send_signal(signal.SIGKILL)
                 results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-            for _ in range(50):
-                if await stream_is_clean(r):
-                    break
-                await asyncio.sleep(0.2)
+            await apoll(lambda: stream_is_clean(r), 10, "the dead worker's entries to be acknowledged")
             return results, await stream_is_clean(r)
         finally:
             for proc in workers.values():
@@ -91,7 +95,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(redis_server, zoo):
                 streams = [await client.submit(MODEL_NAME, prompt_token_ids=[40 + i] * 10, params=params) for i in range(8)]
                 firsts = [await s.__anext__() for s in streams]  # all eight are in flight
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.5)
+                await apoll(lambda: any("draining" in line for line in proc.log), 30, "the worker to start draining")
                 await client.submit(MODEL_NAME, prompt="late", params=params)  # must wait for another worker
                 results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), 120)
             code = await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60)
@@ -112,7 +116,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(redis_server, zoo):
 
 
 def test_entries_of_a_worker_that_died_before_streaming_are_rerun_or_dead_lettered(redis_server, zoo):
-    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), dtype="float32", num_gpu_blocks=256))
+    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256))
 
     async def main():
         r = aioredis.from_url(redis_server.url)
@@ -129,7 +133,12 @@ def test_entries_of_a_worker_that_died_before_streaming_are_rerun_or_dead_letter
             poison_id = ghost[0][1][1][0]
             for i in range(3):  # delivered again and again: a request that kills every worker
                 await r.xclaim(stream, group, f"ghost-{i}", 0, [poison_id])
-            await asyncio.sleep(0.3)
+
+            async def idle_enough() -> bool:  # past the claim_idle_ms=200 of the worker below
+                entries = await r.xpending_range(stream, group, "-", "+", 10)
+                return len(entries) == 2 and all(e["time_since_delivered"] >= 250 for e in entries)
+
+            await apoll(idle_enough, 10, "the dead worker's entries to idle past the claim limit")
             async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa"), claim_idle_ms=200), engine):
                 results = {rid: [e async for e in box.events()] for rid, box in boxes.items()}
             dead = await r.xrange(KEYS.dead_letter(MODEL_NAME))
@@ -147,10 +156,10 @@ def test_entries_of_a_worker_that_died_before_streaming_are_rerun_or_dead_letter
 def test_redis_restart_under_load_loses_nothing(tmp_path, zoo):
     server = RedisServer(tmp_path, durable=True).start()
     cases = [([50 + i] * (5 + i), 1000) for i in range(6)]
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=256)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256)
     expected = [o.outputs[0].token_ids for o in llm.generate(
         [p for p, _ in cases], [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in cases], use_tqdm=False)]
-    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), dtype="float32", num_gpu_blocks=256))
+    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256))
 
     async def main():
         async with running_worker(settings_for(server.url, zoo.path("llama-gqa")), engine):
@@ -164,11 +173,10 @@ def test_redis_restart_under_load_loses_nothing(tmp_path, zoo):
                     seen.append(event)
 
                 tasks = [asyncio.create_task(collect(s, count)) for s in streams]
-                while len(seen) < 12:
-                    await asyncio.sleep(0.01)
+                await apoll(lambda: len(seen) >= 12, 60, "a dozen events before Redis goes away", interval=0.01)
                 server.stop()  # under load: the engine keeps generating while Redis is gone
                 at_stop = sum(e.done for e in seen)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)  # the fault: Redis stays down for a second
                 server.start()
                 return await asyncio.wait_for(asyncio.gather(*tasks), 120), at_stop
 

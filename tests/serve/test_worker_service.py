@@ -13,7 +13,7 @@ from shared.keys import Keys
 from shared.protocol import VERSION, pack
 from shared.sampling import SamplingParams
 from tests.conftest import random_prompts
-from tests.service_helpers import MODEL_NAME, collect, running_worker, settings_for
+from tests.service_helpers import MODEL_NAME, ChannelTap, apoll, collect, running_worker, settings_for
 from pagedserve import LLM
 from worker.engine import Engine
 from worker.core.engine_config import EngineConfig
@@ -21,11 +21,11 @@ from worker.core.engine_config import EngineConfig
 
 @pytest.fixture(scope="module")
 def engine(zoo):
-    return Engine(EngineConfig(model=str(zoo.path("llama-gqa")), dtype="float32", num_gpu_blocks=1024, max_num_seqs=64))
+    return Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=1024, max_num_seqs=64))
 
 
 def offline(zoo, cases):
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", num_gpu_blocks=1024)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=1024)
     outs = llm.generate([p for p, _ in cases], [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases],
                         use_tqdm=False)
     return [o.outputs[0] for o in outs]
@@ -107,21 +107,28 @@ def test_cancel_storm_frees_every_block(redis_server, zoo, engine):
 
 
 def test_client_leaving_early_cancels_the_request(redis_server, zoo, engine):
+    """Only the cancel can end this request early: 1,000 tokens would take seconds, and the worker's
+    last event on the wire must be an abort after a handful of tokens."""
     async def main():
+        tap = await ChannelTap(redis_server.url, "pagedserve:cancel:*", "pagedserve:replies:*").start()
         async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine) as service:
             async with QueueClient(redis_server.url) as client:
-                stream = await client.submit(MODEL_NAME, prompt="go", params=SamplingParams(max_tokens=1000, ignore_eos=True))
+                stream = await client.submit(MODEL_NAME, prompt="go", params=SamplingParams(max_tokens=1000, ignore_eos=True),
+                                             request_id="leaver")
                 async for event in stream:
                     if event.seq == 3:
                         break
                 await stream.aclose()
-                for _ in range(100):
-                    if not service.inflight:
-                        break
-                    await asyncio.sleep(0.05)
-                return dict(service.inflight)
+                await apoll(lambda: not service.inflight, 10, "the worker to drop the request")
+                await apoll(lambda: any(e.done for e in tap.events("leaver")), 10, "the terminal event")
+        await tap.stop()
+        return tap
 
-    assert asyncio.run(main()) == {}
+    tap = asyncio.run(main())
+    assert [(c.id, c.reason) for c in tap.cancels()] == [("leaver", "client gone")]
+    events = tap.events("leaver")
+    assert events[-1].finish_reason == "abort"
+    assert sum(len(o.token_ids) for e in events for o in e.outputs) < 500
     assert engine.scheduler.blocks.usage().used == 0
 
 
@@ -137,10 +144,14 @@ def test_wire_format_is_plain_msgpack(redis_server, zoo, engine):
                 "params": {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}, "reply": {"channel": "my-replies"},
             })})
             events = []
-            while not (events and events[-1]["done"]):
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+
+            async def read_one() -> bool:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
                 if msg:
                     events.extend(msgpack.unpackb(msg["data"], strict_map_key=False))
+                return bool(events and events[-1]["done"])
+
+            await apoll(read_one, 30, "the raw request's terminal event", interval=0)
         await pubsub.aclose()
         await r.aclose()
         return events
@@ -164,7 +175,11 @@ def test_worker_metrics_reach_redis_and_prometheus(redis_server, zoo, engine):
         async with running_worker(settings, engine):
             async with QueueClient(redis_server.url) as client:
                 await collect(await client.submit(MODEL_NAME, prompt="x", params=SamplingParams(max_tokens=2)))
-            await asyncio.sleep(0.5)  # a heartbeat or two
+
+            async def reported() -> bool:  # a heartbeat after the request carries its tokens
+                return (await r.hget(Keys().metrics(MODEL_NAME, "metered"), "generation_tokens_total")) == b"2"
+
+            await apoll(reported, 10, "a heartbeat with the request's tokens")
             stored = await r.hgetall(Keys().metrics(MODEL_NAME, "metered"))
             text = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode())
@@ -183,8 +198,8 @@ def test_two_live_workers_cannot_share_a_consumer_name(redis_server, zoo, engine
 
     async def main():
         settings = settings_for(redis_server.url, zoo.path("llama-gqa"), consumer="same-name")
-        async with running_worker(settings, engine):
-            await asyncio.sleep(0.3)
+        async with running_worker(settings, engine) as first:
+            await apoll(lambda: first.redis.exists(first.keys.alive(MODEL_NAME, "same-name")), 10, "the first worker's name")
             with pytest.raises(ConsumerNameTaken, match="same-name"):
                 await WorkerService(settings, engine).run()
         # once the first one is gone, the name is free again

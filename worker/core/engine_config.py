@@ -28,6 +28,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = "recompute"
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the device's memory this engine may fill (weights, KV, steps)
     generation_config: str = "auto"  # "auto": the model's generation_config.json gives the default SamplingParams; "vllm": not
 

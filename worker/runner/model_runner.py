@@ -20,6 +20,7 @@ from worker.runner.attention import AttentionMetadata
 from worker.runner.models.llama import LlamaForCausalLM
 from worker.core.plan import ScheduledSeq, StepPlan, StepResult
 from worker.runner.beam_search import BeamSearcher
+from worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
 from worker.runner.sampler import Sampler
 
 
@@ -39,6 +40,7 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype,
         block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler, beams: BeamSearcher,
+        graph_limits: GraphLimits | None = None,
     ) -> None:
         self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
         self.sampler, self.beams = sampler, beams
@@ -53,6 +55,11 @@ class ModelRunner:
                                         pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
             bar.update(1)
         self.kv_caches = [(self.kv_pool[2 * i], self.kv_pool[2 * i + 1]) for i in range(layers)]
+        self.graphs = None
+        if graph_limits is not None and device.type == "cuda" and ops.backend == "triton":
+            self.graphs = DecodeGraphs(model, self.kv_caches, device, block_size, graph_limits)
+            with tqdm(total=1, desc="capturing CUDA graphs", unit="set", leave=False):
+                self.graphs.capture_all()
 
     def _pairs(self, pairs, device: torch.device) -> torch.Tensor:
         return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)
@@ -106,6 +113,11 @@ class ModelRunner:
         items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
         if not items:
             return StepLogits(torch.empty(0, 0, device=self.device), ())
+        sampling = [i for i, s in enumerate(items) if s.num_samples]
+        if self.graphs is not None and self.graphs.can_run(items):
+            logits = self.graphs.run(items)
+            rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
+            return StepLogits(logits[rows], tuple(items[i] for i in sampling))
         num_decodes = sum(1 for s in items if s.num_tokens == 1)
         ids, positions, slots, last_index = [], [], [], []
         for s in items:
@@ -119,7 +131,6 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches,
         )
-        sampling = [i for i, s in enumerate(items) if s.num_samples]
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=dev)
         return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling))
 
