@@ -73,7 +73,8 @@ def _auth(settings: GatewaySettings):
     @web.middleware
     async def check(request: web.Request, handler):
         if keys and request.path not in OPEN_PATHS and request.method != "OPTIONS":
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode()
+            # surrogateescape: a header with non-ASCII bytes is a wrong key (401), not a crash
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode(errors="surrogateescape")
             if not any(hmac.compare_digest(given, k) for k in keys):
                 raise ApiError(401, "invalid or missing API key", None, "invalid_api_key", "authentication_error")
         return await handler(request)

@@ -40,11 +40,13 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ApiError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     parsed = parse(body, chat, state.limits, state.sampling_defaults)
     if parsed.model != state.settings.served_model_name:
         raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")
-    prompts = state.prompt_ids(parsed)
-    await state.check_capacity()
+    prompts = await state.prompt_ids(parsed)
+    await state.check_capacity(len(prompts))
     base = state.new_id(chat)
     ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
     boxes = [state.dispatcher.open(i) for i in ids]  # subscribed before anything is queued

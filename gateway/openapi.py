@@ -3,15 +3,17 @@ them). Numeric ranges come from ``shared.sampling.BOUNDS``, the table ``Sampling
 
 from __future__ import annotations
 
-from shared.sampling import BOUNDS
+from gateway.schemas import MAX_USER_LEN, PRIORITY_RANGE
+from shared.sampling import BOUNDS, MAX_TOKEN_ID
 
 _BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items() if name not in ("logprobs", "best_of")}
 _SAMPLING = {
     **_BOUNDED, "model": {"type": "string"},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
     "stream": {"type": "boolean"}, "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "user": {"type": "string"}, "priority": {"type": "integer"}, "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
-    "ignore_eos": {"type": "boolean"}, "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "user": {"type": "string", "maxLength": MAX_USER_LEN},
+    "priority": {"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1]}, "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+    "ignore_eos": {"type": "boolean"}, "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID - 1}},
     "use_beam_search": {"type": "boolean"},
     "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
 }

@@ -30,8 +30,13 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_p
                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of"} | BEAM
 
 
+PRIORITY_RANGE = (-1000, 1000)  # lower runs first
+MAX_USER_LEN = 256
+
+
 @dataclass(frozen=True)
 class Limits:
+    max_choices: int = 64  # prompts x n of one request: each prompt is its own queue entry
     max_n: int = 16
     max_tokens: int = 4096
     max_stop: int = 4
@@ -88,12 +93,20 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
     except (InvalidRequestError, TypeError) as err:
         raise ApiError(400, str(err), getattr(err, "field", None)) from None
+    choices = (len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (int, dict)) else 1) * n
+    if choices > limits.max_choices:
+        raise ApiError(400, f"prompts x n is {choices}; at most {limits.max_choices} per request", "prompt" if not chat else "n")
     priority = _typed(body, "priority", int, default=0)
+    if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise ApiError(400, f"priority must be in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]", "priority")
+    user = _typed(body, "user", str, default=None)
+    if user is not None and len(user) > MAX_USER_LEN:
+        raise ApiError(400, f"user must be at most {MAX_USER_LEN} characters", "user")
     timeout = _typed(body, "timeout", (int, float), default=None)
     if timeout is not None and not 0 < timeout <= 3600:
         raise ApiError(400, "timeout must be in (0, 3600] seconds", "timeout")
     return ParsedRequest(chat, model, prompt, params, stream, bool(options and options.get("include_usage")),
-                         priority, timeout, _typed(body, "user", str, default=None))
+                         priority, timeout, user)
 
 
 def _typed(body: dict, name: str, kind, required: bool = False, default=None):

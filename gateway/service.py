@@ -7,8 +7,10 @@ the model's context is a 400 before it queues), and workers receive ``prompt_tok
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 import structlog
@@ -46,6 +48,7 @@ class GatewayService:
             settings.redis_url, max_connections=64, timeout=30))
         self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id))
         self.producer = Producer(self.redis, self.keys)
+        self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
 
     async def start(self) -> None:
@@ -54,10 +57,15 @@ class GatewayService:
     async def close(self) -> None:
         await self.dispatcher.stop()
         await self.redis.aclose()
+        self._tokenizing.shutdown(wait=False)
 
     # ------------------------------------------------------------------ prompts
-    def prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
-        """Token ids of every prompt, checked against the context length."""
+    async def prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
+        """Token ids of every prompt, checked against the context length. Tokenizing runs on a
+        thread: a megabyte prompt must not stall every other stream on the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, parsed)
+
+    def _prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
         if parsed.chat:
             prompts = [encode_chat(self.tokenizer, parsed.prompt)]
         elif isinstance(parsed.prompt, str):
@@ -81,15 +89,16 @@ class GatewayService:
         return prompts
 
     # ------------------------------------------------------------------ queue
-    async def check_capacity(self) -> None:
-        """503 without a live worker for the model; 429 when its stream is deeper than the limit."""
+    async def check_capacity(self, entries: int) -> None:
+        """503 without a live worker for the model; 429 when its stream would grow past the limit
+        with this request's ``entries``."""
         model = self.settings.served_model_name
         alive = [k async for k in self.redis.scan_iter(match=self.keys.alive_pattern(model), count=100)]
         if not alive:
             raise ApiError(503, f"no worker is serving {model!r} right now", None, "no_worker",
                            "service_unavailable", {"Retry-After": "5"})
         depth = await self.redis.xlen(self.keys.requests(model))
-        if depth > self.settings.max_queue_depth:
+        if depth + entries > self.settings.max_queue_depth:
             raise ApiError(429, f"the queue for {model!r} is full ({depth} waiting); retry shortly", None,
                            "queue_full", "rate_limit_exceeded", {"Retry-After": "1"})
 

@@ -52,7 +52,7 @@ class QueueClient:
     ) -> AsyncIterator[WireEvent]:
         """Push one request; returns an async iterator over its events (the last has ``done``)."""
         request_id = request_id or uuid.uuid4().hex
-        reply = ReplyTarget("stream", f"{self.keys.replies(self.client_id)}:results") if durable else \
+        reply = ReplyTarget("stream", self.keys.results(self.client_id)) if durable else \
             ReplyTarget("channel", self.dispatcher.channel)
         now = time.time()
         request = WireRequest(

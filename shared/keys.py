@@ -29,6 +29,16 @@ class Keys:
         """Pub/sub channel of one gateway instance: every event for its requests."""
         return f"{self.prefix}:replies:{gateway_id}"
 
+    def results(self, client_id: str) -> str:
+        """Durable result stream of one queue producer (``QueueClient(durable=True)``)."""
+        return f"{self.prefix}:results:{client_id}"
+
+    def allows_reply(self, kind: str, name: str) -> bool:
+        """Workers publish only into reply channels and result streams: a request cannot aim its
+        events at any other key (a worker's own liveness key, another model's stream)."""
+        prefix = {"channel": f"{self.prefix}:replies:", "stream": f"{self.prefix}:results:"}.get(kind)
+        return prefix is not None and name.startswith(prefix) and len(name) > len(prefix)
+
     def streamed(self, request_id: str) -> str:
         """Set once a request's first event went out: a reclaimed entry must not restart silently."""
         return f"{self.prefix}:streamed:{request_id}"

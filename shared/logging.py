@@ -18,6 +18,7 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO) -> No
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
+            *([structlog.processors.format_exc_info] if json else []),  # the console renderer prints tracebacks itself
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),

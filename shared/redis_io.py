@@ -21,18 +21,23 @@ async def listen_forever(
 ) -> None:
     """Call ``on_message`` for every message on ``channel``, resubscribing after a lost connection
     (messages published meanwhile are gone: pub/sub keeps nothing). Runs until cancelled.
-    ``on_subscribed`` / ``on_lost`` tell when the subscription holds and when it broke."""
+    ``on_subscribed`` / ``on_lost`` tell when the subscription holds and when it broke. Retries back
+    off from 0.2 s to 5 s, so an outage costs a few log lines, not one every 0.2 s."""
+    delay = 0.2
     while True:
         try:
             async with client.pubsub() as pubsub:
                 await pubsub.subscribe(channel)
                 async for msg in pubsub.listen():
-                    if msg["type"] == "subscribe" and on_subscribed is not None:
-                        on_subscribed()
+                    if msg["type"] == "subscribe":
+                        delay = 0.2
+                        if on_subscribed is not None:
+                            on_subscribed()
                     elif msg["type"] == "message":
                         on_message(msg["data"])
         except REDIS_DOWN as err:
             if on_lost is not None:
                 on_lost()
-            log.warning("subscription lost; resubscribing", channel=channel, error=str(err))
-            await asyncio.sleep(0.2)
+            log.warning("subscription lost; resubscribing", channel=channel, error=str(err), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -15,6 +15,8 @@ from shared.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 MAX_SEQS = 64  # beam_width and best_of
+MAX_TOKEN_ID = 2**31
+OPTIONAL = frozenset({"seed", "logprobs", "best_of"})  # None means "not set"
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         for name, bound in BOUNDS.items():
-            if getattr(self, name) is not None:  # seed, logprobs and best_of are optional
+            if getattr(self, name) is not None or name not in OPTIONAL:
                 _check(name, getattr(self, name), bound)
         if self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
@@ -98,8 +100,8 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop must be a list of non-empty strings", "stop")
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < MAX_TOKEN_ID:
+                raise InvalidRequestError(f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID})", "stop_token_ids")
         for name in ("ignore_eos", "skip_special_tokens", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean", name)

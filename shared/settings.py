@@ -52,6 +52,7 @@ class WorkerSettings:
     drain_timeout_s: float
     key_prefix: str
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    metrics_host: str = "127.0.0.1"
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
 
 
@@ -124,6 +125,8 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
     p.add_argument("--drain-timeout", type=_positive(float), default=e("drain_timeout", 30.0, float), help="seconds")
     p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"))
     p.add_argument("--metrics-port", type=int, default=e("metrics_port", 0, int), help="Prometheus port (0: off)")
+    p.add_argument("--metrics-host", default=e("metrics_host", "127.0.0.1"),
+                   help="address of the Prometheus endpoint (0.0.0.0 to expose it beyond this host)")
     add_engine_args(p, environ)
     return p
 
@@ -137,6 +140,7 @@ def worker_settings(argv: list[str] | None = None, environ: Mapping[str, str] | 
         consumer=args.consumer, max_inflight=args.max_inflight or args.max_num_seqs,
         claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat, max_deliveries=args.max_deliveries,
         drain_timeout_s=args.drain_timeout, key_prefix=args.key_prefix, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         engine=engine_kwargs(args),
     )
 

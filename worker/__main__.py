@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.engine import Engine
     from worker.core.engine_config import EngineConfig
     from worker.serve.bridge import ConsumerNameTaken
+    from worker.serve.process import serve_on_main_thread
     from worker.serve.service import WorkerService
 
     settings = worker_settings(argv)
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(EngineConfig(model=model_or_demo(settings.model), **settings.engine))
 
     try:
-        return WorkerService(settings, engine).serve()
+        return serve_on_main_thread(WorkerService(settings, engine))
     except ConsumerNameTaken as err:
         print(f"pagedserve: {err}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from worker.core.config import SchedulerConfig
 from worker.core.detokenizer import Detokenizer
 from worker.core.engine_config import EngineConfig, available_ram
 from worker.core.outputs import RequestOutput
+from worker.core.plan import StepResult
 from worker.core.request import Request
 from worker.core.scheduler import Scheduler
 from worker.runner.beam_search import BeamSearcher
@@ -112,5 +113,18 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+        except Exception as err:  # a bad kernel launch, out of memory, a bug: fail those requests, not the engine
+            log.exception("engine step failed", requests=len(plan.seqs))
+            self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
+            result = StepResult()
         return self.scheduler.update(plan, result)
+
+    def _fail_holders(self, plan, message: str) -> None:
+        """End with an error every request the failed step touched or whose KV it may have moved
+        (running and swapped ones); waiting requests hold no KV and go on."""
+        sched = self.scheduler
+        doomed = {s.request_id for s in plan.seqs} | {r.request_id for r in (*sched.running, *sched.swapped)}
+        for request_id in doomed:
+            sched.abort(request_id, error=message)

@@ -152,3 +152,25 @@ def test_seeded_sampling_is_identical_across_preemption(zoo, mode):
     assert tight.engine.scheduler.stats.num_preemptions > 0
     for a, b in zip(alone, together):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(zoo):
+    """A fault we cannot cause for real on a CPU (a kernel error, out of memory) is injected by
+    replacing the runner's execute for one step: a mock for an unreachable fault."""
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64)
+    engine, real = llm.engine, llm.engine.runner.execute
+    engine.add_request("victim", [20, 21, 22], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # its prompt: it now holds KV
+
+    def broken(plan):
+        engine.runner.execute = real
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.runner.execute = broken
+    failed = {out.request_id: out for out in engine.step()}
+    assert failed["victim"].finished and failed["victim"].outputs[0].finish_reason == "error"
+    assert "illegal memory access" in failed["victim"].error
+    engine.add_request("later", [30, 31], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert drain(engine)["later"].outputs[0].finish_reason == "length"  # the engine goes on
+    assert engine.scheduler.blocks.usage().used == 0
+    engine.scheduler.blocks.check_invariants()

@@ -88,6 +88,19 @@ def test_api_keys(keyed, header, status):
     assert httpx.get(url + "/health").status_code == 200  # open paths need no key
 
 
+def test_a_non_ascii_authorization_header_is_a_401(keyed):
+    r = httpx.post(keyed + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x"},
+                   headers=[(b"Authorization", b"Bearer k\xe9y\xff")], timeout=30)  # not even UTF-8
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_admission_counts_the_entries_a_request_adds(stack):
+    small = stack.add_gateway(max_queue_depth=2)
+    assert completion(small, prompt=["a", "b"], max_tokens=1).status_code == 200
+    r = completion(small, prompt=["a", "b", "c"], max_tokens=1)  # an empty queue, but three entries > 2
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+
+
 def test_chat_completion_through_the_sdk_matches_offline(client, offline):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     got = client.chat.completions.create(messages=messages, max_tokens=10, **greedy())

@@ -67,6 +67,11 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_
                 await r.xadd(stream, {"other": b"no data field"})
                 await r.xadd(stream, {"data": pack({"v": VERSION, "id": "bad-params", "model": MODEL_NAME, "prompt": "hi",
                                                     "params": {"temperature": -1}, "reply": {"channel": channel}})})
+                alive = keys.alive(MODEL_NAME, "test-worker")
+                for fields in ({"prompt": None, "messages": []}, {"params": {"stop_token_ids": 5}}, {"params": {1: 2}},
+                               {"reply": {"channel": alive}}, {"reply": {"stream": alive}}):
+                    await r.xadd(stream, {"data": pack({"v": VERSION, "id": "poison", "model": MODEL_NAME, "prompt": "hi",
+                                                        "reply": {"channel": channel}, **fields})})
                 error = [e async for e in box.events()]
                 ok = await collect(await client.submit(MODEL_NAME, prompt="still alive?", params=SamplingParams(max_tokens=3)))
             dead = await r.xrange(keys.dead_letter(MODEL_NAME))
@@ -78,8 +83,10 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_
     assert error[-1].done and error[-1].finish_reason == "error" and "temperature" in error[-1].error
     assert ok.last.done and ok.last.error is None
     reasons = [fields[b"reason"].decode() for _, fields in dead]
-    assert len(reasons) == 4
+    assert len(reasons) == 9, reasons
     assert any("malformed msgpack" in r for r in reasons) and any("version 99" in r for r in reasons)
+    assert sum("outside pagedserve:replies:*" in r for r in reasons) == 2
+    assert any("messages" in r for r in reasons) and any("stop_token_ids" in r for r in reasons)
     assert pending["pending"] == 0
 
 
@@ -137,11 +144,11 @@ def test_wire_format_is_plain_msgpack(redis_server, zoo, engine):
     async def main():
         r = aioredis.from_url(redis_server.url)
         pubsub = r.pubsub()
-        await pubsub.subscribe("my-replies")
+        await pubsub.subscribe("pagedserve:replies:my-replies")
         async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
             await r.xadd(Keys().requests(MODEL_NAME), {"data": msgpack.packb({
                 "v": 1, "id": "raw-1", "model": MODEL_NAME, "prompt_token_ids": [5, 6, 7],
-                "params": {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}, "reply": {"channel": "my-replies"},
+                "params": {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}, "reply": {"channel": "pagedserve:replies:my-replies"},
             })})
             events = []
 

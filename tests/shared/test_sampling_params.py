@@ -34,3 +34,10 @@ def test_normalisation_and_round_trip():
     assert SamplingParams.from_dict(p.to_dict()) == p
     with pytest.raises(InvalidRequestError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"temprature": 1.0})
+
+
+@pytest.mark.parametrize("name", ["n", "max_tokens", "temperature", "top_p", "beam_width"])
+def test_a_required_number_given_as_none_is_refused(name):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**{name: None})
+    assert err.value.field == name

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from shared.keys import Keys
-from shared.protocol import ReplyTarget, WireEvent, encode_events, unpack
+from shared.protocol import ReplyTarget, WireEvent, encode_events
 
 STREAMED_TTL_S = 24 * 3600
 
@@ -100,8 +100,12 @@ class RedisBridge:
             pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))
         await pipe.execute()
 
-    async def publish(self, batch: list[Outgoing]) -> None:
-        """One PUBLISH (or XADD) per reply target for the whole batch, in order; then the acks."""
+    async def publish(self, batch: list[Outgoing]) -> list[tuple[ReplyTarget, Exception]]:
+        """One PUBLISH (or XADD) per reply target for the whole batch, in order; then the acks.
+
+        A target Redis refuses (a key of the wrong type, say) fails its own requests only: it comes
+        back in the result and the rest of the batch, acks included, goes through. A lost
+        connection raises, and the caller sends the batch again."""
         by_target: OrderedDict[ReplyTarget, list[WireEvent]] = OrderedDict()
         for item in batch:
             by_target.setdefault(item.target, []).append(item.event)
@@ -119,7 +123,12 @@ class RedisBridge:
                 pipe.xack(self.stream, self.group, item.entry_id)
                 pipe.xdel(self.stream, item.entry_id)
                 pipe.delete(self.keys.streamed(item.event.id))
-        await pipe.execute()
+        results = await pipe.execute(raise_on_error=False)
+        failed = [(target, r) for target, r in zip(by_target, results) if isinstance(r, Exception)]
+        others = [r for r in results[len(by_target):] if isinstance(r, Exception)]
+        if others:
+            raise others[0]
+        return failed
 
     async def ack(self, entry_ids: list[str]) -> None:
         if entry_ids:
@@ -141,15 +150,6 @@ class RedisBridge:
 
     async def leave(self) -> None:
         await self.r.delete(self.keys.alive(self.model, self.consumer), self.keys.metrics(self.model, self.consumer))
-
-
-def salvage_reply(data: bytes | None) -> tuple[str, ReplyTarget] | None:
-    """The request id and reply target of a bad entry, if they can be read at all."""
-    try:
-        msg = unpack(data or b"")
-        return msg["id"], ReplyTarget.from_wire(msg["reply"])
-    except Exception:  # anything unreadable: there is nobody to tell
-        return None
 
 
 def _text(value) -> str:

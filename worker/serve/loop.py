@@ -10,21 +10,26 @@ used torch).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Callable
 
 from shared.errors import InvalidRequestError
 from shared.protocol import WireRequest
 from worker.engine import Engine
+from worker.serve.metrics import engine_state
 from worker.core.outputs import RequestOutput
 
 OnOutputs = Callable[[list[RequestOutput], list[tuple[str, str]]], None]
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_outputs: OnOutputs) -> None:
+    def __init__(self, engine: Engine, on_outputs: OnOutputs, snapshot_every_s: float = 0.25) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
+        self.snapshot = engine_state(engine)  # replaced, never mutated: safe to read from another thread
+        self._snapshot_every_s = snapshot_every_s
+        self._snapshot_at = time.monotonic()
         self._inbox: deque[tuple] = deque()
         self._ready = threading.Event()
         self._finish = threading.Event()
@@ -60,6 +65,12 @@ class EngineLoop:
             outputs, errors = self._tick(work)
             if outputs or errors:
                 self.on_outputs(outputs, errors)
+            self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        now = time.monotonic()
+        if now - self._snapshot_at >= self._snapshot_every_s or not self.engine.has_unfinished():
+            self.snapshot, self._snapshot_at = engine_state(self.engine), now
 
     def _tick(self, work: list[tuple]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         errors = []

@@ -11,11 +11,11 @@ PREFIX = "pagedserve:"
 
 
 class WorkerMetrics:
-    def __init__(self, port: int, model: str) -> None:
+    def __init__(self, port: int, model: str, host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
         self.model = model
         self._gauges: dict[str, Gauge] = {}
-        start_http_server(port, addr="0.0.0.0", registry=self.registry)
+        start_http_server(port, addr=host, registry=self.registry)
 
     def update(self, values: dict[str, float]) -> None:
         for name, value in values.items():
@@ -25,15 +25,21 @@ class WorkerMetrics:
             gauge.labels(model_name=self.model).set(value)
 
 
-def engine_snapshot(engine, in_flight: int, queued: int, tokens_out: int, tokens_per_s: float) -> dict[str, float]:
-    """The worker's numbers: queue, running/waiting, KV usage, prefix cache, preemptions, tokens."""
+def engine_state(engine) -> dict[str, float]:
+    """The engine's numbers. Read on the engine thread only: the I/O thread gets a copy."""
     sched = engine.scheduler
     usage = sched.blocks.usage()
     return {
-        "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting) + queued,
+        "num_requests_running": len(sched.running), "num_requests_waiting": len(sched.waiting),
         "num_requests_swapped": len(sched.swapped), "kv_cache_usage_perc": usage.used / max(1, usage.total),
         "num_preemptions_total": sched.stats.num_preemptions,
         "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
-        "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "in_flight": in_flight,
-        "generation_tokens_total": tokens_out, "generation_tokens_per_s": round(tokens_per_s, 2),
+        "prefix_cache_hits_total": sched.stats.prefix_hit_tokens,
     }
+
+
+def worker_metrics(state: dict[str, float], in_flight: int, queued: int, tokens_out: int,
+                   tokens_per_s: float) -> dict[str, float]:
+    """The engine's last snapshot with the I/O side's numbers: queue, in flight, tokens sent."""
+    return {**state, "num_requests_waiting": state.get("num_requests_waiting", 0) + queued, "in_flight": in_flight,
+            "generation_tokens_total": tokens_out, "generation_tokens_per_s": round(tokens_per_s, 2)}

@@ -1,12 +1,14 @@
 """The worker service: Redis stream in, engine loop, pub/sub out. Nothing lost.
 
 The engine runs in one thread (``EngineLoop``), the Redis I/O in another, on an asyncio loop; a
-step never waits on Redis and Redis I/O never waits on a step. ``serve()`` (the CLI) computes on
-the calling thread and runs the I/O loop on a second thread; ``run()`` (tests, embedding) is a
-coroutine that computes on a worker thread. The I/O tasks:
+step never waits on Redis and Redis I/O never waits on a step. The CLI computes on the main
+thread (``worker/serve/process.py``); ``run()`` (tests, embedding) is a coroutine that computes
+on a worker thread. The I/O tasks, each supervised (``shared/supervision.py``: logged, restarted
+with backoff, the worker exits 1 when one keeps failing):
 
 - reader: claims its own pending entries at start, then reads only as many new entries as it has
-  free capacity (a blocking read only while it has room);
+  free capacity (a blocking read only while it has room); every entry goes through
+  ``intake.admit``: a request to run, or a dead letter with the reason;
 - outputs: each step's outputs become one batch of events (on the I/O loop);
 - publisher: sends each batch (one PUBLISH per reply channel per step, in order), then XACK+XDEL
   the finished entries; on connection loss it retries the same batch with backoff;
@@ -16,14 +18,12 @@ coroutine that computes on a worker thread. The I/O tasks:
 - cancels: aborts requests named on the model's cancel channel.
 
 SIGTERM: stop reading, finish in-flight work (aborting what is left after ``drain_timeout``),
-flush events, exit 0.
+flush events, exit 0. Engine numbers for metrics come from the engine thread's snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,12 +36,14 @@ from shared.keys import Keys
 from shared.prompts import encode_chat
 from shared.protocol import WireCancel, WireRequest
 from shared.redis_io import REDIS_DOWN, listen_forever
+from shared.supervision import supervise
 from shared.settings import WorkerSettings
-from worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge, salvage_reply
+from worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
+from worker.serve.intake import Rejected, admit, salvage_reply
 from worker.engine import Engine
 from worker.serve.loop import EngineLoop
 from worker.serve.events import InFlight, error_event, event_for
-from worker.serve.metrics import WorkerMetrics, engine_snapshot
+from worker.serve.metrics import WorkerMetrics, worker_metrics
 
 log = structlog.get_logger("pagedserve.worker")
 
@@ -56,6 +58,7 @@ class WorkerService:
         self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread)
         self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
         self.stopping = asyncio.Event()
+        self.exit_code = 0
         self._room = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tokens_out = 0  # generated tokens sent, for the metrics
@@ -63,7 +66,7 @@ class WorkerService:
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.redis = aioredis.from_url(settings.redis_url)
-        self.prometheus = WorkerMetrics(settings.metrics_port, self.model) if settings.metrics_port else None
+        self.prometheus = WorkerMetrics(settings.metrics_port, self.model, settings.metrics_host) if settings.metrics_port else None
         self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
 
     # ------------------------------------------------------------------ lifecycle
@@ -79,38 +82,10 @@ class WorkerService:
     async def run(self) -> int:
         """Serve until stopped, computing on a worker thread."""
         loop = asyncio.get_running_loop()
-        return await self._serve_io(lambda: loop.run_in_executor(self._engine_thread, self.engine_loop.run))
+        return await self.serve_io(lambda: loop.run_in_executor(self._engine_thread, self.engine_loop.run))
 
-    def serve(self) -> int:
-        """Serve until SIGTERM/SIGINT, computing on the calling thread, I/O on a second thread."""
-        started, box = threading.Event(), {}
-
-        def io() -> None:
-            async def main() -> int:
-                box["loop"], box["engine_done"] = asyncio.get_running_loop(), asyncio.Event()
-                started.set()
-                return await self._serve_io(box["engine_done"].wait)
-
-            try:
-                box["rc"] = asyncio.run(main())
-            except ConsumerNameTaken as err:
-                box["error"] = err
-
-        thread = threading.Thread(target=io, name="pagedserve-io")
-        thread.start()
-        started.wait()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: box["loop"].call_soon_threadsafe(self.request_stop))
-        try:
-            self.engine_loop.run()
-        finally:
-            box["loop"].call_soon_threadsafe(box["engine_done"].set)
-            thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box.get("rc", 1)
-
-    async def _serve_io(self, engine_finished) -> int:
+    async def serve_io(self, engine_finished) -> int:
+        """The Redis side until the engine loop returns (``engine_finished`` awaits that)."""
         self._loop = asyncio.get_running_loop()
         try:
             await self._retrying("create group", self.bridge.ensure_group)
@@ -123,8 +98,9 @@ class WorkerService:
             await self.redis.aclose()
             raise
         log.info("worker ready", model=self.model, consumer=self.settings.consumer, stream=self.bridge.stream)
-        side = [asyncio.create_task(t) for t in (self._reader(), self._maintenance(), self._cancels())]
-        publisher = asyncio.create_task(self._publisher())
+        side = [asyncio.create_task(supervise(name, run, self._give_up))
+                for name, run in (("reader", self._reader), ("maintenance", self._maintenance), ("cancels", self._cancels))]
+        publisher = asyncio.create_task(supervise("publisher", self._publisher, self._give_up))
         try:
             await engine_finished()
         finally:
@@ -141,8 +117,18 @@ class WorkerService:
             await self.redis.aclose()
             self._engine_thread.shutdown()
             self._text_thread.shutdown()
-        log.info("worker stopped")
-        return 0
+        log.info("worker stopped", exit_code=self.exit_code)
+        return self.exit_code
+
+    def _give_up(self, task: str) -> None:
+        """A task that keeps failing: stop (in-flight work is aborted) and exit non-zero, so the
+        supervisor of the process restarts it; its queue entries go to other workers."""
+        log.error("worker stopping: a task keeps failing", task=task)
+        self.exit_code = 1
+        self.request_stop()
+        self._abort_leftovers()
+        if task == "publisher":  # nothing can be sent any more: do not wait for the drain
+            self.engine_loop.finish()
 
     def _finish_if_drained(self) -> None:
         if self.stopping.is_set() and not self.inflight:
@@ -195,13 +181,14 @@ class WorkerService:
 
     async def _accept(self, entry: Entry, reclaimed: bool = False) -> None:
         try:
-            req = WireRequest.decode(entry.data or b"")
-            if req.model != self.model:
-                raise InvalidRequestError(f"this worker serves {self.model!r}, not {req.model!r}", "model")
-        except InvalidRequestError as err:
+            req = admit(entry.data, self.model, self.keys)
+        except Rejected as err:
             await self._reject(entry, str(err))
             return
         if req.id in self.inflight:
+            if self.inflight[req.id].entry_id != entry.entry_id:
+                # Another entry with a live id: answering it would end the live request's stream.
+                await self._reject(entry, f"request id {req.id!r} is already in flight", tell=False)
             return
         flight = InFlight(entry.entry_id, req)
         if reclaimed and await self.bridge.was_streamed(req.id):
@@ -209,8 +196,9 @@ class WorkerService:
             return
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self._text_thread, self._prompt_ids, req)
-        except InvalidRequestError as err:
-            self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, 0, str(err)), entry.entry_id)])
+        except Exception as err:  # a bad prompt, or a chat template that chokes on these messages
+            message = str(err) if isinstance(err, InvalidRequestError) else f"the prompt could not be tokenized: {err}"
+            self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, 0, message), entry.entry_id)])
             return
         self.inflight[req.id] = flight
         self.engine_loop.add(req, ids)
@@ -220,10 +208,10 @@ class WorkerService:
             return encode_chat(self.engine.tokenizer, req.messages)
         return self.engine.encode(req.prompt if req.prompt is not None else req.prompt_token_ids)
 
-    async def _reject(self, entry: Entry, reason: str) -> None:
+    async def _reject(self, entry: Entry, reason: str, tell: bool = True) -> None:
         log.warning("dead-lettered", entry_id=entry.entry_id, reason=reason)
         await self._retrying("dead-letter", lambda: self.bridge.dead_letter(entry, reason))
-        salvaged = salvage_reply(entry.data)
+        salvaged = salvage_reply(entry.data, self.keys) if tell else None
         if salvaged:
             request_id, target = salvaged
             self.outbox.put_nowait([Outgoing(target, error_event(request_id, 0, reason))])
@@ -253,7 +241,13 @@ class WorkerService:
     # ------------------------------------------------------------------ output and upkeep
     async def _publisher(self) -> None:
         while (batch := await self.outbox.get()) is not None:
-            await self._retrying("publish", lambda: self.bridge.publish(batch))
+            for target, err in await self._retrying("publish", lambda: self.bridge.publish(batch)):
+                ids = sorted({item.event.id for item in batch if item.target == target})
+                log.warning("reply target refused; its requests are dropped", target=target.name, error=str(err),
+                            requests=ids)
+                for request_id in ids:  # nobody can hear them: stop computing
+                    if request_id in self.inflight:
+                        self.engine_loop.abort(request_id)
 
     async def _maintenance(self) -> None:
         while True:
@@ -276,7 +270,7 @@ class WorkerService:
         now = time.monotonic()
         (then, count), self._rate_mark = self._rate_mark, (now, self._tokens_out)
         rate = (self._tokens_out - count) / max(1e-6, now - then)
-        return engine_snapshot(self.engine, len(self.inflight), self.engine_loop.queued, self._tokens_out, rate)
+        return worker_metrics(self.engine_loop.snapshot, len(self.inflight), self.engine_loop.queued, self._tokens_out, rate)
 
     async def _cancels(self) -> None:
         await listen_forever(self.redis, self.keys.cancel(self.model), self._cancel)
