@@ -14,6 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ApiError, Limits, ParsedRequest
@@ -43,9 +46,11 @@ class GatewayService:
                  defaults=self.sampling_defaults or "none")
         self.limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens,
                              default_chat_max_tokens=settings.default_chat_max_tokens)
-        # Blocking pool: a burst of requests waits for a connection instead of failing.
+        # Blocking pool: a burst of requests waits for a connection instead of failing. Pooled
+        # connections that died with a Redis restart are retried on a fresh one, not turned into 503s.
         self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=64, timeout=30))
+            settings.redis_url, max_connections=64, timeout=30, health_check_interval=10,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3), retry_on_error=[RedisConnectionError]))
         self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id))
         self.producer = Producer(self.redis, self.keys)
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")

@@ -110,8 +110,10 @@ class DecodeGraphs:
         self._buckets[size] = bucket
         return bucket
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every bucket now, largest first (so smaller ones reuse its memory)."""
+        """Capture every bucket now, largest first (so smaller ones reuse its memory); no autograd
+        state is recorded, as in the forward that replays them."""
         for size in reversed(self.sizes):
             if size not in self._buckets:
                 self._capture(size)
