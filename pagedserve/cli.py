@@ -102,7 +102,8 @@ def up(args: argparse.Namespace) -> int:
             print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "
                   f"-d '{{\"model\": \"{stack.served_model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
                   flush=True)
-            stop.wait()
+            while not stop.wait(1.0):
+                stack.revive()  # a child that died is started again, not left half-alive
     except StackError as err:
         print(f"pagedserve: {err}", file=sys.stderr)
         return 1

@@ -2,7 +2,10 @@
 N workers and one gateway. Used by ``pagedserve up`` and ``bench/serve.py``.
 
 Every child is started in its own process group and stopped (SIGTERM, then SIGKILL after a
-grace period) when the stack closes, the embedded Redis last, so nothing is left running.
+grace period) when the stack closes, the embedded Redis last, so nothing is left running. While
+the stack runs, ``revive`` restarts a child that died (a restarted worker takes back the entries it
+held: their clients get their answer or an error at once, not at their deadline); a child that
+dies more than ``MAX_RESTARTS`` times ends the stack with a ``StackError``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from shared.model_source import model_or_demo, served_name
 from shared.settings import redis_url_from_env
 
 GRACE_S = 15.0
+MAX_RESTARTS = 5
 
 
 class StackError(RuntimeError):
@@ -36,6 +40,7 @@ class LocalStack:
         self.port = port or free_port()
         self.extra_worker_args = extra_worker_args
         self.children: list[subprocess.Popen] = []
+        self.restarts = 0
         self.redis: RedisServer | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
 
@@ -80,12 +85,24 @@ class LocalStack:
         cmd = [sys.executable, "-m", "pagedserve.cli", service, *args]
         self.children.append(subprocess.Popen(cmd, start_new_session=True))
 
+    def revive(self) -> None:
+        """Start again every child that exited; give up after ``MAX_RESTARTS`` restarts in all."""
+        for i, child in enumerate(self.children):
+            if child.poll() is None:
+                continue
+            self.restarts += 1
+            name = _name(child)
+            if self.restarts > MAX_RESTARTS:
+                raise StackError(f"{name} exited with code {child.returncode}; giving up after {MAX_RESTARTS} restarts")
+            print(f"pagedserve: {name} exited with code {child.returncode}; starting it again", file=sys.stderr, flush=True)
+            self.children[i] = subprocess.Popen(child.args, start_new_session=True)
+
     def _wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for child in self.children:
                 if child.poll() is not None:
-                    raise StackError(f"{' '.join(child.args[3:5])} exited with code {child.returncode} during start-up")
+                    raise StackError(f"{_name(child)} exited with code {child.returncode} during start-up")
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
                     if r.status == 200:
@@ -113,6 +130,13 @@ class LocalStack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _name(child: subprocess.Popen) -> str:
+    """``worker vm-w0`` or ``gateway``: the service, and the consumer name of a worker."""
+    args = list(child.args)
+    consumer = args[args.index("--consumer") + 1] if "--consumer" in args else ""
+    return f"{args[3]} {consumer}".strip()
 
 
 def _signal_group(child: subprocess.Popen, sig: int) -> None:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 from pagedserve.embedded_redis import free_port
@@ -38,7 +39,22 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_up_serves_and_sigterm_leaves_nothing(tmp_path):
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def complete(port: int) -> dict:
+    body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 5}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_up_serves_revives_a_killed_worker_and_sigterm_leaves_nothing(tmp_path):
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
     env.pop("REDIS_URL", None)
@@ -49,11 +65,18 @@ def test_up_serves_and_sigterm_leaves_nothing(tmp_path):
         assert ready, "pagedserve up printed nothing within 300 s"
         banner = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}" in banner, banner
-        body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 5}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as r:
-            answer = json.loads(r.read())
-        assert answer["usage"]["completion_tokens"] == 5
+        assert complete(port)["usage"]["completion_tokens"] == 5
+        workers = [p for p in descendants(proc.pid) if b"pagedserve.cli\x00worker" in cmdline(p)]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)  # the stack starts it again; meanwhile the gateway says 503
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                assert complete(port)["usage"]["completion_tokens"] == 5
+                break
+            except urllib.error.HTTPError as err:
+                assert err.code == 503 and time.monotonic() < deadline, err
+                time.sleep(0.5)
         children = descendants(proc.pid)
         assert len(children) >= 3  # redis-server, a worker, a gateway
         proc.send_signal(signal.SIGTERM)
