@@ -220,3 +220,54 @@ def test_usage_reports_every_figure_exactly():
     bm.swap_out([2])
     usage = bm.usage()
     assert (usage.used, usage.cpu_used, usage.logical, usage.tokens_held) == (2, 1, 4, 6)
+
+
+def corrupted_pools():
+    """A small pool in a consistent state (a used block, a cached one, plain free ones), and ways
+    to break each of its invariants."""
+
+    def fresh() -> BlockPool:
+        pool = BlockPool(4)
+        used, cached = pool.allocate(), pool.allocate()
+        pool.register(cached, 111, ("k",))
+        pool.decref(cached)  # refcount 0 with a hash: cached
+        return pool, used, cached
+
+    def ref(pool, used, cached):
+        pool._ref[used] += 1
+    def duplicate_free(pool, used, cached):
+        pool._free.append(pool._free[0])
+    def free_and_cached(pool, used, cached):
+        pool._free.append(cached)
+    def free_with_ref(pool, used, cached):
+        pool._free.append(used)
+    def free_with_hash(pool, used, cached):
+        pool._hash_of[pool._free[0]] = 5
+        pool._key_of[pool._free[0]] = ("x",)
+        pool._block_of_hash[5] = pool._free[0]
+    def cached_without_hash(pool, used, cached):
+        pool._cached[used] = None
+        pool._ref[used] = 0
+    def stale_hash(pool, used, cached):
+        pool._block_of_hash[222] = cached
+    def sizes_differ(pool, used, cached):
+        pool._key_of[used] = ("y",)
+
+    return fresh, [ref, duplicate_free, free_and_cached, free_with_ref, free_with_hash, cached_without_hash,
+                   stale_hash, sizes_differ]
+
+
+@pytest.mark.parametrize("corrupt", corrupted_pools()[1], ids=lambda f: f.__name__)
+def test_the_pool_check_catches_each_kind_of_corruption(corrupt):
+    fresh, _ = corrupted_pools()
+    pool, used, cached = fresh()
+    pool.check_invariants({used: 1})  # consistent before
+    corrupt(pool, used, cached)
+    refs = {used: 1} if corrupt.__name__ != "cached_without_hash" else {}
+    with pytest.raises(AssertionError, match="gpu pool invariants broken"):
+        pool.check_invariants(refs)
+
+
+def test_defaults_and_pool_names():
+    bm = BlockManager(8)
+    assert (bm.block_size, bm.cpu.num_blocks, bm.gpu.name, bm.cpu.name) == (16, 0, "gpu", "cpu")

@@ -26,8 +26,10 @@ def make(num_blocks=32, block_size=4, clock=None, **kw):
 
 def step(sched, sim):
     plan = sched.schedule()
+    assert plan.num_tokens <= sched.config.max_num_batched_tokens, "the token budget was exceeded"
     out = sched.update(plan, sim.execute(plan))
     sched.blocks.check_invariants()
+    assert sched.num_running_seqs <= sched.config.max_num_seqs
     return plan, out
 
 
@@ -104,12 +106,13 @@ def test_preempted_request_resumes_with_identical_output(mode):
     prompts = {f"r{i}": [i, i + 1, i + 2, i + 3, i + 4] for i in range(4)}
     for rid, prompt in prompts.items():
         sched.add(rid, prompt, params(max_tokens=6))
-    outputs, saw_swap = {}, False
+    outputs, saw_swap, preempted = {}, False, 0
     while sched.has_work:
         plan, out = step(sched, sim)
         saw_swap |= bool(plan.swap_out)
+        preempted += plan.num_preempted
         outputs.update({r.request_id: r.outputs[0].token_ids for r in out if r.finished})
-    assert sched.stats.num_preemptions > 0
+    assert sched.stats.num_preemptions == preempted > 1
     assert saw_swap == (mode == "swap")
     for rid, prompt in prompts.items():
         assert outputs[rid] == reference_output(prompt, 0, 6, None)
@@ -214,3 +217,85 @@ def test_one_preemption_is_counted_once():
         plan, _ = step(sched, sim)
         preempted.append(plan.num_preempted)
     assert sum(preempted) == sched.stats.num_preemptions == max(preempted) == 1
+
+
+def test_the_plan_carries_what_the_runner_needs_to_sample():
+    sched, sim = make()
+    sched.add("plain", [1, 2, 3], params(max_tokens=3))
+    sched.add("penalised", [4, 5], params(max_tokens=3, repetition_penalty=1.2))
+    sched.add("forked", [6, 7, 8], params(max_tokens=3, n=2))
+    sched.add("beams", [9, 10], SamplingParams(use_beam_search=True, beam_width=2, max_tokens=3, temperature=0.0))
+    plan = sched.schedule()
+    by_id = {s.request_id: s for s in plan.seqs}
+    assert by_id["plain"].params is sched.requests["plain"].params
+    assert (by_id["plain"].prompt_ids, by_id["plain"].output_ids, by_id["plain"].beam_group) == ((), (), ())
+    assert by_id["penalised"].prompt_ids == (4, 5) and by_id["penalised"].output_ids == ()
+    assert by_id["forked"].num_samples == 2 and by_id["plain"].num_samples == 1
+    assert by_id["beams"].beam_group == tuple(s.seq_id for s in sched.requests["beams"].live_seqs)
+    sched.update(plan, sim.execute(plan))
+    plan = sched.schedule()
+    later = [s for s in plan.seqs if s.request_id == "penalised"][0]
+    assert later.num_output == 1 and later.output_ids == tuple(sched.requests["penalised"].seqs[0].output_ids)
+    forks = sorted((s.seq_index, s.num_output) for s in plan.seqs if s.request_id == "forked")
+    assert forks == [(0, 1), (1, 1)]
+
+
+def test_duplicate_ids_and_tenant_salts():
+    sched, sim = make(block_size=4)
+    sched.add("a", list(range(1, 10)), params(), extra_key="tenant-1")
+    with pytest.raises(InvalidRequestError) as err:
+        sched.add("a", [1], params())
+    assert err.value.field == "id"
+    while sched.has_work:
+        step(sched, sim)
+    sched.add("same-tenant", list(range(1, 10)), params(), extra_key="tenant-1")
+    sched.add("other-tenant", list(range(1, 10)), params(), extra_key="tenant-2")
+    step(sched, sim)
+    assert sched.stats.prefix_hit_tokens == 8  # two full blocks, for the same tenant only
+    assert sched.stats.prefix_query_tokens == 9 * 3
+
+
+def test_waiting_requests_share_one_token_budget():
+    sched, sim = make(max_num_batched_tokens=10)
+    sched.add("a", list(range(1, 7)), params())  # 6 tokens
+    sched.add("b", list(range(10, 20)), params())  # 10 tokens: 4 fit this step
+    plan, _ = step(sched, sim)
+    assert [(s.request_id, s.num_tokens) for s in plan.seqs] == [("a", 6), ("b", 4)]
+
+
+@pytest.mark.parametrize("cpu_blocks, status", [(2, RequestStatus.SWAPPED), (1, RequestStatus.WAITING)])
+def test_swap_preemption_uses_a_cpu_pool_that_fits_exactly(cpu_blocks, status):
+    """The victim needs 2 CPU blocks: a pool of exactly 2 takes it, a pool of 1 falls back to recompute."""
+    sched, sim = make(num_blocks=4, block_size=2, num_cpu_blocks=cpu_blocks, preemption_mode="swap", max_num_seqs=2)
+    sched.add("first", [1, 2], params(max_tokens=5))
+    sched.add("second", [3, 4], params(max_tokens=5))
+    victims = []
+    while sched.has_work:
+        plan, _ = step(sched, sim)
+        if plan.num_preempted:
+            victims += [r.status for r in (*sched.swapped, *sched.waiting)]
+    assert victims == [status]
+
+
+def test_the_next_plan_names_the_requests_that_ended():
+    sched, sim = make()
+    sched.add("a", [1, 2], params(max_tokens=1))
+    sched.add("b", [3, 4], params(max_tokens=8))
+    step(sched, sim)  # a finishes (one token)
+    assert sched.abort("b")
+    plan = sched.schedule()
+    assert sorted(plan.finished_request_ids) == ["a", "b"]
+    assert sched.schedule().finished_request_ids == ()  # said once
+
+
+def test_no_waiting_request_is_admitted_while_one_is_swapped_out():
+    sched, sim = make(num_blocks=4, block_size=2, num_cpu_blocks=8, preemption_mode="swap", max_num_seqs=3)
+    sched.add("first", [1, 2], params(max_tokens=5))
+    sched.add("second", [3, 4], params(max_tokens=5))
+    while not sched.swapped:
+        step(sched, sim)
+    sched.add("third", [5], params(max_tokens=1))
+    while sched.swapped:
+        step(sched, sim)
+        if sched.swapped:
+            assert sched.requests["third"].status is RequestStatus.WAITING

@@ -27,6 +27,7 @@ def run_workload(cfg: SchedulerConfig, requests: list[tuple[str, list[int], Samp
                 rid, prompt, params, prio = pending.pop(0)
                 sched.add(rid, prompt, params, priority=prio)
         plan = sched.schedule()
+        assert plan.num_tokens <= cfg.max_num_batched_tokens
         for out in sched.update(plan, sim.execute(plan)):
             if out.finished:
                 finished[out.request_id] = out
@@ -120,6 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for request in arrivals:  # work keeps arriving while the pool is full
             self._add(*request)
         plan = self.sched.schedule()
+        assert plan.num_tokens <= self.cfg.max_num_batched_tokens
         SchedulerMachine.steps += not plan.is_empty
         SchedulerMachine.pressured += bool(plan.num_preempted or plan.swap_out or plan.swap_in)
         self.sched.update(plan, self.sim.execute(plan))
