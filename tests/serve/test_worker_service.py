@@ -214,3 +214,26 @@ def test_two_live_workers_cannot_share_a_consumer_name(redis_server, zoo, engine
             pass
 
     asyncio.run(main())
+
+
+def test_a_task_that_fails_is_restarted_and_heartbeats_go_on(redis_server, zoo, engine):
+    """A fault inside the heartbeat (replaced for one call: a mock for a failure Redis would not
+    produce on demand) is logged and the maintenance task restarts; the worker stays alive."""
+    async def main():
+        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine) as service:
+            real, calls = service.bridge.heartbeat, []
+
+            async def flaky(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("injected heartbeat fault")
+                return await real(*args, **kwargs)
+
+            service.bridge.heartbeat = flaky
+            await apoll(lambda: len(calls) >= 4, 10, "heartbeats after the fault")
+            async with QueueClient(redis_server.url) as client:
+                done = await collect(await client.submit(MODEL_NAME, prompt="x", params=SamplingParams(max_tokens=2)))
+            return service.exit_code, done
+
+    code, done = asyncio.run(main())
+    assert code == 0 and done.last.finish_reason == "length"
