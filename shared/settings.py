@@ -120,7 +120,8 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
                    help="requests held at once (default: --max-num-seqs)")
     p.add_argument("--claim-idle-ms", type=_positive(int), default=e("claim_idle_ms", 30_000, int),
                    help="reclaim another worker's entries idle this long")
-    p.add_argument("--heartbeat", type=_positive(float), default=e("heartbeat", 5.0, float), help="seconds")
+    p.add_argument("--heartbeat", type=_positive(float), default=e("heartbeat", 1.0, float),
+                   help="seconds; a worker silent for three heartbeats is taken for dead and its requests taken over")
     p.add_argument("--max-deliveries", type=_positive(int), default=e("max_deliveries", 3, int))
     p.add_argument("--drain-timeout", type=_positive(float), default=e("drain_timeout", 30.0, float), help="seconds")
     p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"))

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import redis.asyncio as aioredis
 
@@ -45,11 +46,15 @@ async def stream_is_clean(r) -> bool:
 
 
 def test_sigkill_mid_run_every_request_completes_or_errors(redis_server, zoo):
+    """With the default heartbeat (1 s) and idle limit (30 s): the dead worker is noticed from its
+    missing heartbeats, and its requests end within 5 s of the kill, not after 30 s of idle time."""
     path = zoo.path("llama-gqa")
+    defaults = ("--claim-idle-ms", "30000", "--heartbeat", "1.0")
 
     async def main():
         r = aioredis.from_url(redis_server.url)
-        workers = {name: start_worker_process(redis_server.url, path, name, "--max-inflight", "6") for name in ("w1", "w2")}
+        workers = {name: start_worker_process(redis_server.url, path, name, "--max-inflight", "6", *defaults)
+                   for name in ("w1", "w2")}
         try:
             for name in workers:
                 await wait_alive(r, name)
@@ -57,9 +62,12 @@ def test_sigkill_mid_run_every_request_completes_or_errors(redis_server, zoo):
                 params = SamplingParams(max_tokens=1500, ignore_eos=True)  # long enough to be killed mid-run
                 streams = [await client.submit(MODEL_NAME, prompt_token_ids=[30 + i] * 20, params=params) for i in range(12)]
                 started: set[str] = set()
+                ended: dict[str, float] = {}
 
                 async def note(event) -> None:
                     started.add(event.id)
+                    if event.done:
+                        ended[event.id] = time.monotonic()
 
                 tasks = [asyncio.create_task(collect(s, note)) for s in streams]
                 # 2 workers x 6 in flight: every request is streaming before one worker dies
@@ -67,21 +75,24 @@ def test_sigkill_mid_run_every_request_completes_or_errors(redis_server, zoo):
                 owners = await r.xpending_range(KEYS.requests(MODEL_NAME), KEYS.group(MODEL_NAME), "-", "+", 100)
                 victim = max(workers, key=lambda w: sum(o["consumer"].decode() == w for o in owners))
                 workers[victim].send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
                 results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             await apoll(lambda: stream_is_clean(r), 10, "the dead worker's entries to be acknowledged")
-            return results, await stream_is_clean(r)
+            recovery = max(ended[got.last.id] - killed_at for got in results if got.last.finish_reason == "error")
+            return results, await stream_is_clean(r), recovery
         finally:
             for proc in workers.values():
                 proc.kill()
                 proc.wait()
             await r.aclose()
 
-    results, clean = asyncio.run(main())
+    results, clean, recovery = asyncio.run(main())
     outcomes = [(got.last.finish_reason, got.last.error) for got in results]
     assert all(got.last.done for got in results)
     assert all(reason == "length" or (reason == "error" and "died" in error) for reason, error in outcomes), outcomes
     assert any(reason == "error" for reason, _ in outcomes), "the killed worker held no request"
     assert clean, "entries of the dead worker were neither acknowledged nor dead-lettered"
+    assert recovery <= 5.0, f"the dead worker's requests ended {recovery:.1f} s after the kill"
 
 
 def test_sigterm_drains_in_flight_work_and_exits_zero(redis_server, zoo):

@@ -85,6 +85,22 @@ class RedisBridge:
         return [await self.with_deliveries(Entry(_text(eid), fields.get(b"data") if fields else None))
                 for eid, fields in claimed]
 
+    async def reclaim_from_dead(self, count: int) -> list[Entry]:
+        """Entries held by consumers whose liveness key has expired (they stopped beating), now
+        ours: a dead worker is noticed within three heartbeats, not after the idle limit."""
+        summary = await self.r.xpending(self.stream, self.group)
+        claimed: list[Entry] = []
+        for holder in summary.get("consumers") or []:
+            name = _text(holder["name"])
+            if name == self.consumer or count <= len(claimed) or await self.r.exists(self.keys.alive(self.model, name)):
+                continue
+            held = await self.r.xpending_range(self.stream, self.group, "-", "+", count - len(claimed), consumername=name)
+            ids = [_text(e["message_id"]) for e in held]
+            if ids:
+                for eid, fields in await self.r.xclaim(self.stream, self.group, self.consumer, 0, ids):
+                    claimed.append(await self.with_deliveries(Entry(_text(eid), fields.get(b"data") if fields else None)))
+        return claimed
+
     async def with_deliveries(self, entry: Entry) -> Entry:
         info = await self.r.xpending_range(self.stream, self.group, entry.entry_id, entry.entry_id, 1)
         return Entry(entry.entry_id, entry.data, info[0]["times_delivered"] if info else entry.deliveries)

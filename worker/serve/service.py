@@ -262,7 +262,9 @@ class WorkerService:
             self.prometheus.update(metrics)
         await self.bridge.heartbeat([f.entry_id for f in self.inflight.values()], self.settings.heartbeat_s * 3, metrics)
         if not self.stopping.is_set() and self._free() > 0:
-            for entry in await self.bridge.reclaim(self.settings.claim_idle_ms, self._free()):
+            dead = await self.bridge.reclaim_from_dead(self._free())
+            idle = await self.bridge.reclaim(self.settings.claim_idle_ms, self._free()) if self._free() > len(dead) else []
+            for entry in dead + idle:
                 log.info("reclaimed", entry_id=entry.entry_id, deliveries=entry.deliveries)
                 await self._reclaimed(entry)
 
