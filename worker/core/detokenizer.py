@@ -28,7 +28,8 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def new_state(self, prompt_len: int) -> DetokenizerState:
+    @staticmethod
+    def new_state(prompt_len: int) -> DetokenizerState:
         start = max(prompt_len - CONTEXT_TOKENS, 0)
         return DetokenizerState(prefix_offset=start, read_offset=prompt_len, tokens_seen=prompt_len)
 

@@ -53,10 +53,9 @@ class OutputBuilder:
         detok, skip = self.detokenizer, req.params.skip_special_tokens
         state = self._states.get(seq.seq_id)
         if state is None:
-            state = self._states[seq.seq_id] = DetokenizerState(seq.prompt_len, seq.prompt_len, tokens_seen=seq.prompt_len) \
-                if detok is None else detok.new_state(seq.prompt_len)
+            state = self._states[seq.seq_id] = Detokenizer.new_state(seq.prompt_len)
         seen = state.tokens_seen
-        if detok is None:
+        if detok is None:  # token ids only (scheduler tests)
             state.tokens_seen = seq.num_tokens
             return seen, "", ""
         delta = detok.update(state, seq.token_ids, req.params.stop, skip, final=seq.finished)
