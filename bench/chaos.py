@@ -1,0 +1,143 @@
+"""Chaos benchmark: what clients see when a worker is SIGKILLed, or Redis restarts, under load.
+
+Starts a local stack (embedded Redis, ``--workers`` workers, a gateway, the demo model) and runs
+two faults, each under ``--requests`` concurrent streaming completions:
+
+- ``worker-kill``: once every stream has its first token, the worker holding the most requests
+  gets SIGKILL (``pagedserve up``'s supervision is not used here: the peer takes over);
+- ``redis-restart``: Redis is stopped and started empty while the streams run.
+
+Each request ends as ``completed`` (finish_reason length, all its tokens), ``errored`` (an error
+event or an HTTP error), ``hung`` (no end within ``--deadline`` seconds) or ``duplicated`` (more
+tokens than asked for). Also reported: how many requests each worker held when the fault came, and
+the time from the fault to the last request's end. Prints a JSON line and a table.
+
+    python -m bench.chaos [--requests 40] [--workers 2] [--max-tokens 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import redis
+
+from pagedserve.stack import LocalStack
+from shared.keys import Keys
+
+
+@dataclass
+class Progress:
+    """Which requests have streamed a token; ``all_started`` is set once every one has."""
+
+    needed: int
+    started: set[int] = field(default_factory=set)
+    all_started: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def saw(self, i: int) -> None:
+        self.started.add(i)
+        if len(self.started) == self.needed:
+            self.all_started.set()
+
+
+async def one(http: httpx.AsyncClient, model: str, max_tokens: int, i: int, progress: Progress,
+              deadline: float) -> tuple[str, float]:
+    body = {"model": model, "prompt": [20 + i % 200, 21, 22], "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    tokens, outcome = 0, "hung"
+    try:
+        async with asyncio.timeout(deadline):
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    return "errored", time.monotonic()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        return "errored", time.monotonic()
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    elif chunk["choices"]:
+                        progress.saw(i)
+        outcome = "completed" if tokens == max_tokens else ("duplicated" if tokens > max_tokens else "errored")
+    except (TimeoutError, asyncio.TimeoutError):
+        outcome = "hung"
+    except httpx.HTTPError:
+        outcome = "errored"
+    return outcome, time.monotonic()
+
+
+async def run_fault(stack: LocalStack, fault: str, requests: int, max_tokens: int, deadline: float) -> dict:
+    progress = Progress(requests)
+    limits = httpx.Limits(max_connections=requests + 10)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=deadline + 10, limits=limits) as http:
+        tasks = [asyncio.create_task(one(http, stack.served_model_name, max_tokens, i, progress, deadline))
+                 for i in range(requests)]
+        try:
+            await asyncio.wait_for(progress.all_started.wait(), 120)
+        except asyncio.TimeoutError:
+            pass
+        held = held_by_worker(stack)
+        fault_at = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, inject, stack, fault, held)
+        results = await asyncio.gather(*tasks)
+    counts = {k: sum(1 for o, _ in results if o == k) for k in ("completed", "errored", "hung", "duplicated")}
+    return {"fault": fault, "requests": requests, "held_by_worker": held, **counts,
+            "last_end_s": round(max(t for _, t in results) - fault_at, 2)}
+
+
+def held_by_worker(stack: LocalStack) -> dict[str, int]:
+    """Unacknowledged entries per worker (consumer name) when the fault comes."""
+    client = redis.Redis.from_url(stack.redis.url)
+    keys = Keys()
+    try:
+        summary = client.xpending(keys.requests(stack.served_model_name), keys.group(stack.served_model_name))
+    finally:
+        client.close()
+    return {c["name"].decode(): int(c["pending"]) for c in summary.get("consumers") or []}
+
+
+def inject(stack: LocalStack, fault: str, held: dict[str, int]) -> None:
+    if fault == "worker-kill":  # the worker holding the most requests
+        victim = max(held, key=held.get) if held else None
+        for child in stack.children:
+            args = list(child.args)
+            if "worker" in args and (victim is None or args[args.index("--consumer") + 1] == victim):
+                os.kill(child.pid, signal.SIGKILL)
+                return
+    else:
+        stack.redis.stop()
+        time.sleep(1.0)
+        stack.redis.start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=300)
+    ap.add_argument("--deadline", type=float, default=90.0, help="seconds before a request counts as hung")
+    args = ap.parse_args(argv)
+    os.environ.pop("REDIS_URL", None)  # the fault needs the embedded Redis
+    rows = []
+    for fault in ("worker-kill", "redis-restart"):
+        with LocalStack(workers=args.workers) as stack:
+            rows.append(asyncio.run(run_fault(stack, fault, args.requests, args.max_tokens, args.deadline)))
+    print(json.dumps({"bench": "chaos", "workers": args.workers, "max_tokens": args.max_tokens, "results": rows}))
+    print(f"{'fault':<15} {'requests':>8} {'completed':>9} {'errored':>7} {'hung':>5} {'dup':>4} {'last end s':>10}  held by worker")
+    for r in rows:
+        print(f"{r['fault']:<15} {r['requests']:>8} {r['completed']:>9} {r['errored']:>7} {r['hung']:>5} "
+              f"{r['duplicated']:>4} {r['last_end_s']:>10}  {r['held_by_worker']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
