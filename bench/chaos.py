@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 import redis
 
+from bench.table import print_table
 from pagedserve.stack import LocalStack
 from shared.keys import Keys
 
@@ -132,10 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         with LocalStack(workers=args.workers) as stack:
             rows.append(asyncio.run(run_fault(stack, fault, args.requests, args.max_tokens, args.deadline)))
     print(json.dumps({"bench": "chaos", "workers": args.workers, "max_tokens": args.max_tokens, "results": rows}))
-    print(f"{'fault':<15} {'requests':>8} {'completed':>9} {'errored':>7} {'hung':>5} {'dup':>4} {'last end s':>10}  held by worker")
-    for r in rows:
-        print(f"{r['fault']:<15} {r['requests']:>8} {r['completed']:>9} {r['errored']:>7} {r['hung']:>5} "
-              f"{r['duplicated']:>4} {r['last_end_s']:>10}  {r['held_by_worker']}")
+    print_table(rows, [(name, lambda r, k=key: r[k]) for name, key in (
+        ("fault", "fault"), ("requests", "requests"), ("completed", "completed"), ("errored", "errored"),
+        ("hung", "hung"), ("dup", "duplicated"), ("last end s", "last_end_s"), ("held by worker", "held_by_worker"))])
     return 0
 
 

@@ -18,6 +18,8 @@ import time
 import torch
 from torch.nn import functional as F
 
+from bench.table import print_table
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
@@ -85,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    print(f"{'batch':>6} {'context':>8} {'kernel ms':>10} {'GB/s':>8} {'of copy':>8} {'sdpa ms':>9} {'vs sdpa':>8}")
-    for r in rows:
-        print(f"{r['batch']:>6} {r['context']:>8} {r['kernel_ms']:>10} {r['kernel_gbps']:>8} "
-              f"{r['fraction_of_copy_bw']:>8.1%} {r['sdpa_ms']:>9} {r['kernel_vs_sdpa']:>7}x")
+    print_table(rows, [("batch", lambda r: r["batch"]), ("context", lambda r: r["context"]),
+                       ("kernel ms", lambda r: r["kernel_ms"]), ("GB/s", lambda r: r["kernel_gbps"]),
+                       ("of copy", lambda r: f"{r['fraction_of_copy_bw']:.1%}"), ("sdpa ms", lambda r: r["sdpa_ms"]),
+                       ("vs sdpa", lambda r: f"{r['kernel_vs_sdpa']}x")])
     return 0
 
 
