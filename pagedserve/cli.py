@@ -10,6 +10,7 @@
     pagedserve bench kernel [args]               Triton decode attention: time, GB/s, vs SDPA
     pagedserve bench queue-overhead [args]       the same workload through Redis vs in-process
     pagedserve bench serve [args]                serving benchmark: TTFT, TPOT, ITL, goodput
+    pagedserve bench chaos [args]                worker SIGKILL and Redis restart under load
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ BENCHES = {
     "kernel": "bench.kernel_bench",
     "queue-overhead": "bench.queue_overhead",
     "serve": "bench.serve",
+    "chaos": "bench.chaos",
 }
 
 
