@@ -80,6 +80,9 @@ class SamplingParams:
     early_stopping: bool | str = False  # True, False or "never", as in transformers
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids"):  # checked before they are made tuples below
+            if not isinstance(getattr(self, name), (list, tuple, str, type(None))):
+                raise InvalidRequestError(f"{name} must be a list", name)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
@@ -144,9 +147,6 @@ class SamplingParams:
         unknown = sorted(set(data) - known)
         if unknown:
             raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", unknown[0])
-        for name in ("stop", "stop_token_ids"):
-            if name in data and not isinstance(data[name], (list, tuple, str, type(None))):
-                raise InvalidRequestError(f"{name} must be a list", name)
         return cls(**data)
 
 

@@ -92,3 +92,10 @@ def test_range_errors_say_the_range(kwargs, message):
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(**kwargs)
     assert str(err.value) == message and err.value.field == next(iter(kwargs))
+
+
+@pytest.mark.parametrize("name, value", [("stop", 5), ("stop", 0), ("stop_token_ids", 7), ("stop_token_ids", {1: 2})])
+def test_lists_given_as_something_else_are_refused_by_name(name, value):
+    with pytest.raises(InvalidRequestError, match=f"{name} must be a list") as err:
+        SamplingParams(**{name: value})
+    assert err.value.field == name

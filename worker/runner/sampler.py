@@ -81,7 +81,7 @@ class Sampler:
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """min_tokens masking, then repetition, presence and frequency penalties, in place."""
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     dev = logits.device
     banned = [(*eos_token_ids, *r.params.stop_token_ids) if r.num_output < r.params.min_tokens else () for r in rows]
     if any(banned):
