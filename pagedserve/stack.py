@@ -43,6 +43,7 @@ class LocalStack:
         self.restarts = 0
         self.redis: RedisServer | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._worker_env: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
@@ -76,14 +77,16 @@ class LocalStack:
         common = [*model_args, "--redis-url", redis_url, "--served-model-name", self.served_model_name]
         if not self.model:
             model_or_demo(None)  # build it once here, not in every child at the same time
+        self._worker_env = worker_environment(os.environ, self.workers)
         for i in range(self.workers):
-            self._spawn("worker", *common, "--consumer", f"{os.uname().nodename}-w{i}", *self.extra_worker_args)
+            self._spawn("worker", *common, "--consumer", f"{os.uname().nodename}-w{i}", *self.extra_worker_args,
+                        env=self._worker_env)
         self._spawn("gateway", *common, "--host", self.host, "--port", str(self.port))
         self._wait_ready()
 
-    def _spawn(self, service: str, *args: str) -> None:
+    def _spawn(self, service: str, *args: str, env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "pagedserve.cli", service, *args]
-        self.children.append(subprocess.Popen(cmd, start_new_session=True))
+        self.children.append(subprocess.Popen(cmd, start_new_session=True, env=env))
 
     def revive(self) -> None:
         """Start again every child that exited; give up after ``MAX_RESTARTS`` restarts in all."""
@@ -95,7 +98,8 @@ class LocalStack:
             if self.restarts > MAX_RESTARTS:
                 raise StackError(f"{name} exited with code {child.returncode}; giving up after {MAX_RESTARTS} restarts")
             print(f"pagedserve: {name} exited with code {child.returncode}; starting it again", file=sys.stderr, flush=True)
-            self.children[i] = subprocess.Popen(child.args, start_new_session=True)
+            self.children[i] = subprocess.Popen(child.args, start_new_session=True,
+                                              env=self._worker_env if _name(child).startswith("worker") else None)
 
     def _wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -130,6 +134,16 @@ class LocalStack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def worker_environment(environ, workers: int) -> dict[str, str]:
+    """The workers' environment: the CPU cores shared out (``OMP_NUM_THREADS``) unless it is set.
+    Several workers each running one compute thread per core fight over the cores; measured with
+    two workers on two cores, both generating: 30-50 tokens/s each instead of ~1,000."""
+    env = dict(environ)
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // max(1, workers)))
+    return env
 
 
 def _name(child: subprocess.Popen) -> str:

@@ -88,3 +88,14 @@ def test_up_serves_revives_a_killed_worker_and_sigterm_leaves_nothing(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_workers_share_the_cores_unless_told_otherwise():
+    import os
+
+    from pagedserve.stack import worker_environment
+
+    cores = len(os.sched_getaffinity(0))
+    assert worker_environment({"PATH": "/bin"}, 2) == {"PATH": "/bin", "OMP_NUM_THREADS": str(max(1, cores // 2))}
+    assert worker_environment({}, 10 * cores)["OMP_NUM_THREADS"] == "1"
+    assert worker_environment({"OMP_NUM_THREADS": "7"}, 2)["OMP_NUM_THREADS"] == "7"
