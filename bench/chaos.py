@@ -7,9 +7,11 @@ two faults, each under ``--requests`` concurrent streaming completions:
   gets SIGKILL (``pagedserve up``'s supervision is not used here: the peer takes over);
 - ``redis-restart``: Redis is stopped and started empty while the streams run.
 
-Each request ends as ``completed`` (finish_reason length, all its tokens), ``errored`` (an error
-event or an HTTP error), ``hung`` (no end within ``--deadline`` seconds) or ``duplicated`` (more
-tokens than asked for). Also reported: how many requests each worker held when the fault came, and
+Each request (greedy) runs twice, first with no fault for the reference text, and ends as
+``completed`` (finish_reason length, all its tokens, the reference text), ``errored`` (an error
+event or an HTTP error; the messages are counted), ``hung`` (no end within ``--deadline``
+seconds), ``duplicated`` (more tokens than asked for) or ``corrupted`` (the streamed text differs
+from the reference: tokens lost, repeated or changed). Also reported: how many requests each worker held when the fault came, and
 the time from the fault to the last request's end. Prints a JSON line and a table.
 
     python -m bench.chaos [--requests 40] [--workers 2] [--max-tokens 300]
@@ -48,40 +50,54 @@ class Progress:
             self.all_started.set()
 
 
+@dataclass
+class Outcome:
+    kind: str  # completed | errored | hung | duplicated | corrupted
+    ended: float  # monotonic time the request ended
+    text: str = ""
+    error: str = ""
+    pause: float = 0.0  # the longest wait between two chunks: what a fault cost this stream
+
+
 async def one(http: httpx.AsyncClient, model: str, max_tokens: int, i: int, progress: Progress,
-              deadline: float) -> tuple[str, float]:
+              deadline: float) -> Outcome:
     body = {"model": model, "prompt": [20 + i % 200, 21, 22], "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    tokens, outcome = 0, "hung"
+    tokens, text, last, pause = 0, [], time.monotonic(), 0.0
     try:
         async with asyncio.timeout(deadline):
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
-                    return "errored", time.monotonic()
+                    return Outcome("errored", time.monotonic(), error=f"HTTP {r.status_code}")
                 async for line in r.aiter_lines():
                     if not line.startswith("data: {"):
                         continue
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
-                        return "errored", time.monotonic()
+                        return Outcome("errored", time.monotonic(), error=chunk["error"].get("message", ""))
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
                     elif chunk["choices"]:
+                        text.append(chunk["choices"][0].get("text") or "")
+                        if i in progress.started:
+                            pause = max(pause, time.monotonic() - last)
+                        last = time.monotonic()
                         progress.saw(i)
-        outcome = "completed" if tokens == max_tokens else ("duplicated" if tokens > max_tokens else "errored")
+        kind = "completed" if tokens == max_tokens else ("duplicated" if tokens > max_tokens else "errored")
+        return Outcome(kind, time.monotonic(), "".join(text), "" if kind == "completed" else f"{tokens} tokens", pause)
     except (TimeoutError, asyncio.TimeoutError):
-        outcome = "hung"
-    except httpx.HTTPError:
-        outcome = "errored"
-    return outcome, time.monotonic()
+        return Outcome("hung", time.monotonic())
+    except httpx.HTTPError as err:
+        return Outcome("errored", time.monotonic(), error=type(err).__name__)
 
 
-async def run_fault(stack: LocalStack, fault: str, requests: int, max_tokens: int, deadline: float) -> dict:
+async def run_all(http, stack: LocalStack, requests: int, max_tokens: int, deadline: float, fault: str | None) -> tuple:
+    """Every request at once; with ``fault``, injected once each has streamed. (outcomes, held, fault time)."""
     progress = Progress(requests)
-    limits = httpx.Limits(max_connections=requests + 10)
-    async with httpx.AsyncClient(base_url=stack.url, timeout=deadline + 10, limits=limits) as http:
-        tasks = [asyncio.create_task(one(http, stack.served_model_name, max_tokens, i, progress, deadline))
-                 for i in range(requests)]
+    tasks = [asyncio.create_task(one(http, stack.served_model_name, max_tokens, i, progress, deadline))
+             for i in range(requests)]
+    held, fault_at = {}, time.monotonic()
+    if fault is not None:
         try:
             await asyncio.wait_for(progress.all_started.wait(), 120)
         except asyncio.TimeoutError:
@@ -89,10 +105,31 @@ async def run_fault(stack: LocalStack, fault: str, requests: int, max_tokens: in
         held = held_by_worker(stack)
         fault_at = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, inject, stack, fault, held)
-        results = await asyncio.gather(*tasks)
-    counts = {k: sum(1 for o, _ in results if o == k) for k in ("completed", "errored", "hung", "duplicated")}
+    return await asyncio.gather(*tasks), held, fault_at
+
+
+async def run_fault(stack: LocalStack, fault: str, requests: int, max_tokens: int, deadline: float) -> dict:
+    """A clean pass for the reference texts (greedy), then the same requests with the fault."""
+    limits = httpx.Limits(max_connections=requests + 10)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=deadline + 10, limits=limits) as http:
+        clean_at = time.monotonic()
+        reference, _, _ = await run_all(http, stack, requests, max_tokens, deadline, None)
+        clean_s = time.monotonic() - clean_at
+        results, held, fault_at = await run_all(http, stack, requests, max_tokens, deadline, fault)
+    for got, want in zip(results, reference):
+        if got.kind == "completed" and want.kind == "completed" and got.text != want.text:
+            got.kind, got.error = "corrupted", "text differs from the clean pass"
+    counts = {k: sum(1 for o in results if o.kind == k) for k in ("completed", "errored", "hung", "duplicated", "corrupted")}
+    errors: dict[str, int] = {}
+    for o in results:
+        if o.error:
+            errors[o.error] = errors.get(o.error, 0) + 1
     return {"fault": fault, "requests": requests, "held_by_worker": held, **counts,
-            "last_end_s": round(max(t for _, t in results) - fault_at, 2)}
+            "last_end_s": round(max(o.ended for o in results) - fault_at, 2), "clean_pass_s": round(clean_s, 2),
+            "longest_pause_s": round(max(o.pause for o in results), 2), "errors": errors}
+
+
+FAULTS = ("worker-kill", "redis-restart")
 
 
 def held_by_worker(stack: LocalStack) -> dict[str, int]:
@@ -126,16 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=300)
     ap.add_argument("--deadline", type=float, default=90.0, help="seconds before a request counts as hung")
+    ap.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     args = ap.parse_args(argv)
     os.environ.pop("REDIS_URL", None)  # the fault needs the embedded Redis
     rows = []
-    for fault in ("worker-kill", "redis-restart"):
+    for fault in args.faults:
         with LocalStack(workers=args.workers) as stack:
             rows.append(asyncio.run(run_fault(stack, fault, args.requests, args.max_tokens, args.deadline)))
     print(json.dumps({"bench": "chaos", "workers": args.workers, "max_tokens": args.max_tokens, "results": rows}))
     print_table(rows, [(name, lambda r, k=key: r[k]) for name, key in (
         ("fault", "fault"), ("requests", "requests"), ("completed", "completed"), ("errored", "errored"),
-        ("hung", "hung"), ("dup", "duplicated"), ("last end s", "last_end_s"), ("held by worker", "held_by_worker"))])
+        ("hung", "hung"), ("dup", "duplicated"), ("corrupt", "corrupted"), ("longest pause s", "longest_pause_s"),
+        ("last end s", "last_end_s"), ("clean pass s", "clean_pass_s"),
+        ("held by worker", "held_by_worker"))])
+    for row in rows:
+        for message, count in row["errors"].items():
+            print(f"  {row['fault']}: {count} x {message}")
     return 0
 
 
