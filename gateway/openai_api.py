@@ -19,7 +19,7 @@ from gateway import sse
 from gateway.responses import Choice, Renderer, usage
 from gateway.schemas import ApiError, ParsedRequest, parse
 from gateway.service import GatewayService
-from shared.replies import Mailbox
+from shared.mailbox import Mailbox
 from shared.protocol import WireEvent
 
 STATE = web.AppKey("state", GatewayService)
@@ -49,20 +49,20 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     await state.check_capacity(len(prompts))
     base = state.new_id(chat)
     ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-    boxes = [state.dispatcher.open(i) for i in ids]  # subscribed before anything is queued
+    boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
     renderer = Renderer(chat, base, int(time.time()), parsed.model, state.tokenizer, parsed.params.logprobs is not None)
     deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
     state.metrics.prompt_tokens.labels(parsed.model).inc(sum(len(p) for p in prompts))
     try:
-        await state.enqueue(parsed, prompts, ids)
+        await state.dispatcher.send(boxes)  # subscribed before anything is queued
         events = _merged(boxes, deadline)
         if parsed.stream:
             return await _stream(request, state, parsed, renderer, events, started)
         return await _collect(state, parsed, renderer, events, len(prompts), started)
     finally:
-        await asyncio.shield(state.cancel([b.request_id for b in boxes if not b.done], "client gone"))
-        for request_id in ids:
-            state.dispatcher.close(request_id)
+        await asyncio.shield(state.cancel([b.wire_id for b in boxes if not b.done], "client gone"))
+        for box in boxes:
+            state.dispatcher.close(box)
 
 
 async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[int, WireEvent]]:

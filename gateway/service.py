@@ -51,8 +51,8 @@ class GatewayService:
         self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=64, timeout=30, health_check_interval=10,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3), retry_on_error=[RedisConnectionError]))
-        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id))
         self.producer = Producer(self.redis, self.keys)
+        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id), self.producer)
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
 
@@ -107,17 +107,16 @@ class GatewayService:
             raise ApiError(429, f"the queue for {model!r} is full ({depth} waiting); retry shortly", None,
                            "queue_full", "rate_limit_exceeded", {"Retry-After": "1"})
 
-    async def enqueue(self, parsed: ParsedRequest, prompts: list[list[int]], ids: list[str]) -> None:
-        await self.dispatcher.ready(timeout=5.0)  # subscribed before anything is queued
+    def wire_requests(self, parsed: ParsedRequest, prompts: list[list[int]], ids: list[str]) -> list[WireRequest]:
         now = time.time()
         timeout = parsed.timeout or self.settings.request_timeout_s
         reply = ReplyTarget("channel", self.dispatcher.channel)
-        await self.producer.enqueue([
+        return [
             WireRequest(id=request_id, model=self.settings.served_model_name, params=parsed.params, reply=reply,
                         prompt_token_ids=prompt, created=now, deadline=now + timeout,
                         priority=parsed.priority, tenant=parsed.user)
             for request_id, prompt in zip(ids, prompts)
-        ])
+        ]
 
     async def cancel(self, request_ids: list[str], reason: str) -> None:
         await self.producer.cancel(self.settings.served_model_name, request_ids, reason)

@@ -5,7 +5,9 @@
             print(event.outputs)
 
 Replies come on this client's own pub/sub channel (subscribed before anything is pushed), or, with
-``durable=True``, on a result stream that survives a disconnect and can be re-read.
+``durable=True``, on a result stream that survives a disconnect and can be re-read. On the channel
+path a request whose worker dies mid-stream, or whose entry Redis lost, is sent again and goes on
+(``shared/mailbox.py``); durable requests end with the error instead.
 Leaving the iteration early cancels the request.
 """
 
@@ -18,7 +20,8 @@ from typing import AsyncIterator
 
 import redis.asyncio as aioredis
 
-from shared.replies import Mailbox, ReplyDispatcher
+from shared.mailbox import Mailbox
+from shared.replies import ReplyDispatcher
 from shared.keys import Keys
 from shared.producer import Producer
 from shared.protocol import ReplyTarget, WireEvent, WireRequest, decode_events
@@ -31,8 +34,8 @@ class QueueClient:
         self.redis = aioredis.from_url(redis_url)
         self.keys = keys or Keys()
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
-        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(self.client_id))
         self.producer = Producer(self.redis, self.keys)
+        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(self.client_id), self.producer)
 
     async def __aenter__(self) -> "QueueClient":
         await self.dispatcher.start()
@@ -60,24 +63,29 @@ class QueueClient:
             prompt_token_ids=prompt_token_ids, messages=messages, created=now,
             deadline=now + timeout if timeout else None, priority=priority, tenant=tenant,
         )
-        box = None if durable else self.dispatcher.open(request_id)
         await self.dispatcher.start()
-        await self.producer.enqueue([request])
         if durable:
+            await self.producer.enqueue([request])
             return self._read_results(model, request_id, reply.name)
+        box = self.dispatcher.open(request)
+        try:
+            await self.dispatcher.send([box])
+        except BaseException:
+            self.dispatcher.close(box)
+            raise
         return self._read_mailbox(model, request_id, box)
 
     async def cancel(self, model: str, request_id: str, reason: str = "cancelled") -> None:
-        await self.producer.cancel(model, [request_id], reason)
+        await self.producer.cancel(model, [self.dispatcher.wire_id(request_id)], reason)
 
     async def _read_mailbox(self, model: str, request_id: str, box: Mailbox) -> AsyncIterator[WireEvent]:
         try:
             async for event in box.events():
                 yield event
         finally:
-            self.dispatcher.close(request_id)
+            self.dispatcher.close(box)
             if not box.done:
-                await self.cancel(model, request_id, "client gone")
+                await self.producer.cancel(model, [box.wire_id], "client gone")
 
     async def _read_results(self, model: str, request_id: str, stream: str) -> AsyncIterator[WireEvent]:
         """Durable replies: every event of this request from the result stream, resends dropped."""

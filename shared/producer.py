@@ -16,12 +16,12 @@ class Producer:
         self.redis = redis
         self.keys = keys
 
-    async def enqueue(self, requests: Sequence[WireRequest]) -> None:
-        """Push each request onto its model's stream, in one round trip."""
+    async def enqueue(self, requests: Sequence[WireRequest]) -> list[str]:
+        """Push each request onto its model's stream, in one round trip; their entry ids."""
         pipe = self.redis.pipeline(transaction=False)
         for request in requests:
             pipe.xadd(self.keys.requests(request.model), {"data": request.encode()})
-        await pipe.execute()
+        return [e.decode() if isinstance(e, bytes) else str(e) for e in await pipe.execute()]
 
     async def cancel(self, model: str, request_ids: Sequence[str], reason: str) -> None:
         """Ask the model's workers to abort these requests (a worker not holding one ignores it)."""

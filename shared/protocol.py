@@ -55,6 +55,36 @@ class ReplyTarget:
         return cls(kind, name)
 
 
+def can_resume(params: SamplingParams) -> bool:
+    """Whether a request interrupted mid-stream can go on elsewhere from the tokens already sent:
+    one output, no beam search, no ``best_of`` (those keep state that was never sent)."""
+    return params.n == 1 and not params.use_beam_search and params.best_of is None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a request taken over mid-stream goes on: the output tokens its client already has
+    (they count towards ``max_tokens``, penalties and seeded draws) and the ``seq`` of the next event."""
+
+    token_ids: list[int]
+    seq: int
+
+    @classmethod
+    def from_wire(cls, value: Any, params: SamplingParams) -> "Resume":
+        if not isinstance(value, dict):
+            raise ProtocolError('resume must be {"token_ids": [int], "seq": int}', "resume")
+        ids, seq = value.get("token_ids"), value.get("seq")
+        if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise ProtocolError("resume.token_ids must be a list of integers", "resume")
+        if type(seq) is not int or seq < 0:
+            raise ProtocolError("resume.seq must be an integer >= 0", "resume")
+        if not can_resume(params):
+            raise ProtocolError("only n = 1 requests without beam search or best_of can resume", "resume")
+        if len(ids) >= params.max_tokens:
+            raise ProtocolError("resume.token_ids must be fewer than max_tokens", "resume")
+        return cls(ids, seq)
+
+
 @dataclass(frozen=True)
 class WireRequest:
     id: str
@@ -68,6 +98,7 @@ class WireRequest:
     deadline: float | None = None  # wall-clock seconds (time.time())
     priority: int = 0
     tenant: str | None = None
+    resume: Resume | None = None  # set by a client re-sending a request whose worker died mid-stream
 
     def encode(self) -> bytes:
         body = {k: v for k, v in asdict(self).items() if k not in ("params", "reply")}
@@ -91,12 +122,15 @@ class WireRequest:
         params = msg.get("params", {})
         if not isinstance(params, dict):
             raise ProtocolError("params must be a map", "params")
+        sampling = SamplingParams.from_dict(params)
+        resume = msg.get("resume")
         return cls(
-            id=msg["id"], model=msg["model"], params=SamplingParams.from_dict(params),
+            id=msg["id"], model=msg["model"], params=sampling,
             reply=ReplyTarget.from_wire(msg.get("reply")), prompt=msg.get("prompt"),
             prompt_token_ids=msg.get("prompt_token_ids"), messages=msg.get("messages"),
             created=float(msg.get("created", 0.0)), deadline=msg.get("deadline"),
             priority=msg.get("priority", 0), tenant=msg.get("tenant"),
+            resume=None if resume is None else Resume.from_wire(resume, sampling),
         )
 
 
@@ -118,6 +152,7 @@ class WireEvent:
     finish_reason: str | None = None  # on the terminal event: stop | length | abort | error
     error: str | None = None
     usage: dict | None = None  # on the terminal event: prompt_tokens, completion_tokens
+    resumable: bool = False  # on a takeover's error: the client may re-send with ``resume``
 
     def to_wire(self) -> dict:
         return {"v": VERSION, **asdict(self)}
@@ -127,7 +162,7 @@ class WireEvent:
         msg = _versioned(msg)
         outputs = [OutputDelta(**o) for o in msg.get("outputs", [])]
         return cls(msg["id"], msg["seq"], outputs, msg.get("done", False), msg.get("finish_reason"),
-                   msg.get("error"), msg.get("usage"))
+                   msg.get("error"), msg.get("usage"), bool(msg.get("resumable", False)))
 
 
 def encode_events(events: list[WireEvent]) -> bytes:

@@ -1,89 +1,50 @@
-"""One pub/sub reader per process fans reply events out to per-request mailboxes.
+"""One pub/sub reader per process fans reply events out to per-request mailboxes
+(``shared/mailbox.py``), and a watch keeps requests from waiting on entries Redis lost.
 
-Subscribe before enqueue: ``open(request_id)`` must be called (and the reader subscribed) before
-the request is pushed, or early events are missed. A mailbox checks sequence numbers: duplicates
-(a worker resending after a reconnect) are dropped; a gap ends the request with an error event,
-never a silently short answer. Mailboxes are bounded; a consumer that falls that far behind gets
-an error instead of unbounded memory.
+Subscribe before enqueue: ``open(request)`` then ``send(boxes)``, which waits for the subscription
+before pushing, so no early event is missed. Every request is kept until its terminal event. Once a
+second the watch looks up the stream entry of each request that has heard nothing for ``quiet_s``:
+an entry gone on two looks in a row (Redis restarted empty, or lost the last second of an
+append-only file; the stream or group was deleted) and no terminal event means nobody will answer,
+so the mailbox sends the request again (``Mailbox`` decides how: from the prompt, or resumed).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from typing import AsyncIterator
+import time
 
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.errors import InvalidRequestError
-from shared.protocol import WireEvent, decode_events
-from shared.redis_io import listen_forever
+from shared.mailbox import Mailbox, failure
+from shared.producer import Producer
+from shared.protocol import WireRequest, decode_events
+from shared.redis_io import REDIS_DOWN, listen_forever
 
 log = structlog.get_logger("pagedserve.dispatch")
-MAILBOX_LIMIT = 10_000
-
-
-class Mailbox:
-    def __init__(self, request_id: str, limit: int = MAILBOX_LIMIT) -> None:
-        self.request_id = request_id
-        self._events: deque[WireEvent] = deque()
-        self._ready = asyncio.Event()
-        self._limit = limit
-        self._next_seq = 0
-        self.done = False
-
-    def put(self, event: WireEvent) -> None:
-        if self.done:
-            return
-        if len(self._events) >= self._limit:
-            self._events.clear()
-            self._events.append(_failure(self.request_id, "the client fell too far behind; events were dropped"))
-        else:
-            self._events.append(event)
-        self._ready.set()
-
-    async def events(self) -> AsyncIterator[WireEvent]:
-        """Events in order, ending with exactly one terminal event (``done``)."""
-        while not self.done:
-            if not self._events:
-                self._ready.clear()
-                await self._ready.wait()
-                continue
-            event = self._events.popleft()
-            if event.seq == -1:  # an out-of-band terminal error
-                self.done = True
-                yield event
-                return
-            if event.seq < self._next_seq:
-                continue  # a duplicate from a resend
-            if event.seq > self._next_seq:
-                self.done = True
-                yield _failure(self.request_id, f"lost events {self._next_seq}..{event.seq - 1} (sequence gap)")
-                return
-            self._next_seq += 1
-            self.done = event.done
-            yield event
-
-
-def _failure(request_id: str, message: str) -> WireEvent:
-    return WireEvent(request_id, -1, [], True, "error", message)
+VANISHED = "the request's queue entry vanished (did Redis restart without persistence?)"
 
 
 class ReplyDispatcher:
-    def __init__(self, client: aioredis.Redis, channel: str) -> None:
+    def __init__(self, client: aioredis.Redis, channel: str, producer: Producer,
+                 watch_every_s: float = 1.0, quiet_s: float = 2.0) -> None:
         self.client = client
         self.channel = channel
+        self.producer = producer
+        self.watch_every_s = watch_every_s
+        self.quiet_s = quiet_s
         self._boxes: dict[str, Mailbox] = {}
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._subscribed = asyncio.Event()
 
     async def start(self, wait: bool = True) -> None:
         """Start reading; with ``wait``, return once subscribed (a service starts without waiting,
         so it can answer "Redis unavailable" instead of not answering at all)."""
-        if self._task is None:
-            self._task = asyncio.create_task(self._read())
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
         if wait:
             await self._subscribed.wait()
 
@@ -96,17 +57,42 @@ class ReplyDispatcher:
             raise RedisConnectionError(f"not subscribed to {self.channel} (Redis unreachable?)") from None
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
 
-    def open(self, request_id: str) -> Mailbox:
-        box = self._boxes[request_id] = Mailbox(request_id)
+    def open(self, request: WireRequest | str) -> Mailbox:
+        """A mailbox for a request about to be sent (kept, to send again), or for a bare id (read only)."""
+        if isinstance(request, str):
+            box = Mailbox(request)
+        else:
+            box = Mailbox(request.id, request=request, resend=self._push)
+        self._boxes[box.request_id] = box
         return box
 
-    def close(self, request_id: str) -> None:
-        self._boxes.pop(request_id, None)
+    async def send(self, boxes: list[Mailbox], subscribe_timeout: float = 5.0) -> None:
+        """Push the requests of ``boxes`` (one round trip) once the channel is subscribed."""
+        await self.ready(subscribe_timeout)
+        entry_ids = await self.producer.enqueue([box.request for box in boxes])
+        for box, entry_id in zip(boxes, entry_ids):
+            box.entry_id, box.heard_at = entry_id, time.monotonic()
+
+    async def _push(self, request: WireRequest, old_id: str) -> str:
+        """A new attempt of a request: its mailbox answers to the new id, the old attempt is cancelled."""
+        box = self._boxes.pop(old_id, None)
+        if box is not None:
+            self._boxes[request.id] = box
+        await self.ready(5.0)
+        await self.producer.cancel(request.model, [old_id], "sent again")
+        return (await self.producer.enqueue([request]))[0]
+
+    def wire_id(self, request_id: str) -> str:
+        """The id the current attempt of ``request_id`` has on the wire (itself until it is sent again)."""
+        return next((b.wire_id for b in self._boxes.values() if b.request_id == request_id), request_id)
+
+    def close(self, box: Mailbox | str) -> None:
+        self._boxes.pop(box.wire_id if isinstance(box, Mailbox) else box, None)
 
     async def _read(self) -> None:
         await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set, self._subscribed.clear)
@@ -121,3 +107,31 @@ class ReplyDispatcher:
             box = self._boxes.get(event.id)
             if box is not None:
                 box.put(event)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.watch_every_s)
+            try:
+                await self.check_entries()
+            except REDIS_DOWN:
+                pass  # looked at again once Redis answers
+            except Exception:  # a key of another type under the stream's name, say: keep watching
+                log.exception("checking queue entries failed")
+
+    async def check_entries(self) -> None:
+        """Look up the entry of every request quiet for ``quiet_s``; one gone twice is sent again."""
+        now = time.monotonic()
+        quiet = [b for b in self._boxes.values()
+                 if not b.done and b.entry_id and b.request is not None and now - b.heard_at >= self.quiet_s]
+        if not quiet:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for box in quiet:
+            pipe.xrange(self.producer.keys.requests(box.request.model), box.entry_id, box.entry_id)
+        for box, found in zip(quiet, await pipe.execute()):
+            box.missing_checks = 0 if found else box.missing_checks + 1
+            if box.missing_checks >= 2:
+                log.warning("queue entry vanished; sending the request again", request_id=box.request_id,
+                            entry_id=box.entry_id)
+                box.missing_checks = 0
+                box.put(failure(box.wire_id, VANISHED, resumable=True))

@@ -53,6 +53,7 @@ class WorkerSettings:
     key_prefix: str
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_host: str = "127.0.0.1"
+    read_ahead: int = 16  # requests read but not yet started (no event sent) at most
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
 
 
@@ -118,6 +119,9 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
                    help="stable consumer name (default: the host name); each worker on a host needs its own")
     p.add_argument("--max-inflight", type=_positive(int), default=e("max_inflight", None, int),
                    help="requests held at once (default: --max-num-seqs)")
+    p.add_argument("--read-ahead", type=_positive(int), default=e("read_ahead", 16, int),
+                   help="requests read from the stream but not started yet, at most: a worker takes only what it can "
+                        "start soon and leaves the rest to other workers (higher ramps one worker up faster)")
     p.add_argument("--claim-idle-ms", type=_positive(int), default=e("claim_idle_ms", 30_000, int),
                    help="reclaim another worker's entries idle this long")
     p.add_argument("--heartbeat", type=_positive(float), default=e("heartbeat", 1.0, float),
@@ -141,7 +145,7 @@ def worker_settings(argv: list[str] | None = None, environ: Mapping[str, str] | 
         consumer=args.consumer, max_inflight=args.max_inflight or args.max_num_seqs,
         claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat, max_deliveries=args.max_deliveries,
         drain_timeout_s=args.drain_timeout, key_prefix=args.key_prefix, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
+        metrics_host=args.metrics_host, read_ahead=args.read_ahead,
         engine=engine_kwargs(args),
     )
 

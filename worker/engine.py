@@ -98,12 +98,15 @@ class Engine:
 
     def add_request(
         self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
-        priority: int = 0, deadline: float | None = None, extra_key: Hashable = None,
+        priority: int = 0, deadline: float | None = None, extra_key: Hashable = None, resume_output: Seq[int] = (),
     ) -> Request:
-        """Queue a request. ``deadline`` is wall-clock (``time.time()``) seconds."""
+        """Queue a request. ``deadline`` is wall-clock (``time.time()``) seconds; ``resume_output``:
+        output tokens a client already has from a worker that died (``shared.protocol.Resume``)."""
         ids = self.encode(prompt)
+        resumed = check_token_ids(resume_output, self.info.config.vocab_size, "resume") if resume_output else ()
         monotonic_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
-        return self.scheduler.add(request_id, ids, params, priority=priority, deadline=monotonic_deadline, extra_key=extra_key)
+        return self.scheduler.add(request_id, ids, params, priority=priority, deadline=monotonic_deadline,
+                                  extra_key=extra_key, resume_output=resumed)
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)

@@ -5,8 +5,8 @@ import msgpack
 import pytest
 
 from shared.protocol import (
-    MAX_ID_LEN, VERSION, OutputDelta, ProtocolError, ReplyTarget, WireCancel, WireEvent, WireRequest, decode_events,
-    encode_events,
+    MAX_ID_LEN, VERSION, OutputDelta, ProtocolError, ReplyTarget, Resume, WireCancel, WireEvent, WireRequest,
+    decode_events, encode_events,
 )
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
@@ -30,9 +30,15 @@ def test_requests_round_trip(source):
     assert WireRequest.decode(sent.encode()) == sent
 
 
+def test_a_resumed_request_round_trips():
+    sent = request(resume=Resume([7, 8], 2))
+    assert WireRequest.decode(sent.encode()) == sent
+
+
 def test_events_and_cancels_round_trip():
     events = [WireEvent("a", 0, [OutputDelta(0, [1, 2], "hi", None, [{"token_id": 1, "logprob": -0.5, "top": {1: -0.5}}])]),
-              WireEvent("b", 3, [], True, "error", "the worker died", {"prompt_tokens": 2, "completion_tokens": 4})]
+              WireEvent("b", 3, [], True, "error", "the worker died", {"prompt_tokens": 2, "completion_tokens": 4}),
+              WireEvent("c", -1, [], True, "error", "the worker died", None, True)]
     assert decode_events(encode_events(events)) == events
     assert WireCancel.decode(WireCancel("a", "client gone").encode()) == WireCancel("a", "client gone")
     assert ReplyTarget.from_wire({"stream": "s"}) == ReplyTarget("stream", "s")
@@ -65,6 +71,16 @@ def test_events_and_cancels_round_trip():
     (raw(params={"stop_token_ids": 5}), "stop_token_ids", "stop_token_ids must be a list"),
     (raw(params={"stop": 5}), "stop", "stop must be a list"),
     (raw(params={1: 2}), "params", "sampling parameter names must be strings"),
+    (raw(resume=[1]), "resume", 'resume must be {"token_ids": [int], "seq": int}'),
+    (raw(resume={"token_ids": [1, "x"], "seq": 1}), "resume", "resume.token_ids must be a list of integers"),
+    (raw(resume={"token_ids": [1], "seq": -1}), "resume", "resume.seq must be an integer >= 0"),
+    (raw(resume={"token_ids": [1], "seq": True}), "resume", "resume.seq must be an integer >= 0"),
+    (raw(resume={"token_ids": [1], "seq": 1}, params={"n": 2}), "resume", "only n = 1 requests"),
+    (raw(resume={"token_ids": [1], "seq": 1}, params={"best_of": 2}), "resume", "only n = 1 requests"),
+    (raw(resume={"token_ids": [1], "seq": 1}, params={"use_beam_search": True, "beam_width": 2}), "resume",
+     "only n = 1 requests"),
+    (raw(resume={"token_ids": [1, 2], "seq": 1}, params={"max_tokens": 2}), "resume",
+     "resume.token_ids must be fewer than max_tokens"),
     (raw(reply=None), "reply", 'reply must be {"channel": name} or {"stream": name}'),
     (raw(reply={"channel": "a", "stream": "b"}), "reply", 'reply must be {"channel": name} or {"stream": name}'),
     (raw(reply={"email": "x"}), "reply", 'reply must be {"channel": name} or {"stream": name}'),
@@ -80,13 +96,15 @@ def test_malformed_requests_are_invalid_request_errors_naming_the_field(data, fi
 
 def test_minimal_messages_take_the_documented_defaults():
     req = WireRequest.decode(raw(id="x" * MAX_ID_LEN))  # the longest id is allowed
-    assert (req.created, req.deadline, req.priority, req.tenant, req.params) == (0.0, None, 0, None, SamplingParams())
+    assert (req.created, req.deadline, req.priority, req.tenant, req.params, req.resume) == \
+        (0.0, None, 0, None, SamplingParams(), None)
     event = WireEvent.from_wire({"v": VERSION, "id": "a", "seq": 0})
-    assert (event.outputs, event.done, event.finish_reason, event.error, event.usage) == ([], False, None, None, None)
+    assert (event.outputs, event.done, event.finish_reason, event.error, event.usage, event.resumable) == \
+        ([], False, None, None, None, False)
     assert WireCancel.decode(msgpack.packb({"v": VERSION, "id": "a"})).reason == "cancelled"
     assert set(msgpack.unpackb(request().encode())) == {"v", "id", "model", "params", "reply", "prompt",
                                                         "prompt_token_ids", "messages", "created", "deadline",
-                                                        "priority", "tenant"}
+                                                        "priority", "tenant", "resume"}
 
 
 def test_malformed_cancels_are_protocol_errors():

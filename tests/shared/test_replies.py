@@ -1,13 +1,17 @@
-"""The reply mailbox: events in order, duplicates from a resend dropped, a gap an error, bounded."""
+"""The reply mailbox: events in order, duplicates from a resend dropped, a gap an error, bounded;
+a request whose worker died mid-stream sent again (resumed) when it can be, an error when not."""
 
 import asyncio
 
-from shared.protocol import OutputDelta, WireEvent
-from shared.replies import Mailbox
+import pytest
+
+from shared.mailbox import MAX_RESENDS, Mailbox, failure
+from shared.protocol import OutputDelta, ReplyTarget, Resume, WireEvent, WireRequest
+from shared.sampling import SamplingParams
 
 
-def event(seq: int, done: bool = False, tokens=(1,)) -> WireEvent:
-    return WireEvent("r", seq, [OutputDelta(0, list(tokens), "x", "length" if done else None, None)], done,
+def event(seq: int, done: bool = False, tokens=(1,), request_id: str = "r") -> WireEvent:
+    return WireEvent(request_id, seq, [OutputDelta(0, list(tokens), "x", "length" if done else None, None)], done,
                      "length" if done else None)
 
 
@@ -50,3 +54,88 @@ def test_events_after_the_end_are_ignored():
     assert [e.seq for e in drain(box)] == [0]
     box.put(event(1))
     assert drain(box) == []
+
+
+def kept(params: SamplingParams, sent: list):
+    """A mailbox holding its request, whose re-sends land in ``sent`` (entry ids e-1, e-2 …)."""
+    async def resend(req, old_id):
+        assert old_id == (sent[-1].id if sent else "r")  # the attempt given up on is the latest
+        sent.append(req)
+        return f"e-{len(sent)}"
+
+    request = WireRequest(id="r", model="m", params=params, reply=ReplyTarget("channel", "c"), prompt_token_ids=[1, 2])
+    return Mailbox("r", request=request, resend=resend)
+
+
+def lost(request_id: str = "r") -> WireEvent:
+    return failure(request_id, "the worker serving this request died mid-stream", resumable=True)
+
+
+def drain_with_attempts(box: Mailbox, sent: list, first: list[WireEvent], later: list[list[WireEvent]]) -> list[WireEvent]:
+    """Read ``box`` while its attempts answer: ``first`` at once, ``later[k]`` once attempt k+1 was sent."""
+    async def answer():
+        for e in first:
+            box.put(e)
+        for attempt, events in enumerate(later, start=1):
+            while len(sent) < attempt:
+                await asyncio.sleep(0.001)
+            for e in events:
+                box.put(e)
+
+    async def main():
+        feeder = asyncio.create_task(answer())
+        got = [e async for e in box.events()]
+        await feeder
+        return got
+
+    return asyncio.run(asyncio.wait_for(main(), 5))
+
+
+def test_a_request_whose_worker_died_mid_stream_is_resumed_from_what_was_delivered():
+    sent: list = []
+    box = kept(SamplingParams(max_tokens=9), sent)
+    got = drain_with_attempts(box, sent, [event(0, tokens=(5, 6)), event(1, tokens=(7,)), lost()], [
+        [event(2, tokens=(99,)), event(2, tokens=(8,), request_id="r~1"), event(3, done=True, request_id="r~1")]])
+    assert [e.seq for e in got] == [0, 1, 2, 3] and got[-1].finish_reason == "length"
+    assert [t for e in got for o in e.outputs for t in o.token_ids] == [5, 6, 7, 8, 1]  # not 99: the old attempt's
+    assert all(e.id == "r" for e in got)  # the reader sees its own id whatever the attempt
+    assert [(r.id, r.resume) for r in sent] == [("r~1", Resume([5, 6, 7], 2))] and box.entry_id == "e-1"
+
+
+def test_a_gap_in_a_resumable_request_is_resumed_from_before_the_gap():
+    sent: list = []
+    box = kept(SamplingParams(max_tokens=9), sent)
+    got = drain_with_attempts(box, sent, [event(0, tokens=(5,)), event(3)],
+                              [[event(1, request_id="r~1"), event(2, done=True, request_id="r~1")]])
+    assert [e.seq for e in got] == [0, 1, 2] and got[-1].done and got[-1].finish_reason == "length"
+    assert [(r.id, r.resume) for r in sent] == [("r~1", Resume([5], 1))]
+
+
+def test_a_request_lost_before_any_event_is_sent_again_whole_even_with_n_samples():
+    sent: list = []
+    box = kept(SamplingParams(n=2), sent)
+    got = drain_with_attempts(box, sent, [lost()], [[event(0, done=True, request_id="r~1")]])
+    assert [e.seq for e in got] == [0]
+    assert len(sent) == 1 and sent[0].resume is None
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=2), SamplingParams(best_of=2), SamplingParams(use_beam_search=True, beam_width=2)])
+def test_a_request_that_cannot_resume_ends_with_the_error(params):
+    sent: list = []
+    box = kept(params, sent)
+    got = drain_with_attempts(box, sent, [event(0), lost()], [])
+    assert [e.seq for e in got] == [0, -1] and "died mid-stream" in got[-1].error and sent == []
+
+
+def test_re_sending_gives_up_after_a_few_tries():
+    sent: list = []
+    box = kept(SamplingParams(), sent)
+    got = drain_with_attempts(box, sent, [lost()], [[lost(f"r~{k}")] for k in range(1, MAX_RESENDS + 1)])
+    assert len(sent) == MAX_RESENDS and [e.seq for e in got] == [-1] and got[0].finish_reason == "error"
+
+
+def test_an_error_not_marked_resumable_is_not_retried():
+    sent: list = []
+    box = kept(SamplingParams(), sent)
+    box.put(failure("r", "out of memory"))
+    assert [e.error for e in drain(box)] == ["out of memory"] and sent == []

@@ -54,6 +54,11 @@ class OutputBuilder:
         state = self._states.get(seq.seq_id)
         if state is None:
             state = self._states[seq.seq_id] = Detokenizer.new_state(seq.prompt_len)
+            if req.resumed:  # the client has these tokens and their text: go on from there
+                sent = seq.token_ids[: seq.prompt_len + req.resumed]
+                if detok is not None:
+                    detok.update(state, sent, req.params.stop, skip, final=False)
+                state.tokens_seen = len(sent)
         seen = state.tokens_seen
         if detok is None:  # token ids only (scheduler tests)
             state.tokens_seen = seq.num_tokens

@@ -88,6 +88,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     forked: bool = False
     error: str | None = None
+    resumed: int = 0  # output tokens a client already had when this request was re-sent (Resume)
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

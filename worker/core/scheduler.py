@@ -75,16 +75,20 @@ class Scheduler:
         priority: int = 0,
         deadline: float | None = None,
         extra_key: Hashable = None,
+        resume_output: Seq[int] = (),
     ) -> Request:
-        """Queue a request. Raises InvalidRequestError if it could never be served."""
+        """Queue a request. Raises InvalidRequestError if it could never be served.
+
+        ``resume_output``: output tokens already sent by a worker that died; the request goes on
+        after them (prefilled with the prompt, like a request preempted by recompute)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "id")
         self.config.check_fits(len(prompt_ids), params)
         req = Request(
             request_id, list(prompt_ids), params, arrival=self.clock(), order=next(self._orders),
-            priority=priority, deadline=deadline, extra_key=extra_key,
+            priority=priority, deadline=deadline, extra_key=extra_key, resumed=len(resume_output),
         )
-        self.table.new_seq(req, list(prompt_ids), index=0)
+        self.table.new_seq(req, list(prompt_ids) + list(resume_output), index=0)
         self.requests[request_id] = req
         self.waiting.append(req)
         return req

@@ -19,6 +19,27 @@ from shared.protocol import ReplyTarget, WireEvent, encode_events
 
 STREAMED_TTL_S = 24 * 3600
 
+# Heartbeat for the given entries that this consumer still holds (atomic: no claim can slip in
+# between the check and the reset); returns those ids.
+KEEP_HELD = """
+local mine = {}
+for _, e in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', #ARGV + 100000, ARGV[2])) do
+  mine[e[1]] = true
+end
+local keep, claim = {}, {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+for i = 3, #ARGV do
+  if mine[ARGV[i]] then
+    keep[#keep + 1] = ARGV[i]
+    claim[#claim + 1] = ARGV[i]
+  end
+end
+if #keep > 0 then
+  claim[#claim + 1] = 'JUSTID'
+  redis.call(unpack(claim))
+end
+return keep
+"""
+
 
 class ConsumerNameTaken(RuntimeError):
     pass
@@ -105,16 +126,19 @@ class RedisBridge:
         info = await self.r.xpending_range(self.stream, self.group, entry.entry_id, entry.entry_id, 1)
         return Entry(entry.entry_id, entry.data, info[0]["times_delivered"] if info else entry.deliveries)
 
-    async def heartbeat(self, entry_ids: list[str], ttl_s: float, metrics: dict) -> None:
-        """Reset the idle time of our in-flight entries and renew the liveness key."""
+    async def heartbeat(self, entry_ids: list[str], ttl_s: float, metrics: dict) -> set[str]:
+        """Reset the idle time of those in-flight entries this consumer still holds and renew the
+        liveness key; returns the ids still held (an entry Redis lost, or that another worker
+        claimed, is not touched: taking it back would run it twice)."""
         pipe = self.r.pipeline(transaction=False)
-        if entry_ids:
-            pipe.xclaim(self.stream, self.group, self.consumer, 0, entry_ids, justid=True)
+        for start in range(0, len(entry_ids), 500):
+            pipe.eval(KEEP_HELD, 1, self.stream, self.group, self.consumer, *entry_ids[start : start + 500])
         pipe.set(self.keys.alive(self.model, self.consumer), self.token, px=int(ttl_s * 1000))
         if metrics:
             pipe.hset(self.keys.metrics(self.model, self.consumer), mapping=metrics)
             pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))
-        await pipe.execute()
+        results = await pipe.execute()
+        return {_text(eid) for kept in results[: -(-len(entry_ids) // 500)] for eid in kept}
 
     async def publish(self, batch: list[Outgoing]) -> list[tuple[ReplyTarget, Exception]]:
         """One PUBLISH (or XADD) per reply target for the whole batch, in order; then the acks.

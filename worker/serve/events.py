@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest
+from shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest, can_resume
 from worker.core.outputs import CompletionOutput, RequestOutput
 
 
@@ -16,6 +16,12 @@ class InFlight:
     request: WireRequest
     next_seq: int = 0
     reported_finish: set[int] = field(default_factory=set)
+    orphaned: bool = False  # its entry is gone or another worker holds it: compute on, send nothing
+    started: bool = False  # an event went out (the reader counts the requests not started yet)
+
+    def __post_init__(self) -> None:
+        if self.request.resume is not None:
+            self.next_seq = self.request.resume.seq
 
     @property
     def target(self) -> ReplyTarget:
@@ -54,8 +60,14 @@ def event_for(flight: InFlight, out: RequestOutput) -> WireEvent | None:
                      request_finish_reason(out) if out.finished else None, out.error, usage)
 
 
-def error_event(request_id: str, seq: int, message: str) -> WireEvent:
-    return WireEvent(request_id, seq, [], True, "error", message, {"prompt_tokens": 0, "completion_tokens": 0})
+def error_event(request_id: str, seq: int, message: str, resumable: bool = False) -> WireEvent:
+    return WireEvent(request_id, seq, [], True, "error", message, {"prompt_tokens": 0, "completion_tokens": 0}, resumable)
+
+
+def lost_event(req: WireRequest) -> WireEvent:
+    """What a worker taking over a request that had already streamed sends: a terminal error that
+    tells the client whether it can re-send the request with ``resume``."""
+    return error_event(req.id, -1, "the worker serving this request died mid-stream", can_resume(req.params))
 
 
 def _logprobs(o: CompletionOutput) -> list[dict] | None:

@@ -78,8 +78,8 @@ class EngineLoop:
             if kind == "add":
                 req, ids = args
                 try:
-                    self.engine.add_request(req.id, ids, req.params, priority=req.priority,
-                                            deadline=req.deadline, extra_key=req.tenant)
+                    self.engine.add_request(req.id, ids, req.params, priority=req.priority, deadline=req.deadline,
+                                            extra_key=req.tenant, resume_output=req.resume.token_ids if req.resume else ())
                 except InvalidRequestError as err:
                     errors.append((req.id, str(err)))
             else:

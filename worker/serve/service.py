@@ -6,15 +6,18 @@ thread (``worker/serve/process.py``); ``run()`` (tests, embedding) is a coroutin
 on a worker thread. The I/O tasks, each supervised (``shared/supervision.py``: logged, restarted
 with backoff, the worker exits 1 when one keeps failing):
 
-- reader: claims its own pending entries at start, then reads only as many new entries as it has
-  free capacity (a blocking read only while it has room); every entry goes through
-  ``intake.admit``: a request to run, or a dead letter with the reason;
+- reader: claims its own pending entries at start, then reads new entries while it has room and
+  fewer than ``read_ahead`` requests wait to start (what it cannot start soon stays in the stream
+  for other workers); every entry goes through ``intake.admit``: a request to run, or a dead
+  letter with the reason; a re-sent request (``resume``) goes on from the tokens its client has;
 - outputs: each step's outputs become one batch of events (on the I/O loop);
 - publisher: sends each batch (one PUBLISH per reply channel per step, in order), then XACK+XDEL
   the finished entries; on connection loss it retries the same batch with backoff;
-- maintenance: heartbeats in-flight entries and the liveness key, publishes metrics, and reclaims
-  entries of dead workers (re-run from the prompt, or an error event if tokens were already sent,
-  or the dead-letter stream after ``max_deliveries``);
+- maintenance: heartbeats the in-flight entries it still holds (one that Redis lost or another
+  worker took is stopped without a word: its client sends it again) and the liveness key,
+  publishes metrics, and reclaims entries of dead workers (re-run from the prompt; if tokens were
+  already sent, an error marked ``resumable`` so the client re-sends it with ``resume``; the
+  dead-letter stream after ``max_deliveries``);
 - cancels: aborts requests named on the model's cancel channel.
 
 SIGTERM: stop reading, finish in-flight work (aborting what is left after ``drain_timeout``),
@@ -42,7 +45,8 @@ from worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
 from worker.serve.intake import Rejected, admit, salvage_reply
 from worker.engine import Engine
 from worker.serve.loop import EngineLoop
-from worker.serve.events import InFlight, error_event, event_for
+from worker.serve.events import InFlight, error_event, lost_event
+from worker.serve.inflight import InFlightTable
 from worker.serve.metrics import WorkerMetrics, worker_metrics
 
 log = structlog.get_logger("pagedserve.worker")
@@ -54,14 +58,12 @@ class WorkerService:
         self.engine = engine
         self.model = settings.served_model_name
         self.keys = Keys(settings.key_prefix)
-        self.inflight: dict[str, InFlight] = {}
+        self.inflight = InFlightTable(settings.max_inflight, settings.read_ahead)
         self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread)
         self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
         self.stopping = asyncio.Event()
         self.exit_code = 0
-        self._room = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tokens_out = 0  # generated tokens sent, for the metrics
         self._rate_mark = (time.monotonic(), 0)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -75,7 +77,7 @@ class WorkerService:
         if not self.stopping.is_set():
             log.info("draining", in_flight=len(self.inflight))
             self.stopping.set()
-            self._room.set()
+            self.inflight.room.set()
             asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self._abort_leftovers)
             self._finish_if_drained()
 
@@ -154,22 +156,19 @@ class WorkerService:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
 
-    def _free(self) -> int:
-        return self.settings.max_inflight - len(self.inflight)
-
     # ------------------------------------------------------------------ intake
     async def _reader(self) -> None:
         own = await self._retrying("read own pending", lambda: self.bridge.read(100_000, None, own_pending=True))
         for entry in own:
             await self._reclaimed(await self.bridge.with_deliveries(entry))
         while not self.stopping.is_set():
-            free = self._free()
-            if free <= 0:
-                self._room.clear()
-                await self._room.wait()
+            count = self.inflight.readable()
+            if count <= 0:
+                self.inflight.room.clear()
+                await self.inflight.room.wait()
                 continue
             block = 1000 if not self.inflight else 50
-            entries = await self._retrying("read", lambda: self.bridge.read(free, block))
+            entries = await self._retrying("read", lambda: self.bridge.read(count, block))
             for entry in entries:
                 await self._accept(entry)
 
@@ -186,13 +185,15 @@ class WorkerService:
             await self._reject(entry, str(err))
             return
         if req.id in self.inflight:
-            if self.inflight[req.id].entry_id != entry.entry_id:
+            if self.inflight.get(req.id).entry_id != entry.entry_id:
                 # Another entry with a live id: answering it would end the live request's stream.
                 await self._reject(entry, f"request id {req.id!r} is already in flight", tell=False)
             return
         flight = InFlight(entry.entry_id, req)
-        if reclaimed and await self.bridge.was_streamed(req.id):
-            self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, -1, "the worker serving this request died mid-stream"), entry.entry_id)])
+        if reclaimed and (req.resume is not None or await self.bridge.was_streamed(req.id)):
+            # Tokens went out: running again from the prompt could contradict them. The client
+            # re-sends it with what it has (``resume``) when it can.
+            self.outbox.put_nowait([Outgoing(req.reply, lost_event(req), entry.entry_id)])
             return
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self._text_thread, self._prompt_ids, req)
@@ -200,7 +201,7 @@ class WorkerService:
             message = str(err) if isinstance(err, InvalidRequestError) else f"the prompt could not be tokenized: {err}"
             self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, 0, message), entry.entry_id)])
             return
-        self.inflight[req.id] = flight
+        self.inflight.add(flight)
         self.engine_loop.add(req, ids)
 
     def _prompt_ids(self, req: WireRequest) -> list[int]:
@@ -222,21 +223,10 @@ class WorkerService:
 
     def _events_for(self, outputs: list, errors: list[tuple[str, str]]) -> None:
         """One batch of events per engine step, in the I/O thread (the only one touching ``inflight``)."""
-        batch = [self._finish(rid, error_event(rid, self.inflight[rid].take_seq(), msg)) for rid, msg in errors]
-        for out in outputs:
-            flight = self.inflight.get(out.request_id)
-            event = event_for(flight, out) if flight else None
-            if event is not None:
-                self._tokens_out += sum(len(o.token_ids) for o in event.outputs)
-                batch.append(self._finish(out.request_id, event) if event.done else Outgoing(flight.target, event))
+        batch = self.inflight.batch_for(outputs, errors)
         if batch:
             self.outbox.put_nowait(batch)
         self._finish_if_drained()
-
-    def _finish(self, request_id: str, event) -> Outgoing:
-        flight = self.inflight.pop(request_id)
-        self._room.set()
-        return Outgoing(flight.target, event, flight.entry_id)
 
     # ------------------------------------------------------------------ output and upkeep
     async def _publisher(self) -> None:
@@ -260,19 +250,24 @@ class WorkerService:
         metrics["queue_depth"] = await self.redis.xlen(self.bridge.stream)
         if self.prometheus:
             self.prometheus.update(metrics)
-        await self.bridge.heartbeat([f.entry_id for f in self.inflight.values()], self.settings.heartbeat_s * 3, metrics)
-        if not self.stopping.is_set() and self._free() > 0:
-            dead = await self.bridge.reclaim_from_dead(self._free())
-            idle = await self.bridge.reclaim(self.settings.claim_idle_ms, self._free()) if self._free() > len(dead) else []
+        beating = self.inflight.beating()
+        held = await self.bridge.heartbeat(beating, self.settings.heartbeat_s * 3, metrics)
+        for request_id in self.inflight.let_go(set(beating) - held):
+            self.engine_loop.abort(request_id)
+        free = self.inflight.free()
+        if not self.stopping.is_set() and free > 0:
+            dead = await self.bridge.reclaim_from_dead(free)
+            idle = await self.bridge.reclaim(self.settings.claim_idle_ms, free) if free > len(dead) else []
             for entry in dead + idle:
                 log.info("reclaimed", entry_id=entry.entry_id, deliveries=entry.deliveries)
                 await self._reclaimed(entry)
 
     def _metrics(self) -> dict:
         now = time.monotonic()
-        (then, count), self._rate_mark = self._rate_mark, (now, self._tokens_out)
-        rate = (self._tokens_out - count) / max(1e-6, now - then)
-        return worker_metrics(self.engine_loop.snapshot, len(self.inflight), self.engine_loop.queued, self._tokens_out, rate)
+        sent = self.inflight.tokens_out
+        (then, count), self._rate_mark = self._rate_mark, (now, sent)
+        rate = (sent - count) / max(1e-6, now - then)
+        return worker_metrics(self.engine_loop.snapshot, len(self.inflight), self.engine_loop.queued, sent, rate)
 
     async def _cancels(self) -> None:
         await listen_forever(self.redis, self.keys.cancel(self.model), self._cancel)
