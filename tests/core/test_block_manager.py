@@ -127,6 +127,20 @@ def test_freed_blocks_stay_cached_and_are_evicted_least_recent_first():
     bm.check_invariants()
 
 
+def test_forgetting_the_prefix_cache_frees_cached_blocks_and_keeps_used_ones():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a, b = [1, 2, 3], [5, 6, 7]
+    for seq_id, prompt in ((0, a), (1, b)):
+        new_seq(bm, seq_id, prompt)
+        bm.register_full_blocks(seq_id, prompt, len(prompt))
+    bm.free(0)  # a's full block is cached now; b's stays in use
+    assert bm.gpu.forget_cached() == 1
+    usage = bm.usage()
+    assert (usage.free, usage.cached, usage.used) == (4, 0, 2)
+    assert bm.match_prefix(a).blocks == () and bm.match_prefix(b).blocks == (2,)
+    bm.check_invariants()
+
+
 def test_duplicate_content_is_published_once():
     bm = BlockManager(num_blocks=8, block_size=2)
     prompt = [1, 2, 3]

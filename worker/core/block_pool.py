@@ -103,6 +103,16 @@ class BlockPool:
         self._block_of_hash[block_hash] = block
         return True
 
+    def forget_cached(self) -> int:
+        """Turn every cached free block into a plain free one (the prefix cache emptied, as between
+        benchmark passes); blocks in use keep their hashes. How many were forgotten."""
+        count = len(self._cached)
+        while self._cached:
+            block, _ = self._cached.popitem(last=False)
+            self._drop_hash(block)
+            self._free.append(block)
+        return count
+
     def _drop_hash(self, block: int) -> None:
         block_hash = self._hash_of.pop(block)
         del self._key_of[block]
