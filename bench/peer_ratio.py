@@ -61,7 +61,7 @@ def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool) -> dict:
     llm.generate([[5 + i] * 40 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # warm-up, with ids the timed passes do not share
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
-    times, steps = [], []
+    times = []
     for _ in range(repeats):
         llm.engine.scheduler.blocks.gpu.forget_cached()
         start = time.perf_counter()
@@ -72,7 +72,7 @@ def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool) -> dict:
     assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, work)), "an output has the wrong length"
     return {"engine": "pagedserve", "mode": "LLM.generate", "dtype": dtype, "out_tok_s": round(tokens / seconds, 1),
             "elapsed_s": round(seconds, 2), "elapsed_all_s": [round(t, 2) for t in times], "output_tokens": tokens,
-            "enforce_eager": eager, "steps": steps}
+            "enforce_eager": eager}
 
 
 def main(argv: list[str] | None = None) -> int:
