@@ -13,6 +13,14 @@ def new_seq(bm: BlockManager, seq_id: int, tokens: list[int], extra_key=None) ->
     return cached
 
 
+def prefilled(bm: BlockManager, *prompts: list[int]) -> tuple[list[int], ...]:
+    """Sequences 0, 1 … with these prompts computed and their full blocks published."""
+    for seq_id, prompt in enumerate(prompts):
+        new_seq(bm, seq_id, prompt)
+        bm.register_full_blocks(seq_id, prompt, len(prompt))
+    return prompts
+
+
 def test_allocates_a_block_at_a_time():
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.start(0)
@@ -104,10 +112,7 @@ def test_prefix_cache_respects_extra_key_and_verifies_tokens():
 
 def test_freed_blocks_stay_cached_and_are_evicted_least_recent_first():
     bm = BlockManager(num_blocks=4, block_size=2)
-    a, b = [1, 2, 3], [5, 6, 7]
-    for seq_id, prompt in ((0, a), (1, b)):
-        new_seq(bm, seq_id, prompt)
-        bm.register_full_blocks(seq_id, prompt, len(prompt))
+    a, b = prefilled(bm, [1, 2, 3], [5, 6, 7])
     assert bm.block_table(0) == (0, 1) and bm.block_table(1) == (2, 3)
     bm.free(0)
     bm.free(1)
@@ -129,10 +134,7 @@ def test_freed_blocks_stay_cached_and_are_evicted_least_recent_first():
 
 def test_forgetting_the_prefix_cache_frees_cached_blocks_and_keeps_used_ones():
     bm = BlockManager(num_blocks=6, block_size=2)
-    a, b = [1, 2, 3], [5, 6, 7]
-    for seq_id, prompt in ((0, a), (1, b)):
-        new_seq(bm, seq_id, prompt)
-        bm.register_full_blocks(seq_id, prompt, len(prompt))
+    a, b = prefilled(bm, [1, 2, 3], [5, 6, 7])
     bm.free(0)  # a's full block is cached now; b's stays in use
     assert bm.gpu.forget_cached() == 1
     usage = bm.usage()
