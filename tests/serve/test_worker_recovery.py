@@ -102,7 +102,8 @@ def test_sigkill_mid_stream_every_stream_completes_in_order_with_the_right_token
     for got, want in zip(results, expected):
         assert [e.seq for e in got.events] == list(range(len(got.events)))  # in order, nothing twice
         assert got.last.finish_reason == "length" and got.tokens() == want
-    assert pause <= 6.0, f"a stream paused {pause:.1f} s after the kill"
+    # Noticed from heartbeats (~3-4 s measured), not from the 30 s idle limit; slack for a loaded CI machine.
+    assert pause <= 10.0, f"a stream paused {pause:.1f} s after the kill"
 
 
 def test_sigterm_drains_in_flight_work_and_exits_zero(redis_server, zoo):
