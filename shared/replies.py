@@ -91,8 +91,8 @@ class ReplyDispatcher:
         """The id the current attempt of ``request_id`` has on the wire (itself until it is sent again)."""
         return next((b.wire_id for b in self._boxes.values() if b.request_id == request_id), request_id)
 
-    def close(self, box: Mailbox | str) -> None:
-        self._boxes.pop(box.wire_id if isinstance(box, Mailbox) else box, None)
+    def close(self, box: Mailbox) -> None:
+        self._boxes.pop(box.wire_id, None)
 
     async def _read(self) -> None:
         await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set, self._subscribed.clear)
