@@ -7,6 +7,8 @@ ARG TORCH_INDEX=""
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE_DIR=/models
 
 WORKDIR /app
+# A C compiler: the CPU attention kernel (kernels/csrc) is compiled for the host CPU on first use.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY shared ./shared

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench.table import print_table
+from kernels.ops import BACKENDS
 from shared.sampling import SamplingParams
 
 
@@ -52,10 +53,10 @@ def peer_lines(path: Path | None, model: str, dtype: str) -> list[dict]:
     return list(newest.values())
 
 
-def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool) -> dict:
+def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: str = "auto") -> dict:
     from pagedserve import LLM
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=64, enforce_eager=eager)
+    llm = LLM(model, dtype=dtype, max_num_seqs=64, enforce_eager=eager, attention_backend=backend)
     vocab = llm.engine.info.config.vocab_size
     work = w64(vocab)
     llm.generate([[5 + i] * 40 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -72,7 +73,7 @@ def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool) -> dict:
     assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, work)), "an output has the wrong length"
     return {"engine": "pagedserve", "mode": "LLM.generate", "dtype": dtype, "out_tok_s": round(tokens / seconds, 1),
             "elapsed_s": round(seconds, 2), "elapsed_all_s": [round(t, 2) for t in times], "output_tokens": tokens,
-            "enforce_eager": eager}
+            "enforce_eager": eager, "attention_backend": llm.engine.runner.ops.backend}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer-json", type=Path, help="JSON lines of bench_vllm.py / bench_hf.py from this sitting")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--attention-backend", default="auto", choices=BACKENDS)
     args = ap.parse_args(argv)
-    ours = run_pagedserve(args.model, args.dtype, args.repeats, args.enforce_eager)
+    ours = run_pagedserve(args.model, args.dtype, args.repeats, args.enforce_eager, args.attention_backend)
     peers = peer_lines(args.peer_json, args.model.name, args.dtype)
     ratios = {f"{p['engine']} {p.get('mode', '')}".strip(): round(ours["out_tok_s"] / p["out_tok_s"], 2) for p in peers}
     print(json.dumps({"bench": "peer_ratio", "model": args.model.name, **ours, "ratio_to": ratios}))

@@ -1,22 +1,27 @@
 """The attention-ops contract and the choice of backend: Triton kernels or their torch references.
 
 ``AttentionOps`` is what a model layer calls; ``select_ops`` returns the Triton kernels on CUDA
-(or wherever ``backend="triton"`` is asked, e.g. under ``TRITON_INTERPRET=1`` in tests) and the
-torch references elsewhere. Nothing above this file knows which one runs.
+(or wherever ``backend="triton"`` is asked, e.g. under ``TRITON_INTERPRET=1`` in tests), the C
+kernels compiled for this CPU elsewhere (``native``), and the torch references where those cannot
+be built. Nothing above this file knows which one runs.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import structlog
 import torch
 
 from kernels import reference
+from kernels.native_attention import NativeAttention
+from kernels.native_build import NativeKernelUnavailable
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "native", "triton")
 log = structlog.get_logger("pagedserve.kernels")
 
 
@@ -30,9 +35,12 @@ class AttentionOps:
     backend: str = "torch"  # "triton" kernels can be captured in CUDA graphs; the reference cannot
 
 
-def select_ops(device: torch.device, backend: str = "auto") -> AttentionOps:
+def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path | None = None) -> AttentionOps:
     """``auto``: Triton kernels on CUDA when triton imports (a warning and the torch references
-    when it does not), torch references elsewhere; ``triton`` fails clearly without triton."""
+    when it does not), the native C kernels on the CPU when they build (a warning and the torch
+    references when they do not); ``triton`` and ``native`` fail clearly where they cannot run.
+    ``kernel_cache``: where the C kernels are built (default: a ``pagedserve-kernels`` folder in
+    the system's temporary directory)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
@@ -42,6 +50,13 @@ def select_ops(device: torch.device, backend: str = "auto") -> AttentionOps:
             if backend == "triton":
                 raise ValueError(f"attention backend 'triton' needs the triton package: {err}") from err
             log.warning("triton unavailable: using the torch attention reference", device=str(device), error=str(err))
+    elif backend == "native" or (backend == "auto" and device.type == "cpu"):
+        try:
+            return native_ops(kernel_cache or Path(tempfile.gettempdir()) / "pagedserve-kernels")
+        except NativeKernelUnavailable as err:
+            if backend == "native":
+                raise ValueError(f"attention backend 'native' cannot be built here: {err}") from err
+            log.warning("native CPU kernels unavailable: using the torch attention reference", error=str(err))
     return reference_ops()
 
 
@@ -52,6 +67,14 @@ def reference_ops() -> AttentionOps:
         reference.store_kv, partial(reference.paged_attention_decode, workspace=workspace),
         partial(reference.prefill_attention, workspace=workspace), reference.copy_blocks, reference.swap_blocks,
     )
+
+
+def native_ops(kernel_cache: Path) -> AttentionOps:
+    """The C attention kernels for this CPU (built into ``kernel_cache`` on first use); K/V stores
+    and block copies stay the torch ones, which are single index copies already."""
+    attention = NativeAttention(kernel_cache)
+    return AttentionOps(reference.store_kv, attention.decode, attention.prefill, reference.copy_blocks,
+                        reference.swap_blocks, "native")
 
 
 def triton_ops() -> AttentionOps:

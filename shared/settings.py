@@ -32,7 +32,7 @@ def redis_url_from_env(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Where built models live: ``PAGEDSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedserve``, else ``~/.cache/pagedserve``."""
+    """Where built models and compiled CPU kernels live: ``PAGEDSERVE_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedserve``, else ``~/.cache/pagedserve``."""
     environ = os.environ if environ is None else environ
     if environ.get("PAGEDSERVE_CACHE_DIR"):
         return Path(environ["PAGEDSERVE_CACHE_DIR"])
@@ -81,6 +81,9 @@ def _fraction(text: str) -> float:
     return value
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")  # kernels.ops.BACKENDS (shared cannot import kernels)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
     parser.add_argument("--dtype", default=e("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
@@ -96,6 +99,9 @@ def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str])
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=_fraction, default=e("gpu_memory_utilization", 0.9, float),
                         help="share of the GPU's memory for weights, KV cache and a step's activations (0, 1]")
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e("attention_backend", "auto"),
+                        help="auto: Triton kernels on CUDA, the C kernel compiled for this CPU elsewhere (torch if it "
+                             "cannot be built); torch: the plain PyTorch reference")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -104,7 +110,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "num_gpu_blocks": args.num_gpu_blocks, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "preemption_mode": args.preemption_mode, "gpu_memory_utilization": args.gpu_memory_utilization,
-        "enforce_eager": args.enforce_eager,
+        "enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,
     }
 
 

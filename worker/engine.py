@@ -18,6 +18,7 @@ import torch
 
 from kernels.ops import select_ops
 from shared.model_source import generation_defaults
+from shared.settings import cache_dir
 from shared.prompts import check_token_ids
 from shared.sampling import SamplingParams
 from worker.core.config import SchedulerConfig
@@ -45,7 +46,7 @@ class Engine:
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         info = self.info = inspect_model(config.model, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(info.path)
-        ops = select_ops(device, config.attention_backend)
+        ops = select_ops(device, config.attention_backend, cache_dir() / "kernels")
         model = load_weights(info, ops, device)
         block_bytes = kv_block_bytes(model, config.block_size, info.dtype)
         max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)

@@ -16,7 +16,7 @@ class EngineConfig:
     model: str
     dtype: str = "auto"
     device: str | None = None  # "cuda" when available, else "cpu"
-    attention_backend: str = "auto"  # "auto" (Triton on CUDA, torch elsewhere), "torch", "triton"
+    attention_backend: str = "auto"  # "auto" (Triton on CUDA, native C kernels on the CPU), "torch", "native", "triton"
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV pool
     num_gpu_blocks: int | None = None  # exact pool size (overrides kv_cache_memory)

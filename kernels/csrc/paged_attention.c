@@ -1,0 +1,144 @@
+/* Paged attention on the CPU, reading K/V through the block table: no gathered, padded or widened
+ * copy of any context (the torch reference makes all three).
+ *
+ * Every query token t attends over the first ctx_len[t] positions of its sequence token_seq[t]:
+ * a decode token sees its whole context, a prefill token the positions up to its own (causal).
+ * One task per (token, KV head) computes all the query heads that share that KV head (GQA),
+ * block by block with an online softmax, in float32 whatever the storage type.
+ *
+ * Layouts (contiguous): q/out [T, Hq, D]; k/v cache [num_blocks, block_size, Hkv, D];
+ * block_tables int32 [S, table_stride]. Built and loaded by kernels/native.py (ctypes).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+#define MAX_BLOCK_SIZE 256
+
+static inline float bf16_load(const uint16_t *x) {
+    uint32_t bits = (uint32_t)(*x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void bf16_store(uint16_t *x, float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { /* NaN stays NaN */
+        *x = (uint16_t)((bits >> 16) | 0x40u);
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    *x = (uint16_t)(bits >> 16);
+}
+
+/* e^x to about two ulp, in plain arithmetic the compiler vectorises (libm's expf is a scalar call
+ * per score). Cephes' range reduction and polynomial; x is clamped to [-87, 88], so -inf (the
+ * running maximum before the first block) gives ~1e-38 times an accumulator that is still zero. */
+static inline float fast_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float f32_load(const float *x) { return *x; }
+static inline void f32_store(float *x, float f) { *x = f; }
+
+/* Limits the caller checks before choosing this kernel (kernels/native.py mirrors them). */
+int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_size) {
+    *head_dim = MAX_HEAD_DIM;
+    *group = MAX_GROUP;
+    *block_size = MAX_BLOCK_SIZE;
+    return 0;
+}
+
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE)                                                          \
+    void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,                   \
+              int64_t table_stride, const int32_t *token_seq, const int32_t *ctx_len, T *out,                \
+              int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                 \
+              int64_t block_size, float scale, int num_threads) {                                            \
+        const int64_t group = num_heads / num_kv_heads;                                                      \
+        const int64_t row_stride = num_kv_heads * head_dim; /* one position to the next in a block */       \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                \
+        for (int64_t t = 0; t < num_tokens; t++) {                                                           \
+            for (int64_t h = 0; h < num_kv_heads; h++) {                                                     \
+                float qf[MAX_GROUP * MAX_HEAD_DIM], acc[MAX_GROUP * MAX_HEAD_DIM];                           \
+                float row[MAX_HEAD_DIM], p[MAX_GROUP * MAX_BLOCK_SIZE];                                      \
+                float m[MAX_GROUP], l[MAX_GROUP];                                                            \
+                const T *qt = q + (t * num_heads + h * group) * head_dim;                                    \
+                for (int64_t i = 0; i < group * head_dim; i++) {                                             \
+                    qf[i] = LOAD(qt + i) * scale;                                                            \
+                    acc[i] = 0.0f;                                                                           \
+                }                                                                                            \
+                for (int64_t g = 0; g < group; g++) {                                                        \
+                    m[g] = -INFINITY;                                                                        \
+                    l[g] = 0.0f;                                                                             \
+                }                                                                                            \
+                const int32_t *table = block_tables + (int64_t)token_seq[t] * table_stride;                  \
+                const int64_t ctx = ctx_len[t];                                                              \
+                for (int64_t start = 0; start < ctx; start += block_size) {                                  \
+                    const int64_t n = ctx - start < block_size ? ctx - start : block_size;                   \
+                    const int64_t base = ((int64_t)table[start / block_size] * block_size * num_kv_heads + h) \
+                                         * head_dim;                                                         \
+                    const T *kb = k_cache + base, *vb = v_cache + base;                                      \
+                    for (int64_t i = 0; i < n; i++) {                                                        \
+                        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(kb + i * row_stride + d);       \
+                        for (int64_t g = 0; g < group; g++) {                                                \
+                            const float *qg = qf + g * head_dim;                                             \
+                            float s = 0.0f;                                                                  \
+                            _Pragma("omp simd reduction(+ : s)")                                             \
+                            for (int64_t d = 0; d < head_dim; d++) s += qg[d] * row[d];                      \
+                            p[g * block_size + i] = s;                                                       \
+                        }                                                                                    \
+                    }                                                                                        \
+                    for (int64_t g = 0; g < group; g++) {                                                    \
+                        float *pg = p + g * block_size, top = m[g];                                          \
+                        for (int64_t i = 0; i < n; i++) top = pg[i] > top ? pg[i] : top;                     \
+                        const float rescale = fast_expf(m[g] - top);                                         \
+                        float sum = l[g] * rescale;                                                          \
+                        _Pragma("omp simd reduction(+ : sum)")                                               \
+                        for (int64_t i = 0; i < n; i++) {                                                    \
+                            pg[i] = fast_expf(pg[i] - top);                                                  \
+                            sum += pg[i];                                                                    \
+                        }                                                                                    \
+                        m[g] = top;                                                                          \
+                        l[g] = sum;                                                                          \
+                        float *ag = acc + g * head_dim;                                                      \
+                        for (int64_t d = 0; d < head_dim; d++) ag[d] *= rescale;                             \
+                    }                                                                                        \
+                    for (int64_t i = 0; i < n; i++) {                                                        \
+                        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(vb + i * row_stride + d);       \
+                        for (int64_t g = 0; g < group; g++) {                                                \
+                            const float w = p[g * block_size + i];                                           \
+                            float *ag = acc + g * head_dim;                                                  \
+                            _Pragma("omp simd")                                                              \
+                            for (int64_t d = 0; d < head_dim; d++) ag[d] += w * row[d];                      \
+                        }                                                                                    \
+                    }                                                                                        \
+                }                                                                                            \
+                T *ot = out + (t * num_heads + h * group) * head_dim;                                        \
+                for (int64_t g = 0; g < group; g++) {                                                        \
+                    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;                                      \
+                    for (int64_t d = 0; d < head_dim; d++) STORE(ot + g * head_dim + d, acc[g * head_dim + d] * inv); \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, f32_load, f32_store)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_load, bf16_store)

@@ -1,0 +1,89 @@
+"""CPU paged attention through the C kernel in ``csrc/paged_attention.c``: decode and chunked
+prefill read K/V through the block tables, with no gathered copy of any context.
+
+The kernel takes, for every query token, its sequence and how many positions it sees (the whole
+context for a decode token, the positions up to its own for a prefill token). Float32 and bfloat16
+run natively; other dtypes and shapes past the kernel's limits go to the torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels import reference
+from kernels.checks import check_same, check_tables
+from kernels.native_build import load_library
+
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+class NativeAttention:
+    """Decode and prefill launchers over one loaded library; the torch reference (with its own
+    workspace) for what the kernel does not take."""
+
+    def __init__(self, cache_dir: Path) -> None:
+        self._lib = load_library("paged_attention", cache_dir)
+        self._kernels = {torch.float32: self._lib.paged_attention_f32, torch.bfloat16: self._lib.paged_attention_bf16}
+        limits = [_I64(), _I64(), _I64()]
+        self._lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
+        self._max_dim, self._max_group, self._max_block = (x.value for x in limits)
+        self._workspace = reference.Workspace()
+
+    def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        heads, (_, block_size, kv_heads, dim) = q.shape[1], k_cache.shape
+        return (q.device.type == "cpu" and q.dtype in self._kernels and k_cache.dtype == q.dtype
+                and heads % kv_heads == 0 and heads // kv_heads <= self._max_group and dim <= self._max_dim
+                and block_size <= self._max_block)
+
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None):
+        """Same contract as ``reference.paged_attention_decode``."""
+        if not self.supports(q, k_cache):
+            return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
+                                                    self._workspace)
+        check_tables(block_tables, seq_lens, q.shape[0])
+        token_seq = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
+        return self._run(q, k_cache, v_cache, block_tables, token_seq, seq_lens, scale)
+
+    def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None,
+                max_seq_len=None):
+        """Same contract as ``reference.prefill_attention``."""
+        if not self.supports(q, k_cache):
+            return reference.prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                               max_query_len, max_seq_len, self._workspace)
+        check_tables(block_tables, seq_lens, query_start_loc.shape[0] - 1)
+        starts = query_start_loc.long()
+        q_lens = starts[1:] - starts[:-1]
+        seq_of_token = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q.device), q_lens, output_size=q.shape[0])
+        offset_in_chunk = torch.arange(q.shape[0], device=q.device) - starts[seq_of_token]
+        first_position = seq_lens.long() - q_lens  # the chunk's first token's position in its sequence
+        ctx_len = (first_position[seq_of_token] + offset_in_chunk + 1).to(torch.int32)
+        return self._run(q, k_cache, v_cache, block_tables, seq_of_token.to(torch.int32), ctx_len, scale)
+
+    def _run(self, q, k_cache, v_cache, block_tables, token_seq, ctx_len, scale) -> torch.Tensor:
+        if k_cache.shape != v_cache.shape or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"K and V caches differ: {tuple(k_cache.shape)} {k_cache.dtype} and "
+                             f"{tuple(v_cache.shape)} {v_cache.dtype}")
+        if q.shape[-1] != k_cache.shape[-1]:
+            raise ValueError(f"q head_dim {q.shape[-1]} != cache head_dim {k_cache.shape[-1]}")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("caches must be contiguous")
+        check_same(q.device, k_cache.device, v_cache.device, block_tables.device)
+        q = q.contiguous()
+        tables, ctx_len = block_tables.contiguous(), ctx_len.contiguous()
+        out = torch.empty_like(q)
+        num_tokens, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        if num_tokens and int(ctx_len.max()) > tables.shape[1] * block_size:  # would read past a table row
+            raise ValueError(f"a context of {int(ctx_len.max())} tokens does not fit block tables of "
+                             f"{tables.shape[1]} blocks of {block_size}")
+        self._kernels[q.dtype](
+            _PTR(q.data_ptr()), _PTR(k_cache.data_ptr()), _PTR(v_cache.data_ptr()), _PTR(tables.data_ptr()),
+            _I64(tables.stride(0)), _PTR(token_seq.data_ptr()), _PTR(ctx_len.data_ptr()), _PTR(out.data_ptr()),
+            _I64(num_tokens), _I64(heads), _I64(kv_heads), _I64(dim), _I64(block_size), ctypes.c_float(scale),
+            ctypes.c_int(torch.get_num_threads()),
+        )
+        return out

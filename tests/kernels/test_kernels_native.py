@@ -1,0 +1,98 @@
+"""The C kernels (the CPU path when a compiler is present) against plain per-sequence attention,
+and their build cache. Skipped where no C compiler can build them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native_build
+from kernels.native_attention import NativeAttention
+from kernels.native_build import NativeKernelUnavailable
+from tests.paged_cases import TOLERANCE, dense_context, make_case, naive_attention
+
+LENGTHS = [1, 15, 16, 17, 40, 97, 300]
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory) -> NativeAttention:
+    try:
+        return NativeAttention(tmp_path_factory.mktemp("kernels"))
+    except NativeKernelUnavailable as err:
+        pytest.skip(f"no native kernels here: {err}")
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_matches_naive(native, block_size, heads, kv_heads, dtype):
+    case = make_case(LENGTHS, block_size, kv_heads, 64, dtype)
+    q = torch.randn(len(LENGTHS), heads, 64).to(dtype)
+    out = native.decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
+    assert out.dtype == dtype and out.shape == q.shape
+    for s, n in enumerate(LENGTHS):
+        k, v = dense_context(case, s)
+        expected = naive_attention(q[s : s + 1], k, v, 0.125, q_start=n - 1)[0]
+        torch.testing.assert_close(out[s].float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_with_cached_prefix_matches_naive(native, block_size, heads, kv_heads, dtype):
+    seq_lens = [5, 33, 48, 70]
+    q_lens = [5, 1, 16, 30]  # whole prompt, a decode-like chunk, and chunks after a cached prefix
+    case = make_case(seq_lens, block_size, kv_heads, 32, dtype)
+    q = torch.randn(sum(q_lens), heads, 32).to(dtype)
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    out = native.prefill(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.25)
+    for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        k, v = dense_context(case, s)
+        chunk = slice(int(starts[s]), int(starts[s + 1]))
+        torch.testing.assert_close(out[chunk].float(), naive_attention(q[chunk], k, v, 0.25, n - ql),
+                                   atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_a_non_contiguous_query_is_read_correctly(native):
+    case = make_case([20, 9], 4, 2, 16)
+    fused = torch.randn(2, 3, 4, 16)  # as a fused QKV projection leaves q: a strided view
+    q = fused[:, 0]
+    out = native.decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.25)
+    torch.testing.assert_close(out, native.decode(q.contiguous(), case.k_cache, case.v_cache, case.block_tables,
+                                                  case.seq_lens, 0.25))
+
+
+def test_a_context_longer_than_its_table_is_refused(native):
+    case = make_case([20, 9], 4, 2, 16)
+    q = torch.randn(2, 4, 16)
+    too_long = torch.tensor([20, case.block_tables.shape[1] * 4 + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not fit block tables"):
+        native.decode(q, case.k_cache, case.v_cache, case.block_tables, too_long, 0.25)
+    with pytest.raises(ValueError, match="int32"):
+        native.decode(q, case.k_cache, case.v_cache, case.block_tables.long(), case.seq_lens, 0.25)
+
+
+def test_the_library_is_built_once_per_source_and_rebuilt_when_it_changes(native, tmp_path, monkeypatch):
+    NativeAttention(tmp_path)
+    built = sorted(tmp_path.glob("*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    NativeAttention(tmp_path)
+    assert sorted(tmp_path.glob("*.so")) == built and built[0].stat().st_mtime_ns == stamp
+    changed = tmp_path / "src"
+    changed.mkdir()
+    (changed / "paged_attention.c").write_text(
+        (native_build.SOURCE_DIR / "paged_attention.c").read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native_build, "SOURCE_DIR", changed)
+    NativeAttention(tmp_path)
+    assert len(list(tmp_path.glob("*.so"))) == 2
+
+
+def test_a_failing_compiler_is_a_clear_error(native, tmp_path, monkeypatch):
+    broken = tmp_path / "src"
+    broken.mkdir()
+    (broken / "paged_attention.c").write_text("this is not C\n")
+    monkeypatch.setattr(native_build, "SOURCE_DIR", broken)
+    with pytest.raises(NativeKernelUnavailable, match="failed on paged_attention.c"):
+        NativeAttention(tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*"))  # nothing half-written left behind
