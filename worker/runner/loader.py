@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from shared.model_source import max_model_len, resolve_model_dir
 from kernels.ops import AttentionOps
 from worker.runner.models.llama import LlamaArch, LlamaForCausalLM
-from worker.runner.prepack import can_prepack, prepack_linears
+from worker.runner.prepack import fast_cpu_linears
 
 ARCHITECTURES = {
     "LlamaForCausalLM": LlamaArch(qkv_bias=False, qk_norm=False),
@@ -107,6 +107,5 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> Ll
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.rotary = type(model.rotary)(info.config, model.head_dim).to(device)  # buffers were on meta
-    if can_prepack(device, info.dtype):
-        prepack_linears(model)
+    fast_cpu_linears(model, device, info.dtype)
     return model.eval()
