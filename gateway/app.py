@@ -13,10 +13,11 @@ from gateway.openai_api import STATE, chat_completions, completions
 from gateway.openapi import OPENAPI
 from gateway.schemas import ApiError
 from gateway.service import GatewayService
+from gateway.utility_api import detokenize, models, tokenize, version
 from shared.settings import GatewaySettings
 
 log = structlog.get_logger("pagedserve.gateway")
-OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json"}
+OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version"}
 
 
 def create_app(settings: GatewaySettings) -> web.Application:
@@ -27,6 +28,9 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
@@ -99,13 +103,6 @@ def _cors(settings: GatewaySettings):
         return response
 
     return cors
-
-
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    live = await state.live_models()
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve"} for name in live]
-    return web.json_response({"object": "list", "data": data})
 
 
 async def health(request: web.Request) -> web.Response:

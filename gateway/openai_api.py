@@ -43,6 +43,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
     parsed = parse(body, chat, state.limits, state.sampling_defaults)
+    state.note_ignored(parsed.ignored)
     if parsed.model != state.settings.served_model_name:
         raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")
     prompts = await state.prompt_ids(parsed)
@@ -50,14 +51,14 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     base = state.new_id(chat)
     ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
     boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
-    renderer = Renderer(chat, base, int(time.time()), parsed.model, state.tokenizer, parsed.params.logprobs is not None)
+    renderer = Renderer(chat, base, int(time.time()), parsed.model, state.tokenizer, parsed.params.logprobs)
     deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
     state.metrics.prompt_tokens.labels(parsed.model).inc(sum(len(p) for p in prompts))
     try:
         await state.dispatcher.send(boxes)  # subscribed before anything is queued
         events = _merged(boxes, deadline)
         if parsed.stream:
-            return await _stream(request, state, parsed, renderer, events, started)
+            return await _stream(request, state, parsed, renderer, events, started, [len(p) for p in prompts])
         return await _collect(state, parsed, renderer, events, len(prompts), started)
     finally:
         await asyncio.shield(state.cancel([b.wire_id for b in boxes if not b.done], "client gone"))
@@ -123,11 +124,13 @@ async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, num
     return web.json_response(renderer.response(choices, usage(prompt_tokens, completion_tokens)))
 
 
-async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, events, started: float) -> web.StreamResponse:
+async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, events, started: float,
+                  prompt_lens: list[int]) -> web.StreamResponse:
     response = await sse.open_stream(request)
     n = parsed.params.n
     first_sent: set[int] = set()
     offsets: dict[int, int] = {}
+    generated: dict[int, int] = {}  # tokens so far per choice, for continuous usage stats
     prompt_tokens = completion_tokens = 0
     last: dict = {}
     try:
@@ -141,6 +144,9 @@ async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, eve
                 chunk = renderer.chunk(choice, delta, choice not in first_sent, parsed.include_usage, offsets.get(choice, 0))
                 first_sent.add(choice)
                 offsets[choice] = offsets.get(choice, 0) + len(delta.text)
+                generated[choice] = generated.get(choice, 0) + len(delta.token_ids)
+                if parsed.continuous_usage:
+                    chunk["usage"] = usage(prompt_lens[index], generated[choice])
                 await response.write(sse.frame(chunk))
             if event.done and event.usage:
                 prompt_tokens += event.usage["prompt_tokens"]

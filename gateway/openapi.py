@@ -1,5 +1,5 @@
 """The OpenAPI 3.1 description served at ``/openapi.json`` (request bodies as the gateway validates
-them). Numeric ranges come from ``shared.sampling.BOUNDS``, the table ``SamplingParams`` checks."""
+them; fields not listed are accepted and ignored, as vLLM does). Numeric ranges come from ``shared.sampling.BOUNDS``, the table ``SamplingParams`` checks."""
 
 from __future__ import annotations
 
@@ -10,13 +10,21 @@ _BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items() if name 
 _SAMPLING = {
     **_BOUNDED, "model": {"type": "string"},
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
-    "stream": {"type": "boolean"}, "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stream": {"type": "boolean"}, "stream_options": {"type": "object", "properties": {
+        "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}},
     "user": {"type": "string", "maxLength": MAX_USER_LEN},
     "priority": {"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1]}, "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
     "ignore_eos": {"type": "boolean"}, "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID - 1}},
     "use_beam_search": {"type": "boolean"},
     "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
 }
+_PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                     {"type": "array", "items": {"type": "integer"}}]}
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_MESSAGES = {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "enum": ["system", "user", "assistant", "developer"]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _TEXT_PART}, {"type": "null"}]}}}}
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _RESPONSES = {"200": {"description": "a completion, or an SSE stream of chunks when stream=true"},
               **{code: _ERROR for code in ("400", "401", "404", "413", "429", "503", "504")}}
@@ -41,17 +49,22 @@ OPENAPI = {
         "/health": _get("Liveness"),
         "/ready": _get("Redis reachable and a worker alive"),
         "/metrics": _get("Prometheus metrics"),
+        "/version": _get("The pagedserve version"),
+        "/tokenize": _post("Token ids of a prompt or chat, as a generation request would send them", "TokenizeRequest"),
+        "/detokenize": _post("Text of token ids", "DetokenizeRequest"),
     },
     "components": {"schemas": {
-        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "additionalProperties": False, "properties": {
+        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
             **_SAMPLING, "logprobs": BOUNDS["logprobs"].json_schema(), "best_of": BOUNDS["best_of"].json_schema(),
-            "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
-                                 {"type": "array", "items": {"type": "integer"}}]}}},
-        "ChatRequest": {"type": "object", "required": ["model", "messages"], "additionalProperties": False, "properties": {
+            "prompt": _PROMPT}},
+        "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
             **_SAMPLING, "max_completion_tokens": BOUNDS["max_tokens"].json_schema(), "logprobs": {"type": "boolean"},
             "top_logprobs": BOUNDS["logprobs"].json_schema(),
-            "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
-                "role": {"type": "string", "enum": ["system", "user", "assistant", "developer"]}, "content": {"type": "string"}}}}}},
+            "messages": _MESSAGES}},
+        "TokenizeRequest": {"type": "object", "properties": {"model": {"type": "string"}, "prompt": _PROMPT,
+                                                             "messages": _MESSAGES}},
+        "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+            "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
         "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
             "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
             "code": {"type": ["string", "null"]}}}}},

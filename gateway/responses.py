@@ -30,9 +30,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Renderer:
     """Builds the objects of one response; ``chat`` picks the chat or the completions shapes."""
 
-    def __init__(self, chat: bool, request_id: str, created: int, model: str, tokenizer, want_logprobs: bool) -> None:
+    def __init__(self, chat: bool, request_id: str, created: int, model: str, tokenizer, top_logprobs: int | None) -> None:
+        """``top_logprobs``: alternatives per token asked for (None: no logprobs at all). Chat lists
+        exactly that many; completions also keep the sampled token when it is not among them, as
+        the legacy API and vLLM do."""
         self.chat, self.id, self.created, self.model = chat, request_id, created, model
-        self.tokenizer, self.want_logprobs = tokenizer, want_logprobs
+        self.tokenizer, self.top_logprobs = tokenizer, top_logprobs
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -66,14 +69,14 @@ class Renderer:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [], "usage": use}
 
     def logprobs(self, entries: list[dict], text_offset: int) -> dict | None:
-        if not self.want_logprobs:
+        if self.top_logprobs is None:
             return None
         piece = lambda t: self.tokenizer.decode([t])  # noqa: E731
         if self.chat:
             return {"content": [
                 {"token": piece(e["token_id"]), "logprob": e["logprob"], "bytes": list(piece(e["token_id"]).encode()),
                  "top_logprobs": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())}
-                                  for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])]}
+                                  for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])[: self.top_logprobs]]}
                 for e in entries]}
         tokens = [piece(e["token_id"]) for e in entries]
         offsets, pos = [], text_offset

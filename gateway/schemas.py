@@ -1,5 +1,7 @@
 """OpenAI request bodies -> validated internal requests. Every problem is an ``ApiError`` (a 4xx in
-OpenAI's error shape) naming the parameter; fields we do not support are rejected, not ignored."""
+OpenAI's error shape) naming the parameter. Fields nobody here knows are accepted and reported back
+(``ParsedRequest.ignored``, logged once per name by the route), as vLLM does; OpenAI fields whose
+effect we cannot give (``echo``, ``suffix``, ``tools``…) are accepted only at their no-op value."""
 
 from __future__ import annotations
 
@@ -26,6 +28,13 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", 
 BEAM = {"use_beam_search", "beam_width", "length_penalty", "early_stopping"}  # extension fields
 COMPLETION_FIELDS = COMMON | BEAM | {"prompt", "best_of"}
 CHAT_FIELDS = COMMON | BEAM | {"messages", "max_completion_tokens", "top_logprobs"}
+# OpenAI fields whose effect pagedserve does not give: accepted at these no-op values, a 400 otherwise.
+INERT_VALUES = {
+    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of"} | BEAM
 
@@ -55,6 +64,8 @@ class ParsedRequest:
     priority: int
     timeout: float | None
     user: str | None
+    continuous_usage: bool = False  # include_usage + continuous_usage_stats: usage so far on every chunk (vLLM)
+    ignored: tuple[str, ...] = ()  # body fields nobody here knows, accepted without effect
 
 
 def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -> ParsedRequest:
@@ -62,15 +73,14 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for key in body:
-        if key not in allowed:
-            raise ApiError(400, f"unsupported parameter: {key!r}", key, "unsupported_parameter")
+    for key, inert in INERT_VALUES.items():
+        if key in body and body[key] not in inert:
+            raise ApiError(400, f"{key!r} is not supported (accepted only as {inert[1]!r})", key, "unsupported_parameter")
+    ignored = tuple(sorted(k for k in body if k not in allowed and k not in INERT_VALUES))
     model = _typed(body, "model", str, required=True)
-    prompt = _messages(body) if chat else _prompt(body)
+    prompt = chat_messages(body) if chat else completion_prompt(body)
     stream = _typed(body, "stream", bool, default=False)
-    options = _typed(body, "stream_options", dict, default=None)
-    if options is not None and (not stream or set(options) - {"include_usage"}):
-        raise ApiError(400, "stream_options is only allowed with stream=true and takes include_usage", "stream_options")
+    options = _stream_options(body) if stream else {}  # without streaming there are no chunks to shape
     max_tokens = body.get("max_completion_tokens") if chat and "max_completion_tokens" in body else body.get("max_tokens")
     if max_tokens is None:
         max_tokens = limits.default_chat_max_tokens if chat else 16
@@ -105,8 +115,16 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
     timeout = _typed(body, "timeout", (int, float), default=None)
     if timeout is not None and not 0 < timeout <= 3600:
         raise ApiError(400, "timeout must be in (0, 3600] seconds", "timeout")
-    return ParsedRequest(chat, model, prompt, params, stream, bool(options and options.get("include_usage")),
-                         priority, timeout, user)
+    return ParsedRequest(chat, model, prompt, params, stream, bool(options.get("include_usage")), priority, timeout,
+                         user, bool(options.get("include_usage") and options.get("continuous_usage_stats")), ignored)
+
+
+def _stream_options(body: dict) -> dict:
+    options = _typed(body, "stream_options", dict, default={})
+    unknown = set(options) - STREAM_OPTIONS
+    if unknown or not all(isinstance(v, bool) or v is None for v in options.values()):
+        raise ApiError(400, f"stream_options takes booleans {sorted(STREAM_OPTIONS)}", "stream_options")
+    return options
 
 
 def _typed(body: dict, name: str, kind, required: bool = False, default=None):
@@ -121,7 +139,7 @@ def _typed(body: dict, name: str, kind, required: bool = False, default=None):
     return value
 
 
-def _prompt(body: dict):
+def completion_prompt(body: dict):
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         return prompt
@@ -135,15 +153,38 @@ def _prompt(body: dict):
     raise ApiError(400, "prompt must be a non-empty string, list of strings, token ids or lists of token ids", "prompt")
 
 
-def _messages(body: dict) -> list[dict]:
+ROLES = ("system", "user", "assistant", "developer")
+
+
+def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "developer")
-        and isinstance(m.get("content"), str) and set(m) <= {"role", "content", "name"} for m in messages
-    )
-    if not ok:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} with string content", "messages")
-    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    return [{"role": "system" if m.get("role") == "developer" else m.get("role"), "content": _content(m, i)}
+            for i, m in enumerate(messages)]
+
+
+def _content(message: dict, index: int) -> str:
+    """A message's text: a string, or text content parts joined by newlines (as vLLM joins them)."""
+    param = f"messages[{index}]"
+    if message.get("role") not in ROLES:
+        raise ApiError(400, f"{param}.role must be one of {', '.join(ROLES)} (tool messages are not supported)", param)
+    if message.get("tool_calls") or message.get("tool_call_id"):
+        raise ApiError(400, f"{param}: tool calls are not supported", param, "unsupported_parameter")
+    content = message.get("content")
+    if content is None and message["role"] == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if not (isinstance(content, list) and content and all(isinstance(p, dict) for p in content)):
+        raise ApiError(400, f"{param}.content must be a string or a non-empty list of content parts", param)
+    for part in content:
+        if part.get("type") != "text":
+            raise ApiError(400, f"{param}: only text content parts are supported, got {str(part.get('type'))[:40]!r}",
+                           param, "unsupported_content_type")
+        if not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{param}: a text part needs a string 'text'", param)
+    return "\n".join(part["text"] for part in content)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -55,6 +55,14 @@ class GatewayService:
         self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id), self.producer)
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
+        self._ignored_seen: set[str] = set()
+
+    def note_ignored(self, fields: tuple[str, ...]) -> None:
+        """Log request fields accepted without effect, once per name (as vLLM warns of extra fields)."""
+        new = [f for f in fields if f not in self._ignored_seen]
+        if new and len(self._ignored_seen) < 1000:  # bounded: arbitrary clients must not grow this forever
+            self._ignored_seen.update(new)
+            log.warning("request fields ignored (not supported; logged once per name)", fields=[f[:64] for f in new[:20]])
 
     async def start(self) -> None:
         await self.dispatcher.start(wait=False)  # Redis may be down now: serve 503s until it is back
@@ -70,17 +78,24 @@ class GatewayService:
         thread: a megabyte prompt must not stall every other stream on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, parsed)
 
+    async def encode(self, prompt, chat: bool) -> list[list[int]]:
+        """Token ids of a validated prompt (chat messages, or any completions prompt form), on the
+        tokenizing thread; not checked against the context."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._encode, prompt, chat)
+
+    def _encode(self, prompt, chat: bool) -> list[list[int]]:
+        if chat:
+            return [encode_chat(self.tokenizer, prompt)]
+        if isinstance(prompt, str):
+            return [self.tokenizer.encode(prompt)]
+        if isinstance(prompt[0], str):
+            return [self.tokenizer.encode(p) for p in prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]
+        return [list(p) for p in prompt]
+
     def _prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
-        if parsed.chat:
-            prompts = [encode_chat(self.tokenizer, parsed.prompt)]
-        elif isinstance(parsed.prompt, str):
-            prompts = [self.tokenizer.encode(parsed.prompt)]
-        elif isinstance(parsed.prompt[0], str):
-            prompts = [self.tokenizer.encode(p) for p in parsed.prompt]
-        elif isinstance(parsed.prompt[0], int):
-            prompts = [list(parsed.prompt)]
-        else:
-            prompts = [list(p) for p in parsed.prompt]
+        prompts = self._encode(parsed.prompt, parsed.chat)
         for ids in prompts:
             try:
                 check_token_ids(ids, len(self.tokenizer))

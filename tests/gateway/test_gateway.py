@@ -66,7 +66,10 @@ def test_n_stop_and_logprobs(client, offline):
         assert sorted(top.values(), reverse=True) == pytest.approx(sorted(t.top_logprobs.values(), reverse=True), abs=1e-5)
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True,
                                           top_logprobs=2, **greedy()).choices[0].logprobs
-    assert len(chat.content) == 3 and all(len(t.top_logprobs) >= 2 for t in chat.content)
+    assert len(chat.content) == 3
+    for token in chat.content:  # exactly the two best, best first; greedy picked the best
+        assert len(token.top_logprobs) == 2 and token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob, abs=1e-6)
 
 
 def test_sse_framing_is_byte_exact(stack):
@@ -123,7 +126,7 @@ BAD_BODIES = [
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "max_tokens": 5000}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "stop": ["a"] * 9}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": [10**9]}).encode(), 400),
-    (json.dumps({"model": MODEL_NAME, "prompt": "x", "max_tokens": 1000, "stream_options": {"include_usage": True}}).encode(), 400),
+    (json.dumps({"model": MODEL_NAME, "prompt": "x", "stream": True, "stream_options": {"include_usage": 3}}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "priority": 2**64}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "priority": 1001}).encode(), 400),
     (json.dumps({"model": MODEL_NAME, "prompt": "x", "stop_token_ids": [2**64]}).encode(), 400),

@@ -1,0 +1,75 @@
+"""The endpoints around generation that vLLM users script against: ``/tokenize``, ``/detokenize``,
+``/version`` and ``/v1/models``. Same tokenizer, chat template and validation as the generation
+routes, so ``/tokenize`` counts exactly what a request of the same body would send."""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+
+from aiohttp import web
+
+from gateway.openai_api import STATE
+from gateway.schemas import ApiError, chat_messages, completion_prompt
+from shared.prompts import check_token_ids
+from shared.errors import InvalidRequestError
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    served = request.app[STATE].settings.served_model_name
+    if model is not None and model != served:
+        raise ApiError(404, f"the model {model!r} does not exist", "model", "model_not_found")
+    return body
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``{"prompt": …}`` or ``{"messages": […]}`` -> ``{"count", "max_model_len", "tokens"}``."""
+    state = request.app[STATE]
+    body = await _body(request)
+    chat = "messages" in body
+    prompt = chat_messages(body) if chat else completion_prompt(body)
+    if not chat and isinstance(prompt, list) and not isinstance(prompt[0], int):
+        raise ApiError(400, "tokenize takes one prompt (a string or a list of token ids)", "prompt")
+    tokens = (await state.encode(prompt, chat))[0]
+    return web.json_response({"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+    state = request.app[STATE]
+    body = await _body(request)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise ApiError(400, "tokens must be a list of token ids", "tokens")
+    try:
+        ids = check_token_ids(tokens, len(state.tokenizer), "tokens")
+    except InvalidRequestError as err:
+        raise ApiError(400, str(err).replace("prompt token ids", "tokens"), "tokens") from None
+    return web.json_response({"prompt": state.tokenizer.decode(ids)})
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        number = metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:  # running from a checkout that was never installed
+        number = "unknown"
+    return web.json_response({"version": number})
+
+
+async def models(request: web.Request) -> web.Response:
+    """The models live workers serve; the one this gateway fronts also says its context length."""
+    state = request.app[STATE]
+    data = []
+    for name in await state.live_models():
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": name, "parent": None}
+        if name == state.settings.served_model_name:
+            entry["max_model_len"] = state.max_model_len
+        data.append(entry)
+    return web.json_response({"object": "list", "data": data})

@@ -1,0 +1,122 @@
+"""What real OpenAI clients send (guidellm, the SDKs, LangChain): content-part messages, vLLM's
+stream options, fields we do not know. Accepted as vLLM accepts them, or a clear 400 naming the
+field where the effect cannot be given."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from structlog.testing import capture_logs
+
+from gateway.schemas import Limits, parse
+from tests.gateway.test_gateway import VALID, greedy, sse_events
+from tests.service_helpers import MODEL_NAME
+
+CHAT = "/v1/chat/completions"
+
+
+def post(stack, path: str, **body) -> httpx.Response:
+    return httpx.post(stack.url + path, json={**VALID[path], **body}, timeout=60)
+
+
+def test_text_content_parts_answer_like_the_plain_string(stack):
+    plain = post(stack, CHAT, messages=[{"role": "user", "content": "pages\nblocks"}], max_tokens=6, **greedy())
+    parts = post(stack, CHAT, max_tokens=6, **greedy(), messages=[
+        {"role": "user", "content": [{"type": "text", "text": "pages"}, {"type": "text", "text": "blocks"}]}])
+    assert plain.status_code == parts.status_code == 200, parts.text
+    assert parts.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("message,code", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, "unsupported_content_type"),
+    ({"role": "user", "content": [{"type": "text"}]}, None),
+    ({"role": "user", "content": []}, None),
+    ({"role": "tool", "content": "42", "tool_call_id": "t"}, None),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]}, "unsupported_parameter"),
+])
+def test_content_we_cannot_read_is_a_400_naming_the_message(stack, message, code):
+    r = post(stack, CHAT, messages=[{"role": "user", "content": "hi"}, message])
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[1]" and error["code"] == code
+
+
+def test_unknown_fields_are_accepted_and_logged_once_per_name(stack):
+    with capture_logs() as logs:
+        for _ in range(2):
+            r = post(stack, "/v1/completions", store=False, metadata={"a": "b"}, some_vendor_flag=1)
+            assert r.status_code == 200, r.text
+    warned = [e for e in logs if e["event"].startswith("request fields ignored")]
+    assert [e["fields"] for e in warned] == [["metadata", "some_vendor_flag", "store"]]
+
+
+@pytest.mark.parametrize("field,inert,active", [
+    ("echo", False, True), ("suffix", "", "tail"), ("logit_bias", {}, {"5": 10}), ("response_format", {"type": "text"},
+     {"type": "json_object"}), ("tools", [], [{"type": "function", "function": {"name": "f"}}]),
+])
+def test_openai_fields_without_effect_here_pass_only_at_their_no_op_value(stack, field, inert, active):
+    assert post(stack, "/v1/completions", **{field: inert}).status_code == 200
+    r = post(stack, "/v1/completions", **{field: active})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_stream_options_without_streaming_are_ignored(stack):
+    r = post(stack, "/v1/completions", stream_options={"include_usage": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path", sorted(VALID))
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(stack, path):
+    body = {**VALID[path], "max_tokens": 5, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *chunks, final = [json.loads(e[6:]) for e in sse_events(stack.url, path, body)]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    prompt = final["usage"]["prompt_tokens"]
+    assert counts == sorted(counts) and counts[-1] == 5 and prompt > 0
+    assert all(c["usage"]["prompt_tokens"] == prompt and c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"]
+               for c in chunks)
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5
+
+
+def test_a_guidellm_style_chat_request_streams(stack):
+    """The body guidellm 0.8 sends for a streaming chat benchmark."""
+    body = {"model": MODEL_NAME, "stream": True, "max_completion_tokens": 4, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "count the blocks"}]}]}
+    *chunks, final = [json.loads(e[6:]) for e in sse_events(stack.url, CHAT, body)]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert final["usage"]["completion_tokens"] == 4
+
+
+def test_parse_reports_ignored_fields_and_keeps_known_ones():
+    parsed = parse({"model": "m", "prompt": "x", "best_of": 2, "n": 1, "zzz": 1, "aaa": None}, False, Limits())
+    assert parsed.ignored == ("aaa", "zzz") and parsed.params.best_of == 2
+
+
+def test_tokenize_counts_what_a_request_would_send(stack):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    counted = httpx.post(stack.url + "/tokenize", json={"model": MODEL_NAME, "messages": messages}, timeout=30).json()
+    sent = post(stack, CHAT, messages=messages, max_tokens=1).json()["usage"]["prompt_tokens"]
+    assert counted["count"] == len(counted["tokens"]) == sent and counted["max_model_len"] == 2048
+    plain = httpx.post(stack.url + "/tokenize", json={"prompt": "pages and blocks"}, timeout=30).json()
+    assert plain["count"] == post(stack, "/v1/completions", prompt="pages and blocks").json()["usage"]["prompt_tokens"]
+    back = httpx.post(stack.url + "/detokenize", json={"model": MODEL_NAME, "tokens": plain["tokens"]}, timeout=30).json()
+    assert "pages and blocks" in back["prompt"]
+
+
+@pytest.mark.parametrize("path,body,status", [
+    ("/tokenize", {"prompt": ""}, 400), ("/tokenize", {"prompt": ["a", "b"]}, 400), ("/tokenize", [1], 400),
+    ("/tokenize", {"model": "other", "prompt": "x"}, 404), ("/detokenize", {"tokens": [10**9]}, 400),
+    ("/detokenize", {"tokens": "abc"}, 400), ("/detokenize", {}, 400),
+])
+def test_tokenize_and_detokenize_refuse_bad_bodies(stack, path, body, status):
+    r = httpx.post(stack.url + path, json=body, timeout=30)
+    assert r.status_code == status and r.json()["error"]["message"]
+
+
+def test_version_and_models_say_what_is_served(stack):
+    assert httpx.get(stack.url + "/version").json()["version"]
+    models = httpx.get(stack.url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [MODEL_NAME] and models[0]["max_model_len"] == 2048
