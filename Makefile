@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 up:
 	@VENV=$(VENV) scripts/bootstrap.sh run
-	$(VENV)/bin/pagedserve up $(ARGS)
+	$(VENV)/bin/pagedserve serve $(ARGS)
 
 test:
 	@VENV=$(VENV) scripts/bootstrap.sh dev

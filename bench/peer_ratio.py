@@ -38,8 +38,8 @@ def w64(vocab: int, count: int = 64, seed: int = 0) -> list[tuple[list[int], int
     return work
 
 
-def peer_lines(path: Path | None, model: str, dtype: str) -> list[dict]:
-    """The newest line per engine in ``path`` for this model and dtype."""
+def peer_lines(path: Path | None, model: str, dtype: str, count: int = 64) -> list[dict]:
+    """The newest line per engine in ``path`` for this model, dtype and number of requests."""
     if path is None or not path.exists():
         return []
     newest: dict[str, dict] = {}
@@ -48,17 +48,18 @@ def peer_lines(path: Path | None, model: str, dtype: str) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("model") == model and str(rec.get("dtype", "")).replace("bf16", "bfloat16") == dtype:
+        requests = (rec.get("workload") or {}).get("n", 64)
+        if rec.get("model") == model and str(rec.get("dtype", "")).replace("bf16", "bfloat16") == dtype and requests == count:
             newest[f"{rec.get('engine')} {rec.get('mode', '')}".strip()] = rec
     return list(newest.values())
 
 
-def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: str = "auto") -> dict:
+def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: str = "auto", count: int = 64) -> dict:
     from pagedserve import LLM
 
     llm = LLM(model, dtype=dtype, max_num_seqs=64, enforce_eager=eager, attention_backend=backend)
     vocab = llm.engine.info.config.vocab_size
-    work = w64(vocab)
+    work = w64(vocab, count)
     llm.generate([[5 + i] * 40 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # warm-up, with ids the timed passes do not share
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
@@ -73,7 +74,7 @@ def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: 
     assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, work)), "an output has the wrong length"
     return {"engine": "pagedserve", "mode": "LLM.generate", "dtype": dtype, "out_tok_s": round(tokens / seconds, 1),
             "elapsed_s": round(seconds, 2), "elapsed_all_s": [round(t, 2) for t in times], "output_tokens": tokens,
-            "enforce_eager": eager, "attention_backend": llm.engine.runner.ops.backend}
+            "enforce_eager": eager, "attention_backend": llm.engine.runner.ops.backend, "num_requests": count}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,9 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention-backend", default="auto", choices=BACKENDS)
+    ap.add_argument("--num-requests", type=int, default=64,
+                    help="the first N requests of W64 (bench_vllm.py --num-requests N runs the same ones)")
     args = ap.parse_args(argv)
-    ours = run_pagedserve(args.model, args.dtype, args.repeats, args.enforce_eager, args.attention_backend)
-    peers = peer_lines(args.peer_json, args.model.name, args.dtype)
+    ours = run_pagedserve(args.model, args.dtype, args.repeats, args.enforce_eager, args.attention_backend,
+                          args.num_requests)
+    peers = peer_lines(args.peer_json, args.model.name, args.dtype, args.num_requests)
     ratios = {f"{p['engine']} {p.get('mode', '')}".strip(): round(ours["out_tok_s"] / p["out_tok_s"], 2) for p in peers}
     print(json.dumps({"bench": "peer_ratio", "model": args.model.name, **ours, "ratio_to": ratios}))
     rows = [ours, *peers]

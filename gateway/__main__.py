@@ -15,10 +15,18 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = gateway_settings(argv)
     configure_logging()
-    app = create_app(settings)
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels its requests.
-    web.run_app(app, host=settings.host, port=settings.port, handler_cancellation=True, print=None,
-                shutdown_timeout=10.0)
+    try:
+        app = create_app(settings)
+    except (ValueError, OSError) as err:  # the model (tokenizer, config) cannot be found or read
+        print(f"pagedserve gateway: cannot start: {err}", file=sys.stderr)
+        return 2
+    try:
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels its requests.
+        web.run_app(app, host=settings.host, port=settings.port, handler_cancellation=True, print=None,
+                    shutdown_timeout=10.0)
+    except OSError as err:  # the port is taken, or the address is not this host's
+        print(f"pagedserve gateway: cannot listen on {settings.host}:{settings.port}: {err.strerror or err}", file=sys.stderr)
+        return 2
     return 0
 
 

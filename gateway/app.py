@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 
 import structlog
 from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from gateway.openai_api import STATE, chat_completions, completions
+from gateway.openai_api import STATE, TALLY, chat_completions, completions
 from gateway.openapi import OPENAPI
 from gateway.schemas import ApiError
 from gateway.service import GatewayService
-from gateway.utility_api import detokenize, models, tokenize, version
+from gateway.utility_api import detokenize, docs, models, tokenize, version
 from shared.settings import GatewaySettings
 
 log = structlog.get_logger("pagedserve.gateway")
-OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version"}
+OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs"}
+QUIET_PATHS = {"/health", "/ready", "/metrics"}
+REFUSAL = "pagedserve.refusal"  # request key: why the request was answered with an error
 
 
 def create_app(settings: GatewaySettings) -> web.Application:
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors, _cors(settings), _auth(settings)])
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[_access_log, _errors, _cors(settings), _auth(settings)])
     app[STATE] = GatewayService(settings)
     app.on_startup.append(_start)
     app.on_cleanup.append(_stop)
@@ -31,6 +36,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
+    app.router.add_get("/docs", docs)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
@@ -51,10 +57,34 @@ def _error_response(err: ApiError) -> web.Response:
 
 
 @web.middleware
+async def _access_log(request: web.Request, handler):
+    """One line per request: method, path, status, latency, tokens; the reason of a 4xx/5xx. Probes
+    (/health, /ready, /metrics) are not logged: they would drown the rest."""
+    started = time.monotonic()
+    try:
+        response = await handler(request)
+    except asyncio.CancelledError:  # the client went away (handler cancellation)
+        log.info("http", method=request.method, path=request.path, status="client gone",
+                 ms=round((time.monotonic() - started) * 1000, 1))
+        raise
+    if request.path not in QUIET_PATHS:
+        tally = request.get(TALLY)
+        fields = {"method": request.method, "path": request.path, "status": response.status,
+                  "ms": round((time.monotonic() - started) * 1000, 1)}
+        if tally is not None:
+            fields.update(prompt_tokens=tally.prompt_tokens, completion_tokens=tally.completion_tokens)
+        if request.get(REFUSAL):
+            fields["error"] = request[REFUSAL]
+        (log.warning if response.status >= 400 else log.info)("http", **fields)
+    return response
+
+
+@web.middleware
 async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as err:
+        request[REFUSAL] = f"{err.code or err.type}: {err.message}"[:300]
         return _error_response(err)
     except (RedisConnectionError, RedisTimeoutError) as err:
         log.warning("redis unavailable", path=request.path, error=str(err))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -23,6 +24,7 @@ from shared.mailbox import Mailbox
 from shared.protocol import WireEvent
 
 STATE = web.AppKey("state", GatewayService)
+TALLY = "pagedserve.tally"  # request key: the Tally of a generation request, read by the access log
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -53,13 +55,14 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
     renderer = Renderer(chat, base, int(time.time()), parsed.model, state.tokenizer, parsed.params.logprobs)
     deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
-    state.metrics.prompt_tokens.labels(parsed.model).inc(sum(len(p) for p in prompts))
+    tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))
+    state.metrics.prompt_tokens.labels(parsed.model).inc(tally.prompt_tokens)
     try:
         await state.dispatcher.send(boxes)  # subscribed before anything is queued
         events = _merged(boxes, deadline)
         if parsed.stream:
-            return await _stream(request, state, parsed, renderer, events, started, [len(p) for p in prompts])
-        return await _collect(state, parsed, renderer, events, len(prompts), started)
+            return await _stream(request, state, parsed, renderer, events, tally, [len(p) for p in prompts])
+        return await _collect(state, parsed, renderer, events, len(prompts), tally)
     finally:
         await asyncio.shield(state.cancel([b.wire_id for b in boxes if not b.done], "client gone"))
         for box in boxes:
@@ -92,27 +95,38 @@ async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[
             task.cancel()
 
 
-def _account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, last: dict, now: float, started: float) -> None:
+@dataclass
+class Tally:
+    """What one HTTP request has produced so far: for the latency metrics and the access log."""
+
+    started: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    last: dict = field(default_factory=dict)  # wire id -> when its last tokens came
+
+
+def _account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tally: Tally, now: float) -> None:
     tokens = sum(len(o.token_ids) for o in event.outputs)
+    last = tally.last
     if tokens:
         model = parsed.model
+        tally.completion_tokens += tokens
         state.metrics.generation_tokens.labels(model).inc(tokens)
         if event.id in last:
             state.metrics.itl.labels(model).observe(now - last[event.id])
         elif not last:
-            state.metrics.ttft.labels(model).observe(now - started)
+            state.metrics.ttft.labels(model).observe(now - tally.started)
         last[event.id] = now
     if event.done:
         state.metrics.requests.labels(parsed.model, event.finish_reason or "unknown").inc()
 
 
-async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, num_prompts: int, started: float) -> web.Response:
+async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, num_prompts: int, tally: Tally) -> web.Response:
     n = parsed.params.n
     choices = [Choice(i) for i in range(num_prompts * n)]
     prompt_tokens = completion_tokens = 0
-    last: dict = {}
     async for index, event in events:
-        _account(state, parsed, event, last, time.monotonic(), started)
+        _account(state, parsed, event, tally, time.monotonic())
         if event.done and event.finish_reason == "error":
             raise ApiError(502, event.error or "the worker failed", None, "worker_error", "server_error")
         for delta in event.outputs:
@@ -120,11 +134,11 @@ async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, num
         if event.done and event.usage:
             prompt_tokens += event.usage["prompt_tokens"]
             completion_tokens += event.usage["completion_tokens"]
-    state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - started)
+    state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - tally.started)
     return web.json_response(renderer.response(choices, usage(prompt_tokens, completion_tokens)))
 
 
-async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, events, started: float,
+async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, events, tally: Tally,
                   prompt_lens: list[int]) -> web.StreamResponse:
     response = await sse.open_stream(request)
     n = parsed.params.n
@@ -132,10 +146,9 @@ async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, eve
     offsets: dict[int, int] = {}
     generated: dict[int, int] = {}  # tokens so far per choice, for continuous usage stats
     prompt_tokens = completion_tokens = 0
-    last: dict = {}
     try:
         async for index, event in events:
-            _account(state, parsed, event, last, time.monotonic(), started)
+            _account(state, parsed, event, tally, time.monotonic())
             if event.done and event.finish_reason == "error":
                 await response.write(sse.frame(ApiError(502, event.error or "the worker failed", None, "worker_error", "server_error").body()))
                 break
@@ -156,7 +169,7 @@ async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, eve
                 await response.write(sse.frame(renderer.usage_chunk(usage(prompt_tokens, completion_tokens))))
     except ApiError as err:
         await response.write(sse.frame(err.body()))
-    state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - started)
+    state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - tally.started)
     await response.write(sse.DONE)
     await response.write_eof()
     return response

@@ -3,6 +3,7 @@ them; fields not listed are accepted and ignored, as vLLM does). Numeric ranges 
 
 from __future__ import annotations
 
+from gateway.openapi_responses import RESPONSES
 from gateway.schemas import MAX_USER_LEN, PRIORITY_RANGE
 from shared.sampling import BOUNDS, MAX_TOKEN_ID
 
@@ -26,34 +27,44 @@ _MESSAGES = {"type": "array", "minItems": 1, "items": {"type": "object", "requir
     "role": {"type": "string", "enum": ["system", "user", "assistant", "developer"]},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _TEXT_PART}, {"type": "null"}]}}}}
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-_RESPONSES = {"200": {"description": "a completion, or an SSE stream of chunks when stream=true"},
-              **{code: _ERROR for code in ("400", "401", "404", "413", "429", "503", "504")}}
+_ERRORS = {code: _ERROR for code in ("400", "401", "404", "413", "429", "503", "504")}
 
 
-def _post(summary: str, schema: str) -> dict:
+def _ok(schema: str | None, streams: bool = False) -> dict:
+    if schema is None:
+        return {"200": {"description": "ok"}}
+    content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
+    if streams:  # stream=true: chunks of the same objects, as server-sent events
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"200": {"description": "ok", "content": content}}
+
+
+def _post(summary: str, schema: str, response: str, streams: bool = False) -> dict:
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}, "responses": _RESPONSES}}
+        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}, "responses": {**_ok(response, streams), **_ERRORS}}}
 
 
-def _get(summary: str) -> dict:
-    return {"get": {"summary": summary, "responses": {"200": {"description": "ok"}, "503": {"description": "not ready"}}}}
+def _get(summary: str, response: str | None = None) -> dict:
+    return {"get": {"summary": summary, "responses": {**_ok(response), "503": {"description": "not ready"}}}}
 
 
 OPENAPI = {
     "openapi": "3.1.0",
     "info": {"title": "pagedserve", "version": "1", "description": "OpenAI-compatible API of a pagedserve gateway."},
     "paths": {
-        "/v1/completions": _post("Create a completion", "CompletionRequest"),
-        "/v1/chat/completions": _post("Create a chat completion", "ChatRequest"),
-        "/v1/models": _get("Models with live workers"),
+        "/v1/completions": _post("Create a completion", "CompletionRequest", "CompletionResponse", streams=True),
+        "/v1/chat/completions": _post("Create a chat completion", "ChatRequest", "ChatResponse", streams=True),
+        "/v1/models": _get("Models with live workers", "ModelList"),
         "/health": _get("Liveness"),
         "/ready": _get("Redis reachable and a worker alive"),
         "/metrics": _get("Prometheus metrics"),
-        "/version": _get("The pagedserve version"),
-        "/tokenize": _post("Token ids of a prompt or chat, as a generation request would send them", "TokenizeRequest"),
-        "/detokenize": _post("Text of token ids", "DetokenizeRequest"),
+        "/version": _get("The pagedserve version", "Version"),
+        "/tokenize": _post("Token ids of a prompt or chat, as a generation request would send them", "TokenizeRequest",
+                           "TokenizeResponse"),
+        "/detokenize": _post("Text of token ids", "DetokenizeRequest", "DetokenizeResponse"),
     },
     "components": {"schemas": {
+        **RESPONSES,
         "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
             **_SAMPLING, "logprobs": BOUNDS["logprobs"].json_schema(), "best_of": BOUNDS["best_of"].json_schema(),
             "prompt": _PROMPT}},

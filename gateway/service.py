@@ -30,6 +30,7 @@ from shared.protocol import ReplyTarget, WireRequest
 from shared.settings import GatewaySettings
 
 log = structlog.get_logger("pagedserve.gateway")
+WORKER_LIMIT_TTL_S = 5.0  # how long the workers' reported max_model_len is trusted
 
 
 class GatewayService:
@@ -56,6 +57,8 @@ class GatewayService:
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
         self._ignored_seen: set[str] = set()
+        self._worker_limit: int | None = None
+        self._limit_read_at = -WORKER_LIMIT_TTL_S
 
     def note_ignored(self, fields: tuple[str, ...]) -> None:
         """Log request fields accepted without effect, once per name (as vLLM warns of extra fields)."""
@@ -76,7 +79,23 @@ class GatewayService:
     async def prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
         """Token ids of every prompt, checked against the context length. Tokenizing runs on a
         thread: a megabyte prompt must not stall every other stream on the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, parsed)
+        limit = await self.context_limit()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, parsed, limit)
+
+    async def context_limit(self) -> int:
+        """The context a request must fit: the model's, or less where live workers run with a smaller
+        ``--max-model-len`` (they report it with their heartbeat; re-read every few seconds), so a
+        prompt no worker can take is a 400 here, not an error from a worker."""
+        now = time.monotonic()
+        if now - self._limit_read_at > WORKER_LIMIT_TTL_S:
+            lengths = []
+            async for key in self.redis.scan_iter(match=self.keys.metrics(self.settings.served_model_name, "*"), count=100):
+                raw = await self.redis.hget(key, "max_model_len")
+                if raw is not None:
+                    lengths.append(int(float(raw)))
+            self._worker_limit = min(lengths, default=None)
+            self._limit_read_at = now
+        return min(self.max_model_len, self._worker_limit or self.max_model_len)
 
     async def encode(self, prompt, chat: bool) -> list[list[int]]:
         """Token ids of a validated prompt (chat messages, or any completions prompt form), on the
@@ -94,15 +113,15 @@ class GatewayService:
             return [list(prompt)]
         return [list(p) for p in prompt]
 
-    def _prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
+    def _prompt_ids(self, parsed: ParsedRequest, limit: int) -> list[list[int]]:
         prompts = self._encode(parsed.prompt, parsed.chat)
         for ids in prompts:
             try:
                 check_token_ids(ids, len(self.tokenizer))
             except InvalidRequestError as err:
                 raise ApiError(400, str(err), err.field) from None
-            if len(ids) + parsed.params.max_tokens > self.max_model_len:
-                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+            if len(ids) + parsed.params.max_tokens > limit:
+                raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                f"requested {len(ids) + parsed.params.max_tokens} tokens ({len(ids)} in the prompt, "
                                f"{parsed.params.max_tokens} for the completion).", "messages" if parsed.chat else "prompt",
                                "context_length_exceeded")

@@ -38,7 +38,7 @@ async def tokenize(request: web.Request) -> web.Response:
     if not chat and isinstance(prompt, list) and not isinstance(prompt[0], int):
         raise ApiError(400, "tokenize takes one prompt (a string or a list of token ids)", "prompt")
     tokens = (await state.encode(prompt, chat))[0]
-    return web.json_response({"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens})
+    return web.json_response({"count": len(tokens), "max_model_len": await state.context_limit(), "tokens": tokens})
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -63,6 +63,22 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": number})
 
 
+SWAGGER_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>pagedserve API</title>
+<link rel="stylesheet" href="https://unpkg.com/swagger-ui-dist@5/swagger-ui.css"></head>
+<body><div id="ui"></div>
+<script src="https://unpkg.com/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui"});</script>
+<noscript>The API description is at <a href="/openapi.json">/openapi.json</a>.</noscript>
+</body></html>
+"""
+
+
+async def docs(request: web.Request) -> web.Response:
+    """Swagger UI over ``/openapi.json`` (the browser loads the UI from unpkg.com)."""
+    return web.Response(text=SWAGGER_PAGE, content_type="text/html")
+
+
 async def models(request: web.Request) -> web.Response:
     """The models live workers serve; the one this gateway fronts also says its context length."""
     state = request.app[STATE]
@@ -70,6 +86,6 @@ async def models(request: web.Request) -> web.Response:
     for name in await state.live_models():
         entry = {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": name, "parent": None}
         if name == state.settings.served_model_name:
-            entry["max_model_len"] = state.max_model_len
+            entry["max_model_len"] = await state.context_limit()
         data.append(entry)
     return web.json_response({"object": "list", "data": data})

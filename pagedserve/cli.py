@@ -2,7 +2,8 @@
 
     pagedserve worker --model M --redis-url URL  serve a model from its Redis request stream
     pagedserve gateway --model M --redis-url URL the OpenAI-compatible HTTP gateway
-    pagedserve up [--model M] [--port P]         Redis + gateway + workers, one command
+    pagedserve serve [MODEL] [--port P] [engine flags]
+                                                 Redis + gateway + workers, one command (alias: up)
     pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
     pagedserve chat [--model M]                  a chat in the terminal, streamed
     pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedserve.serve_args import add_serve_parser, installed_version
+
 BENCHES = {
     "kv-memory": "bench.kv_memory",
     "offline-throughput": "bench.offline_throughput",
@@ -30,17 +33,14 @@ BENCHES = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving on a paged, copy-on-write KV cache.")
+    parser.add_argument("--version", action="version", version=f"pagedserve {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("worker", help="serve a model from its Redis request stream (see: pagedserve worker --help)",
                    add_help=False)
     sub.add_parser("gateway", help="the OpenAI-compatible HTTP gateway (see: pagedserve gateway --help)", add_help=False)
 
-    up = sub.add_parser("up", help="Redis (embedded unless REDIS_URL is set), a gateway and workers, in one command")
-    up.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--workers", type=int, default=1)
+    add_serve_parser(sub)
 
     gen = sub.add_parser("generate", help="generate text offline (no Redis, no server)")
     gen.add_argument("prompt")
@@ -80,28 +80,34 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.path.insert(0, os.getcwd())  # bench/ lives in the source tree, beside the packages
         return importlib.import_module(BENCHES[args.name]).main(args.args)
-    if args.command == "up":
-        return up(args)
+    if args.command in ("serve", "up"):
+        return serve(args)
     if args.command == "chat":
         return chat(args)
     return generate(args)
 
 
-def up(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
     from shared.logging import configure_logging
+    from shared.settings import engine_argv
     from pagedserve.stack import LocalStack, StackError
 
     configure_logging()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    model = args.model_option or args.model
+    gateway_args = [arg for key in args.api_key or () for arg in ("--api-key", key)]
     try:
-        with LocalStack(model=args.model, workers=args.workers, port=args.port, host=args.host) as stack:
+        with LocalStack(model=model, workers=args.workers, port=args.port, host=args.host,
+                        extra_worker_args=tuple(engine_argv(args)), extra_gateway_args=tuple(gateway_args),
+                        served_model_name=args.served_model_name) as stack:
+            auth = f" -H 'Authorization: Bearer {args.api_key[0]}'" if args.api_key else ""
             print(f"pagedserve is up: {stack.url}  (model {stack.served_model_name!r}; Ctrl-C stops everything)")
-            print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "
+            print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json'{auth} "
                   f"-d '{{\"model\": \"{stack.served_model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
                   flush=True)
             while not stop.wait(1.0):

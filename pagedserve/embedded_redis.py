@@ -69,7 +69,9 @@ class RedisServer:
     def start(self) -> "RedisServer":
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
                 "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its own session: Ctrl-C in a terminal signals the foreground group, and Redis must outlive
+        # the gateway and workers that drain into it; the stack stops it last.
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

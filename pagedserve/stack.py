@@ -33,8 +33,11 @@ class StackError(RuntimeError):
 
 class LocalStack:
     def __init__(self, model: str | None = None, workers: int = 1, port: int | None = None, host: str = "127.0.0.1",
-                 extra_worker_args: tuple[str, ...] = ()) -> None:
+                 extra_worker_args: tuple[str, ...] = (), extra_gateway_args: tuple[str, ...] = (),
+                 served_model_name: str | None = None) -> None:
         self.model = model
+        self._served_model_name = served_model_name
+        self.extra_gateway_args = extra_gateway_args
         self.workers = workers
         self.host = host
         self.port = port or free_port()
@@ -51,7 +54,7 @@ class LocalStack:
 
     @property
     def served_model_name(self) -> str:
-        return served_name(self.model, None)
+        return served_name(self.model, self._served_model_name)
 
     def __enter__(self) -> "LocalStack":
         try:
@@ -81,7 +84,7 @@ class LocalStack:
         for i in range(self.workers):
             self._spawn("worker", *common, "--consumer", f"{os.uname().nodename}-w{i}", *self.extra_worker_args,
                         env=self._worker_env)
-        self._spawn("gateway", *common, "--host", self.host, "--port", str(self.port))
+        self._spawn("gateway", *common, "--host", self.host, "--port", str(self.port), *self.extra_gateway_args)
         self._wait_ready()
 
     def _spawn(self, service: str, *args: str, env: dict[str, str] | None = None) -> None:

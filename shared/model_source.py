@@ -54,12 +54,30 @@ def generation_defaults(path: str | Path, source: str = "auto") -> dict:
     return {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
 
 
+class ModelNotFound(ValueError):
+    """The model is neither a local directory nor a hub id that can be fetched (one clear line)."""
+
+
 def resolve_model_dir(model: str | Path) -> Path:
     """A local directory as is; anything else is a hub id, downloaded (or found) in the HF cache."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    text = str(model)
+    if path.exists():
+        raise ModelNotFound(f"{text} is a file, not a model directory")
+    if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1:
+        raise ModelNotFound(f"no model directory at {path.resolve()}")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-    return Path(snapshot_download(str(model), allow_patterns=patterns))
+    try:
+        return Path(snapshot_download(text, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        raise ModelNotFound(f"{text} is not a local directory and the hub cannot be reached to fetch it "
+                            "(no network?): pass a local model directory") from None
+    except HfHubHTTPError as err:
+        raise ModelNotFound(f"{text} is not a local directory and the hub refused it: {str(err).splitlines()[0]}") from None
+    except ValueError as err:  # a malformed repo id
+        raise ModelNotFound(f"{text} is neither a local model directory nor a hub id: {err}") from None

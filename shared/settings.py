@@ -54,18 +54,31 @@ class WorkerSettings:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     metrics_host: str = "127.0.0.1"
     read_ahead: int = 16  # requests read but not yet started (no event sent) at most
+    log_stats_interval_s: float = 10.0  # a stats log line this often while busy; 0: none
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
 
 
-def _positive(kind):
+def _checked(kind, ok, rule: str):
+    """An argparse type: ``kind(text)``, refused with ``must be <rule>`` unless ``ok(value)``."""
     def parse(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _positive(kind):
+    return _checked(kind, lambda v: v > 0, "> 0")
+
+
+def _non_negative(kind):
+    return _checked(kind, lambda v: v >= 0, ">= 0")
+
+
+_fraction = _checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def boolean(text: str) -> bool:
@@ -74,34 +87,56 @@ def boolean(text: str) -> bool:
     return text.lower() in ("1", "true", "yes")
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")  # kernels.ops.BACKENDS (shared cannot import kernels)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[argparse.Action]:
+    """The engine's flags (shared by ``worker`` and ``serve``); each help line ends with its default
+    and its environment variable. Returns the flags' actions."""
     e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
-    parser.add_argument("--dtype", default=e("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=e("device", None), help="cpu, cuda or cuda:N (default: cuda when available)")
-    parser.add_argument("--block-size", type=_positive(int), default=e("block_size", 16, int))
-    parser.add_argument("--kv-cache-memory", type=_positive(int), default=e("kv_cache_memory", None, int), help="bytes")
-    parser.add_argument("--num-gpu-blocks", type=_positive(int), default=e("num_gpu_blocks", None, int))
-    parser.add_argument("--max-num-seqs", type=_positive(int), default=e("max_num_seqs", 256, int))
-    parser.add_argument("--max-num-batched-tokens", type=_positive(int), default=e("max_num_batched_tokens", 2048, int))
-    parser.add_argument("--max-model-len", type=_positive(int), default=e("max_model_len", None, int))
-    parser.add_argument("--preemption-mode", choices=["recompute", "swap"], default=e("preemption_mode", "recompute"))
-    parser.add_argument("--enforce-eager", action="store_true", default=e("enforce_eager", False, boolean),
+    actions: list[argparse.Action] = []
+    add = lambda *a, **k: actions.append(parser.add_argument(*a, **k))  # noqa: E731
+    add("--dtype", default=e("dtype", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
+    add("--device", default=e("device", None), help="cpu, cuda or cuda:N (default: cuda when available)")
+    add("--block-size", type=_positive(int), default=e("block_size", 16, int))
+    add("--kv-cache-memory", type=_positive(int), default=e("kv_cache_memory", None, int), help="bytes")
+    add("--num-gpu-blocks", type=_positive(int), default=e("num_gpu_blocks", None, int))
+    add("--max-num-seqs", type=_positive(int), default=e("max_num_seqs", 256, int))
+    add("--max-num-batched-tokens", type=_positive(int), default=e("max_num_batched_tokens", 2048, int))
+    add("--max-model-len", type=_positive(int), default=e("max_model_len", None, int))
+    add("--preemption-mode", choices=["recompute", "swap"], default=e("preemption_mode", "recompute"))
+    add("--enforce-eager", action="store_true", default=e("enforce_eager", False, boolean),
                         help="CUDA: run decode steps eagerly instead of replaying CUDA graphs")
-    parser.add_argument("--gpu-memory-utilization", type=_fraction, default=e("gpu_memory_utilization", 0.9, float),
+    add("--gpu-memory-utilization", type=_fraction, default=e("gpu_memory_utilization", 0.9, float),
                         help="share of the GPU's memory for weights, KV cache and a step's activations (0, 1]")
-    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=e("attention_backend", "auto"),
+    add("--attention-backend", choices=ATTENTION_BACKENDS, default=e("attention_backend", "auto"),
                         help="auto: Triton kernels on CUDA, the C kernel compiled for this CPU elsewhere (torch if it "
                              "cannot be built); torch: the plain PyTorch reference")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=e("enable_prefix_caching", True, boolean), help="share KV blocks of identical prompt prefixes")
+    add("--swap-space", type=_non_negative(float), default=e("swap_space", 1.0, float),
+                        help="GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)")
+    for action in actions:
+        action.help = f"{action.help or ''} (default: %(default)s; env PAGEDSERVE_{action.dest.upper()})".lstrip()
+    return actions
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags ``args`` holds that differ from the defaults, as a command line (what
+    ``serve`` passes on to the workers it starts)."""
+    argv: list[str] = []
+    for action in add_engine_args(argparse.ArgumentParser(add_help=False), {}):
+        value = getattr(args, action.dest)
+        flag = action.option_strings[0]
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -111,6 +146,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
         "preemption_mode": args.preemption_mode, "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,
+        "enable_prefix_caching": args.enable_prefix_caching, "swap_space": int(args.swap_space * (1 << 30)),
     }
 
 
@@ -138,6 +174,8 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
     p.add_argument("--metrics-port", type=int, default=e("metrics_port", 0, int), help="Prometheus port (0: off)")
     p.add_argument("--metrics-host", default=e("metrics_host", "127.0.0.1"),
                    help="address of the Prometheus endpoint (0.0.0.0 to expose it beyond this host)")
+    p.add_argument("--log-stats-interval", type=_non_negative(float), default=e("log_stats_interval", 10.0, float),
+                   help="seconds between stats log lines (throughput, batch, KV usage, prefix hits) while busy; 0: none")
     add_engine_args(p, environ)
     return p
 
@@ -151,7 +189,7 @@ def worker_settings(argv: list[str] | None = None, environ: Mapping[str, str] | 
         consumer=args.consumer, max_inflight=args.max_inflight or args.max_num_seqs,
         claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat, max_deliveries=args.max_deliveries,
         drain_timeout_s=args.drain_timeout, key_prefix=args.key_prefix, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host, read_ahead=args.read_ahead,
+        metrics_host=args.metrics_host, read_ahead=args.read_ahead, log_stats_interval_s=args.log_stats_interval,
         engine=engine_kwargs(args),
     )
 

@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = worker_settings(argv)
     configure_logging()
-    engine = Engine(EngineConfig(model=model_or_demo(settings.model), **settings.engine))
+    try:
+        engine = Engine(EngineConfig(model=model_or_demo(settings.model), **settings.engine))
+    except (ValueError, OSError) as err:  # a missing model, bad engine settings, no memory for the KV pool
+        print(f"pagedserve worker: cannot start: {err}", file=sys.stderr)
+        return 2
 
     try:
         return serve_on_main_thread(WorkerService(settings, engine))

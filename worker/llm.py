@@ -71,7 +71,7 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=None if use_tqdm else True) as bar:
             while wanted - done.keys():
                 for out in self.engine.step():
                     if out.finished and out.request_id in wanted:

@@ -118,5 +118,56 @@ def test_tokenize_and_detokenize_refuse_bad_bodies(stack, path, body, status):
 
 def test_version_and_models_say_what_is_served(stack):
     assert httpx.get(stack.url + "/version").json()["version"]
+    page = httpx.get(stack.url + "/docs")
+    assert page.status_code == 200 and "/openapi.json" in page.text and page.headers["content-type"].startswith("text/html")
     models = httpx.get(stack.url + "/v1/models").json()["data"]
     assert [m["id"] for m in models] == [MODEL_NAME] and models[0]["max_model_len"] == 2048
+
+
+def test_a_prompt_past_the_workers_max_model_len_is_a_400_at_the_gateway(stack):
+    """A worker started with a smaller --max-model-len reports it with its heartbeat; a gateway
+    holds prompts to the smallest live one instead of letting the worker fail them."""
+    import redis
+
+    client = redis.Redis.from_url(stack.redis.url)
+    live = client.hget(stack.worker.keys.metrics(MODEL_NAME, "test-worker"), "max_model_len")
+    assert live is not None and int(float(live)) == 2048  # what the real worker reports
+    short = stack.worker.keys.metrics(MODEL_NAME, "short-context-worker")
+    client.hset(short, mapping={"max_model_len": 64})  # as that worker's heartbeat writes it
+    try:
+        fresh = stack.add_gateway()  # its own cache of the limit
+        r = httpx.post(fresh + "/v1/completions", json={"model": MODEL_NAME, "prompt": [20] * 60, "max_tokens": 10}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" and " 64 " in r.json()["error"]["message"]
+        counted = httpx.post(fresh + "/tokenize", json={"prompt": "x"}, timeout=30).json()
+        assert counted["max_model_len"] == 64
+    finally:
+        client.delete(short)
+        client.close()
+
+
+def test_each_request_leaves_one_access_line_and_a_refusal_says_why(stack):
+    with capture_logs() as logs:
+        assert post(stack, "/v1/completions", max_tokens=3, ignore_eos=True).status_code == 200
+        assert post(stack, "/v1/completions", temperature=-1).status_code == 400
+        assert httpx.get(stack.url + "/health").status_code == 200  # probes stay out of the log
+    lines = [e for e in logs if e["event"] == "http"]
+    assert [(e["status"], e["log_level"]) for e in lines] == [(200, "info"), (400, "warning")]
+    ok, refused = lines
+    assert ok["completion_tokens"] == 3 and ok["prompt_tokens"] > 0 and ok["ms"] > 0 and ok["path"] == "/v1/completions"
+    assert "temperature" in refused["error"]
+
+
+def test_live_answers_match_the_response_schemas_of_openapi_json(stack):
+    from jsonschema import Draft202012Validator
+
+    schemas = httpx.get(stack.url + "/openapi.json").json()["components"]["schemas"]
+    answers = {
+        "CompletionResponse": post(stack, "/v1/completions", n=2, logprobs=1).json(),
+        "ChatResponse": post(stack, CHAT).json(),
+        "ModelList": httpx.get(stack.url + "/v1/models").json(),
+        "TokenizeResponse": httpx.post(stack.url + "/tokenize", json={"prompt": "x"}).json(),
+        "DetokenizeResponse": httpx.post(stack.url + "/detokenize", json={"tokens": [5, 6]}).json(),
+        "Version": httpx.get(stack.url + "/version").json(),
+    }
+    for name, body in answers.items():
+        Draft202012Validator(schemas[name]).validate(body)

@@ -206,6 +206,21 @@ def test_auth_backpressure_and_missing_workers(stack):
     assert r.status_code == 429 and r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
 
 
+VLLM_METRICS = {  # vLLM V1's names and types (prometheus_client drops a counter's _total in the family name)
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+    "vllm:num_preemptions": "counter", "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+}
+
+
+def metric_types(url: str) -> dict[str, str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name: family.type for family in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+
+
 def scrape(url: str) -> dict[str, float]:
     """``/metrics`` as ``{"name{label=value,...}": value}``."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -223,7 +238,7 @@ def test_models_ready_metrics_openapi(stack, client):
     after = scrape(stack.url)
 
     def delta(name: str, labels: str = label) -> float:
-        key = f"pagedserve:{name}{{{labels}}}"
+        key = f"vllm:{name}{{{labels}}}"
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert [u.completion_tokens for u in usages] == [3, 3, 3]
@@ -236,11 +251,12 @@ def test_models_ready_metrics_openapi(stack, client):
     assert MODEL_NAME in [m.id for m in client.models.list().data]
     assert httpx.get(stack.url + "/ready").json()["status"] == "ready"
     # Worker gauges come with its heartbeats: the prefix-cache queries of these prompts show up.
-    poll(lambda: scrape(stack.url).get(f"pagedserve:prefix_cache_queries_total{{{label}}}", 0)
-         >= before.get(f"pagedserve:prefix_cache_queries_total{{{label}}}", 0) + 9, 10, "the worker's gauges")
-    gauges = scrape(stack.url)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total"):
-        assert f"pagedserve:{name}{{{label}}}" in gauges, name
+    poll(lambda: scrape(stack.url).get(f"vllm:prefix_cache_queries_total{{{label}}}", 0)
+         >= before.get(f"vllm:prefix_cache_queries_total{{{label}}}", 0) + 9, 10, "the worker's gauges")
+    kinds = metric_types(stack.url)
+    for name, kind in VLLM_METRICS.items():
+        assert kinds.get(name) == kind, (name, kinds.get(name))
+    assert {"pagedserve:kv_cow_copies", "pagedserve:queue_depth", "pagedserve:dead_letters"} <= set(kinds)
     spec = httpx.get(stack.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
 

@@ -31,3 +31,17 @@ def test_the_spec_range_is_the_range_sampling_params_enforce(name):
         SamplingParams(**{**base, name: bound.high})
         with pytest.raises(InvalidRequestError):
             SamplingParams(**{**base, name: bound.high + 1})
+
+
+def test_the_spec_is_a_valid_openapi_3_1_document():
+    from openapi_spec_validator import validate
+
+    validate(OPENAPI)  # raises on any violation of the OpenAPI 3.1 schema
+
+
+def test_every_path_declares_the_body_of_its_answer():
+    for path, methods in OPENAPI["paths"].items():
+        for method, operation in methods.items():
+            if path not in ("/health", "/ready", "/metrics"):
+                schema = operation["responses"]["200"]["content"]["application/json"]["schema"]
+                assert schema["$ref"].split("/")[-1] in SCHEMAS, (method, path)

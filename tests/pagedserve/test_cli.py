@@ -34,3 +34,21 @@ def test_chat_answers_each_line_until_eof(tmp_path):
                             input="hello\nand again\n", capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("> ") == 3  # two answered prompts, then EOF at the third
+
+
+def test_start_up_failures_are_one_clear_line_and_a_non_zero_exit(tmp_path):
+    import socket
+
+    env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    missing = run_cli("worker", "--model", str(tmp_path / "no-such-model"), env=env)
+    assert missing.returncode == 2 and "no model directory at" in missing.stderr, missing.stderr
+    hub = run_cli("generate", "--model", "someone/some-model", "hi", env=env)
+    assert hub.returncode == 2 and "pass a local model directory" in hub.stderr, hub.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = run_cli("gateway", "--port", str(port), env=env)
+    assert busy.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr, busy.stderr
+    for result in (missing, hub, busy):  # the error is the last line, after at most a few log lines
+        assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("pagedserve")

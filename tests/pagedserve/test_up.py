@@ -99,3 +99,34 @@ def test_workers_share_the_cores_unless_told_otherwise():
     assert worker_environment({"PATH": "/bin"}, 2) == {"PATH": "/bin", "OMP_NUM_THREADS": str(max(1, cores // 2))}
     assert worker_environment({}, 10 * cores)["OMP_NUM_THREADS"] == "1"
     assert worker_environment({"OMP_NUM_THREADS": "7"}, 2)["OMP_NUM_THREADS"] == "7"
+
+
+def test_ctrl_c_in_a_terminal_drains_the_request_in_flight_and_stops_redis_last(tmp_path):
+    """A terminal's Ctrl-C signals the whole foreground process group. The request being streamed
+    must finish (the gateway and worker drain), and the stack must be gone within seconds."""
+    port = free_port()
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        assert ready and f":{port}" in proc.stdout.readline()
+        redis = [p for p in descendants(proc.pid) if b"redis-server" in cmdline(p)]
+        assert len(redis) == 1 and os.getpgid(redis[0]) != os.getpgid(proc.pid)  # out of the terminal's reach
+        body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as stream:
+            assert stream.readline().startswith(b"data: ")  # generating now
+            os.killpg(proc.pid, signal.SIGINT)
+            started = time.monotonic()
+            rest = stream.read()
+        assert b'"finish_reason":"length"' in rest and rest.endswith(b"data: [DONE]\n\n"), rest[-300:]
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - started < 30
+        assert not alive(redis[0])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

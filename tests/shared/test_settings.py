@@ -26,3 +26,34 @@ def test_an_unknown_attention_backend_is_refused(capsys):
 def test_the_cache_directory_follows_the_environment(tmp_path):
     assert cache_dir({"PAGEDSERVE_CACHE_DIR": str(tmp_path)}) == tmp_path
     assert cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "pagedserve"
+
+
+def test_engine_flags_pass_on_to_a_worker_unchanged():
+    """``serve`` starts workers with ``engine_argv`` of its own flags: they must parse back to the
+    same engine settings."""
+    from shared.settings import engine_argv, worker_parser
+
+    given = ["--dtype", "float32", "--max-model-len", "512", "--no-enable-prefix-caching", "--enforce-eager",
+             "--swap-space", "0.5", "--block-size", "8", "--attention-backend", "torch"]
+    args = worker_parser({}).parse_args(given)
+    again = worker_parser({}).parse_args(engine_argv(args))
+    assert worker_settings(engine_argv(args), {}).engine == worker_settings(given, {}).engine
+    assert again.enable_prefix_caching is False and worker_settings(given, {}).engine["swap_space"] == 1 << 29
+    assert engine_argv(worker_parser({}).parse_args([])) == []
+
+
+def test_serve_takes_the_model_positionally_and_shows_defaults_and_variables(capsys):
+    from pagedserve.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "some/model", "--max-model-len", "1024", "--port", "9000"])
+    assert (args.model, args.max_model_len, args.port) == ("some/model", 1024, 9000)
+    assert parser.parse_args(["up", "--model", "m"]).model_option == "m"  # the old spelling still works
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--max-model-len", "--dtype", "--port", "--served-model-name", "--enable-prefix-caching", "--swap-space"):
+        assert flag in text
+    assert "env PAGEDSERVE_MAX_MODEL_LEN" in text and "(default: 8000; env PAGEDSERVE_PORT)" in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--port", "70000"])

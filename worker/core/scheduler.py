@@ -40,6 +40,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    cow_copies: int = 0  # copy-on-write block copies (a shared block written by one of its sequences)
 
 
 class Scheduler:
@@ -207,7 +208,9 @@ class Scheduler:
             if count <= 0:
                 continue
             seq = self.table.seq(seq_id)
-            step.copies.extend(self.blocks.grow(seq_id, count))
+            copies = self.blocks.grow(seq_id, count)
+            self.stats.cow_copies += len(copies)
+            step.copies.extend(copies)
             step.seqs.append(self._scheduled(req, seq, count))
             step.budget -= count
 

@@ -91,7 +91,8 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> Ll
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {info.path}")
     state: dict[str, torch.Tensor] = {}
-    with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False) as bar:
+    # disable=None: a bar only on a terminal, never interleaved with a service's JSON log lines
+    with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False, disable=None) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():

@@ -47,7 +47,7 @@ class ModelRunner:
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         layers = len(model.model.layers)
         shape = (2 * layers, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
-        with tqdm(total=2, desc="allocating KV cache", unit="pool", leave=False) as bar:
+        with tqdm(total=2, desc="allocating KV cache", unit="pool", leave=False, disable=None) as bar:
             # K and V of every layer in one tensor, so block copies and swaps are one operation.
             self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
             bar.update(1)
@@ -58,7 +58,7 @@ class ModelRunner:
         self.graphs = None
         if graph_limits is not None and device.type == "cuda" and ops.backend == "triton":
             self.graphs = DecodeGraphs(model, self.kv_caches, device, block_size, graph_limits)
-            with tqdm(total=1, desc="capturing CUDA graphs", unit="set", leave=False):
+            with tqdm(total=1, desc="capturing CUDA graphs", unit="set", leave=False, disable=None):
                 self.graphs.capture_all()
 
     def _pairs(self, pairs, device: torch.device) -> torch.Tensor:

@@ -1,28 +1,25 @@
-"""The worker's own Prometheus endpoint (``--metrics-port``), with vLLM-compatible gauge names.
+"""The worker's own Prometheus endpoint (``--metrics-port``), with vLLM's names and types
+(``shared.metric_names``).
 
 The same numbers go to Redis (``pagedserve:metrics:{model}:{consumer}``) for the gateway.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
-PREFIX = "pagedserve:"
+from shared.metric_names import SnapshotCollector
 
 
 class WorkerMetrics:
     def __init__(self, port: int, model: str, host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry()
-        self.model = model
-        self._gauges: dict[str, Gauge] = {}
+        self._snapshot = SnapshotCollector(model)
+        self.registry.register(self._snapshot)
         start_http_server(port, addr=host, registry=self.registry)
 
     def update(self, values: dict[str, float]) -> None:
-        for name, value in values.items():
-            gauge = self._gauges.get(name)
-            if gauge is None:
-                gauge = self._gauges[name] = Gauge(PREFIX + name, name.replace("_", " "), ["model_name"], registry=self.registry)
-            gauge.labels(model_name=self.model).set(value)
+        self._snapshot.values = dict(values)
 
 
 def engine_state(engine) -> dict[str, float]:
@@ -34,7 +31,9 @@ def engine_state(engine) -> dict[str, float]:
         "num_requests_swapped": len(sched.swapped), "kv_cache_usage_perc": usage.used / max(1, usage.total),
         "num_preemptions_total": sched.stats.num_preemptions,
         "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
-        "prefix_cache_hits_total": sched.stats.prefix_hit_tokens,
+        "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "cow_copies_total": sched.stats.cow_copies,
+        "kv_blocks_saved_by_sharing": usage.logical - usage.used,
+        "max_model_len": sched.config.max_model_len,  # the gateway checks prompts against it
     }
 
 

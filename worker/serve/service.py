@@ -48,6 +48,7 @@ from worker.serve.loop import EngineLoop
 from worker.serve.events import InFlight, error_event, lost_event
 from worker.serve.inflight import InFlightTable
 from worker.serve.metrics import WorkerMetrics, worker_metrics
+from worker.serve.stats_log import StatsLine
 
 log = structlog.get_logger("pagedserve.worker")
 
@@ -70,6 +71,7 @@ class WorkerService:
         self.redis = aioredis.from_url(settings.redis_url)
         self.prometheus = WorkerMetrics(settings.metrics_port, self.model, settings.metrics_host) if settings.metrics_port else None
         self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
+        self.stats_line = StatsLine(settings.log_stats_interval_s)
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self) -> None:
@@ -248,6 +250,10 @@ class WorkerService:
         """Heartbeat and metrics; then take over entries of dead workers while there is room."""
         metrics = self._metrics()
         metrics["queue_depth"] = await self.redis.xlen(self.bridge.stream)
+        metrics["dead_letters"] = await self.redis.xlen(self.keys.dead_letter(self.model))
+        stats = self.stats_line.due(metrics)
+        if stats:
+            log.info("stats", **stats)
         if self.prometheus:
             self.prometheus.update(metrics)
         beating = self.inflight.beating()

@@ -1,0 +1,36 @@
+"""Response bodies of ``/openapi.json``, as JSON Schema (self-contained: no ``$ref`` inside, so a
+test can check live responses against them directly)."""
+
+from __future__ import annotations
+
+_INT = {"type": "integer"}
+_STR = {"type": "string"}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}
+_HEAD = {"id": _STR, "object": _STR, "created": _INT, "model": _STR}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "error", None]}
+
+
+def _choices(body: dict) -> dict:
+    return {"type": "array", "items": {"type": "object", "required": ["index", "finish_reason", *body],
+                                       "properties": {"index": _INT, "finish_reason": _FINISH,
+                                                      "logprobs": {"type": ["object", "null"]}, **body}}}
+
+
+RESPONSES = {
+    "CompletionResponse": {"type": "object", "required": [*_HEAD, "choices", "usage"], "properties": {
+        **_HEAD, "choices": _choices({"text": _STR}), "usage": _USAGE}},
+    "ChatResponse": {"type": "object", "required": [*_HEAD, "choices", "usage"], "properties": {
+        **_HEAD, "usage": _USAGE, "choices": _choices({"message": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"const": "assistant"}, "content": _STR}}})}},
+    "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {
+            "type": "object", "required": ["id", "object", "created", "owned_by"],
+            "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
+                           "max_model_len": _INT}}}}},
+    "TokenizeResponse": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
+        "count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT}}},
+    "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}},
+    "Version": {"type": "object", "required": ["version"], "properties": {"version": _STR}},
+}

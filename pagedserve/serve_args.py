@@ -1,0 +1,59 @@
+"""The flags of ``pagedserve serve`` (alias ``up``): the whole stack in one process tree, taking the
+model as ``vllm serve`` does (positional) and the engine flags vLLM users know, which it passes on
+to the workers it starts. Every help line shows the default and the environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from importlib import metadata
+
+from shared.settings import add_engine_args, env_default
+
+
+def installed_version() -> str:
+    try:
+        return metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:  # a checkout that was never installed
+        return "unknown"
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1-65535, got {text}")
+    return value
+
+
+def _workers(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    environ = os.environ
+    e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
+    serve = sub.add_parser(
+        "serve", aliases=["up"], formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="Redis (embedded unless REDIS_URL is set), a gateway and workers, in one command",
+        description="Serve MODEL over the OpenAI API: Redis (embedded unless REDIS_URL is set), a gateway and "
+                    "--workers workers. Ctrl-C or SIGTERM drains and stops everything.",
+        epilog="example: pagedserve serve ./my-llama --dtype bfloat16 --max-model-len 4096 --port 8000")
+    serve.add_argument("model", nargs="?", default=e("model", None),
+                       help="local directory or hub id (default: the built-in demo model; env PAGEDSERVE_MODEL)")
+    serve.add_argument("--model", dest="model_option", default=None, help="the same as MODEL, for `up --model M`")
+    rows = [
+        ("--host", dict(default=e("host", "127.0.0.1"), help="address of the HTTP gateway")),
+        ("--port", dict(type=_port, default=e("port", 8000, int), help="port of the HTTP gateway")),
+        ("--workers", dict(type=_workers, default=e("workers", 1, int), help="engine workers (one model copy each)")),
+        ("--served-model-name", dict(default=e("served_model_name", None), help="the name clients use (default: MODEL)")),
+    ]
+    for flag, options in rows:
+        action = serve.add_argument(flag, **options)
+        action.help += f" (default: %(default)s; env PAGEDSERVE_{action.dest.upper()})"
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="bearer key clients must send (repeatable; env PAGEDSERVE_API_KEY, comma-separated)")
+    add_engine_args(serve, environ)
+    return serve

@@ -1,0 +1,61 @@
+"""The Prometheus names and types of the workers' numbers, for the worker's own endpoint and the
+gateway's sum over workers: vLLM's V1 names where vLLM has the metric (so its dashboards and alerts
+work unchanged), ``pagedserve:`` for the ones only pagedserve has. Counters are exported as
+counters (``_total`` added by the exposition), gauges as gauges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import fmean
+from typing import Callable, Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str  # exported name (counters without the _total the exposition adds)
+    counter: bool
+    combine: Callable[[Iterable[float]], float]  # how the gateway joins the workers' values
+    help: str
+
+
+WORKER_SERIES = {  # the key a worker stores in Redis -> how it is exported
+    "num_requests_running": Series("vllm:num_requests_running", False, sum, "requests in the running batch"),
+    "num_requests_waiting": Series("vllm:num_requests_waiting", False, sum, "requests read but not running yet"),
+    "kv_cache_usage_perc": Series("vllm:kv_cache_usage_perc", False, fmean, "share of KV blocks in use (1 = full)"),
+    "num_preemptions_total": Series("vllm:num_preemptions", True, sum, "preemptions (recompute or swap)"),
+    "prefix_cache_queries_total": Series("vllm:prefix_cache_queries", True, sum, "prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits_total": Series("vllm:prefix_cache_hits", True, sum, "prompt tokens found in the prefix cache"),
+    "num_requests_swapped": Series("pagedserve:num_requests_swapped", False, sum, "requests swapped to CPU memory"),
+    "cow_copies_total": Series("pagedserve:kv_cow_copies", True, sum, "copy-on-write copies of shared KV blocks"),
+    "kv_blocks_saved_by_sharing": Series("pagedserve:kv_blocks_saved_by_sharing", False, sum,
+                                         "block-table entries served by a shared block (logical - physical)"),
+    "queue_depth": Series("pagedserve:queue_depth", False, max, "entries in the model's request stream"),
+    "dead_letters": Series("pagedserve:dead_letters", False, max, "entries in the model's dead-letter stream"),
+    "in_flight": Series("pagedserve:requests_in_flight", False, sum, "requests a worker holds"),
+    "generation_tokens_per_s": Series("pagedserve:generation_tokens_per_s", False, sum, "tokens sent per second, recently"),
+}
+
+
+def families(values: dict[str, float], model: str) -> Iterator[Metric]:
+    """One metric family per known value, labelled with the model; unknown keys are skipped."""
+    for key, value in values.items():
+        series = WORKER_SERIES.get(key)
+        if series is None:
+            continue
+        kind = CounterMetricFamily if series.counter else GaugeMetricFamily
+        family = kind(series.name, series.help, labels=["model_name"])
+        family.add_metric([model], value)
+        yield family
+
+
+class SnapshotCollector:
+    """A prometheus_client collector reporting the last values it was given."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.values: dict[str, float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        yield from families(self.values, self.model)
