@@ -5,7 +5,6 @@ routes, so ``/tokenize`` counts exactly what a request of the same body would se
 from __future__ import annotations
 
 import json
-from importlib import metadata
 
 from aiohttp import web
 
@@ -13,6 +12,7 @@ from gateway.openai_api import STATE
 from gateway.schemas import ApiError, chat_messages, completion_prompt
 from shared.prompts import check_token_ids
 from shared.errors import InvalidRequestError
+from shared.version import installed_version
 
 
 async def _body(request: web.Request) -> dict:
@@ -56,11 +56,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    try:
-        number = metadata.version("pagedserve")
-    except metadata.PackageNotFoundError:  # running from a checkout that was never installed
-        number = "unknown"
-    return web.json_response({"version": number})
+    return web.json_response({"version": installed_version()})
 
 
 SWAGGER_PAGE = """<!doctype html>

@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedserve.serve_args import add_serve_parser, installed_version
+from pagedserve.serve_args import add_serve_parser
+from shared.version import installed_version
 
 BENCHES = {
     "kv-memory": "bench.kv_memory",

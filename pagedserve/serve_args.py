@@ -6,30 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from importlib import metadata
 
-from shared.settings import add_engine_args, env_default
+from shared.settings import add_engine_args, checked, env_default
 
-
-def installed_version() -> str:
-    try:
-        return metadata.version("pagedserve")
-    except metadata.PackageNotFoundError:  # a checkout that was never installed
-        return "unknown"
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"must be a TCP port in 1-65535, got {text}")
-    return value
-
-
-def _workers(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
+_port = checked(int, lambda v: 0 < v < 65536, "a TCP port in 1-65535")
+_workers = checked(int, lambda v: v >= 1, "at least 1")
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:

@@ -58,7 +58,7 @@ class WorkerSettings:
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
 
 
-def _checked(kind, ok, rule: str):
+def checked(kind, ok, rule: str):
     """An argparse type: ``kind(text)``, refused with ``must be <rule>`` unless ``ok(value)``."""
     def parse(text: str):
         value = kind(text)
@@ -71,14 +71,14 @@ def _checked(kind, ok, rule: str):
 
 
 def _positive(kind):
-    return _checked(kind, lambda v: v > 0, "> 0")
+    return checked(kind, lambda v: v > 0, "> 0")
 
 
 def _non_negative(kind):
-    return _checked(kind, lambda v: v >= 0, ">= 0")
+    return checked(kind, lambda v: v >= 0, ">= 0")
 
 
-_fraction = _checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
+_fraction = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def boolean(text: str) -> bool:
