@@ -1,9 +1,10 @@
 # pagedserve: one image for the gateway and the workers.
-# GPU workers: build with --build-arg TORCH_INDEX=<your CUDA wheel index>; CPU: the default CPU wheel.
+# CPU by default (torch from the CPU wheel index); for GPU workers build with
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (docker-compose.yml does).
 FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch==2.13.0"
-ARG TORCH_INDEX=""
+ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE_DIR=/models
 
 WORKDIR /app
@@ -18,7 +19,10 @@ COPY kernels ./kernels
 COPY pagedserve ./pagedserve
 RUN pip install .
 
-RUN useradd --create-home pagedserve && mkdir -p /models && chown pagedserve /models
+# The named volumes of docker-compose.yml mount on these: they must exist, owned by the user.
+RUN useradd --create-home pagedserve \
+ && mkdir -p /models /home/pagedserve/.cache/huggingface \
+ && chown -R pagedserve /models /home/pagedserve/.cache
 USER pagedserve
 EXPOSE 8000
 ENTRYPOINT ["pagedserve"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -72,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("bench.kernel_bench times the Triton kernels, which need a CUDA GPU. On a CPU: "
+              "TRITON_INTERPRET=1 python -m bench.kernel_bench --quick (a smoke run, not a measurement); "
+              "the CPU kernel's figures come from python -m bench.peer_ratio (docs/benchmarks.md).", file=sys.stderr)
+        return 2
     dtype = getattr(torch, args.dtype)
     if args.quick:
         grid, repeat = [(1, 128), (2, 600)], 1
