@@ -21,7 +21,7 @@ from shared.settings import GatewaySettings
 log = structlog.get_logger("pagedserve.gateway")
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs"}
 QUIET_PATHS = {"/health", "/ready", "/metrics"}
-REFUSAL = "pagedserve.refusal"  # request key: why the request was answered with an error
+REFUSAL = web.RequestKey("refusal", str)  # why the request was answered with an error
 
 
 def create_app(settings: GatewaySettings) -> web.Application:

@@ -24,7 +24,7 @@ from shared.mailbox import Mailbox
 from shared.protocol import WireEvent
 
 STATE = web.AppKey("state", GatewayService)
-TALLY = "pagedserve.tally"  # request key: the Tally of a generation request, read by the access log
+TALLY: web.RequestKey["Tally"] = web.RequestKey("tally", "Tally")  # a generation request's Tally, for the access log
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
