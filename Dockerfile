@@ -17,6 +17,7 @@ COPY gateway ./gateway
 COPY worker ./worker
 COPY kernels ./kernels
 COPY pagedserve ./pagedserve
+COPY bench ./bench
 RUN pip install .
 
 # The named volumes of docker-compose.yml mount on these: they must exist, owned by the user.

@@ -77,10 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         import importlib
-        import os
 
-        sys.path.insert(0, os.getcwd())  # bench/ lives in the source tree, beside the packages
-        return importlib.import_module(BENCHES[args.name]).main(args.args)
+        try:
+            module = importlib.import_module(BENCHES[args.name])
+        except ModuleNotFoundError as err:  # a benchmark's own client library
+            print(f"pagedserve bench {args.name} needs {err.name}: pip install 'pagedserve[bench]'", file=sys.stderr)
+            return 2
+        return module.main(args.args)
     if args.command in ("serve", "up"):
         return serve(args)
     if args.command == "chat":

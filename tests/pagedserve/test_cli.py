@@ -52,3 +52,9 @@ def test_start_up_failures_are_one_clear_line_and_a_non_zero_exit(tmp_path):
     assert busy.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr, busy.stderr
     for result in (missing, hub, busy):  # the error is the last line, after at most a few log lines
         assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("pagedserve")
+
+
+def test_bench_runs_from_the_installed_package_outside_a_checkout(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "kv-memory", "--help"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "--block-size" in result.stdout, result.stderr
