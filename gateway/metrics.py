@@ -21,6 +21,8 @@ class GatewayMetrics:
         labels = ["model_name"]
         self.ttft = Histogram(V + "time_to_first_token_seconds", "time to first token", labels, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.itl = Histogram(V + "inter_token_latency_seconds", "time between token events", labels, registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.queue_time = Histogram(V + "request_queue_time_seconds", "time from queued to first scheduled", labels,
+                                    registry=self.registry, buckets=LATENCY_BUCKETS)
         self.e2e = Histogram(V + "e2e_request_latency_seconds", "request latency", labels, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.prompt_tokens = Counter(V + "prompt_tokens", "prompt tokens", labels, registry=self.registry)
         self.generation_tokens = Counter(V + "generation_tokens", "generated tokens", labels, registry=self.registry)

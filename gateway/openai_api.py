@@ -108,6 +108,8 @@ class Tally:
 def _account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tally: Tally, now: float) -> None:
     tokens = sum(len(o.token_ids) for o in event.outputs)
     last = tally.last
+    if event.queue_s is not None:
+        state.metrics.queue_time.labels(parsed.model).observe(event.queue_s)
     if tokens:
         model = parsed.model
         tally.completion_tokens += tokens

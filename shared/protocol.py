@@ -153,6 +153,7 @@ class WireEvent:
     error: str | None = None
     usage: dict | None = None  # on the terminal event: prompt_tokens, completion_tokens
     resumable: bool = False  # on a takeover's error: the client may re-send with ``resume``
+    queue_s: float | None = None  # on a request's first event: seconds from created to first scheduled
 
     def to_wire(self) -> dict:
         return {"v": VERSION, **asdict(self)}
@@ -162,7 +163,7 @@ class WireEvent:
         msg = _versioned(msg)
         outputs = [OutputDelta(**o) for o in msg.get("outputs", [])]
         return cls(msg["id"], msg["seq"], outputs, msg.get("done", False), msg.get("finish_reason"),
-                   msg.get("error"), msg.get("usage"), bool(msg.get("resumable", False)))
+                   msg.get("error"), msg.get("usage"), bool(msg.get("resumable", False)), _seconds(msg.get("queue_s")))
 
 
 def encode_events(events: list[WireEvent]) -> bytes:
@@ -186,6 +187,10 @@ class WireCancel:
         msg = _versioned(unpack(data))
         _require(msg, "id", str)
         return cls(msg["id"], str(msg.get("reason", "cancelled")))
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _versioned(msg: Any) -> dict:

@@ -299,3 +299,22 @@ def test_no_waiting_request_is_admitted_while_one_is_swapped_out():
         step(sched, sim)
         if sched.swapped:
             assert sched.requests["third"].status is RequestStatus.WAITING
+
+
+def test_queue_time_is_from_arrival_to_the_first_step_that_runs_it():
+    clock = Clock()
+    sched, sim = make(clock=clock, max_num_seqs=1)
+    sched.add("first", [1, 2], params(max_tokens=3))
+    sched.add("second", [3, 4], params(max_tokens=3))
+    clock.now = 1.0
+    _, out = step(sched, sim)
+    assert {o.request_id: o.queued_s for o in out} == {"first": 1.0}
+    for _ in range(6):  # "first" runs its three tokens, then "second" gets the one slot
+        clock.now += 1.0
+        _, out = step(sched, sim)
+        queued = {o.request_id: o.queued_s for o in out}
+        assert queued.get("first", 1.0) == 1.0  # fixed once it ran, not growing
+        if "second" in queued:
+            assert queued["second"] > 1.0  # it waited behind "first"
+            return
+    raise AssertionError("the second request never ran")

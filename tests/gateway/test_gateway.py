@@ -211,7 +211,7 @@ VLLM_METRICS = {  # vLLM V1's names and types (prometheus_client drops a counter
     "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
     "vllm:num_preemptions": "counter", "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
     "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
-    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
 }
 
 
@@ -247,6 +247,7 @@ def test_models_ready_metrics_openapi(stack, client):
     assert delta("time_to_first_token_seconds_count") == 3
     assert delta("inter_token_latency_seconds_count") == 6  # tokens 2 and 3 of each request
     assert delta("e2e_request_latency_seconds_count") == 3
+    assert delta("request_queue_time_seconds_count") == 3  # reported once per request, by the worker
     assert delta("request_success_total", f"finished_reason=length,{label}") == 3
     assert MODEL_NAME in [m.id for m in client.models.list().data]
     assert httpx.get(stack.url + "/ready").json()["status"] == "ready"

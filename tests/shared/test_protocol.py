@@ -38,7 +38,8 @@ def test_a_resumed_request_round_trips():
 def test_events_and_cancels_round_trip():
     events = [WireEvent("a", 0, [OutputDelta(0, [1, 2], "hi", None, [{"token_id": 1, "logprob": -0.5, "top": {1: -0.5}}])]),
               WireEvent("b", 3, [], True, "error", "the worker died", {"prompt_tokens": 2, "completion_tokens": 4}),
-              WireEvent("c", -1, [], True, "error", "the worker died", None, True)]
+              WireEvent("c", -1, [], True, "error", "the worker died", None, True),
+              WireEvent("d", 0, [OutputDelta(0, [7], "x")], queue_s=0.25)]
     assert decode_events(encode_events(events)) == events
     assert WireCancel.decode(WireCancel("a", "client gone").encode()) == WireCancel("a", "client gone")
     assert ReplyTarget.from_wire({"stream": "s"}) == ReplyTarget("stream", "s")

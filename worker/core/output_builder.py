@@ -36,7 +36,8 @@ class OutputBuilder:
             if req.params.best_of is not None:
                 best = sorted(outputs, key=lambda o: -o.cumulative_logprob)[: req.params.n]
                 outputs = [replace(o, index=i) for i, o in enumerate(best)]
-        return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.error)
+        queued = None if req.first_scheduled is None else max(0.0, req.first_scheduled - req.arrival)
+        return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.error, queued)
 
     def _completion(self, req: Request, seq: Sequence) -> CompletionOutput:
         seen, text, delta = self._detokenize(req, seq)

@@ -26,3 +26,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
+    queued_s: float | None = None  # seconds from arrival to first scheduled (None: not run yet)

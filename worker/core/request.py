@@ -89,6 +89,7 @@ class Request:
     forked: bool = False
     error: str | None = None
     resumed: int = 0  # output tokens a client already had when this request was re-sent (Resume)
+    first_scheduled: float | None = None  # when it first ran, on the scheduler's clock (queue time)
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

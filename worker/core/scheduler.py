@@ -200,6 +200,8 @@ class Scheduler:
 
     def _run(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
+        if req.first_scheduled is None:
+            req.first_scheduled = self.clock()
         self.running.append(req)
 
     def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder) -> None:

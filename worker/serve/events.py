@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest, can_resume
@@ -18,6 +19,8 @@ class InFlight:
     reported_finish: set[int] = field(default_factory=set)
     orphaned: bool = False  # its entry is gone or another worker holds it: compute on, send nothing
     started: bool = False  # an event went out (the reader counts the requests not started yet)
+    accepted_at: float = field(default_factory=time.time)  # wall clock, as the request's ``created``
+    queue_reported: bool = False
 
     def __post_init__(self) -> None:
         if self.request.resume is not None:
@@ -56,8 +59,12 @@ def event_for(flight: InFlight, out: RequestOutput) -> WireEvent | None:
     usage = None
     if out.finished:
         usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": sum(len(o.token_ids) for o in out.outputs)}
+    queue_s = None
+    if not flight.queue_reported and out.queued_s is not None:  # once: the stream's wait plus the engine's
+        flight.queue_reported = True
+        queue_s = round(max(0.0, flight.accepted_at - flight.request.created) + out.queued_s, 6)
     return WireEvent(out.request_id, flight.take_seq(), deltas, out.finished,
-                     request_finish_reason(out) if out.finished else None, out.error, usage)
+                     request_finish_reason(out) if out.finished else None, out.error, usage, queue_s=queue_s)
 
 
 def error_event(request_id: str, seq: int, message: str, resumable: bool = False) -> WireEvent:
