@@ -12,7 +12,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.openai_api import STATE, TALLY, chat_completions, completions
-from gateway.openapi import OPENAPI
 from gateway.schemas import ApiError
 from gateway.service import GatewayService
 from gateway.utility_api import detokenize, docs, models, tokenize, version
@@ -156,4 +155,4 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(OPENAPI)
+    return web.json_response(request.app[STATE].openapi)

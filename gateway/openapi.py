@@ -1,16 +1,20 @@
-"""The OpenAPI 3.1 description served at ``/openapi.json`` (request bodies as the gateway validates
-them; fields not listed are accepted and ignored, as vLLM does). Numeric ranges come from ``shared.sampling.BOUNDS``, the table ``SamplingParams`` checks."""
+"""The OpenAPI 3.1 description served at ``/openapi.json``: request bodies exactly as the gateway
+validates them (fields not listed are accepted and ignored, as vLLM does; schemathesis checks that
+valid bodies pass and invalid ones are refused), and the bodies of the answers. Numeric ranges come
+from ``shared.sampling.BOUNDS``, the table ``SamplingParams`` checks; token ids are bounded by the
+served model's vocabulary (``openapi_spec(vocab_size)``)."""
 
 from __future__ import annotations
 
 from gateway.openapi_responses import RESPONSES
-from gateway.schemas import MAX_USER_LEN, PRIORITY_RANGE
+from gateway.schemas import MAX_USER_LEN, PRIORITY_RANGE, Limits
 from shared.sampling import BOUNDS, MAX_TOKEN_ID
 
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": 256}
 _BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items() if name not in ("logprobs", "best_of")}
 _SAMPLING = {
     **_BOUNDED, "model": {"type": "string"},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+    "stop": {"oneOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": 4}]},
     "stream": {"type": "boolean"}, "stream_options": {"type": "object", "properties": {
         "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}},
     "user": {"type": "string", "maxLength": MAX_USER_LEN},
@@ -19,13 +23,27 @@ _SAMPLING = {
     "use_beam_search": {"type": "boolean"},
     "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
 }
-_PROMPT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
-                     {"type": "array", "items": {"type": "integer"}}]}
+
+
+def _ids(vocab_size: int) -> dict:
+    return {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+
+
+def _prompt(vocab_size: int) -> dict:
+    text = {"type": "string", "minLength": 1}
+    return {"oneOf": [text, {"type": "array", "minItems": 1, "items": text}, _ids(vocab_size),
+                      {"type": "array", "minItems": 1, "items": _ids(vocab_size)}]}
+
+
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {
     "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
-_MESSAGES = {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string", "enum": ["system", "user", "assistant", "developer"]},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": _TEXT_PART}, {"type": "null"}]}}}}
+_CONTENT = [{"type": "string"}, {"type": "array", "minItems": 1, "items": _TEXT_PART}]
+_MESSAGES = {"type": "array", "minItems": 1, "items": {"oneOf": [  # only an assistant message may have no content
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "user", "developer"]}, "content": {"oneOf": _CONTENT}}},
+    {"type": "object", "required": ["role"], "properties": {
+        "role": {"const": "assistant"}, "content": {"oneOf": [*_CONTENT, {"type": "null"}]}}},
+]}}
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _ERRORS = {code: _ERROR for code in ("400", "401", "404", "413", "429", "503", "504")}
 
@@ -48,36 +66,48 @@ def _get(summary: str, response: str | None = None) -> dict:
     return {"get": {"summary": summary, "responses": {**_ok(response), "503": {"description": "not ready"}}}}
 
 
-OPENAPI = {
-    "openapi": "3.1.0",
-    "info": {"title": "pagedserve", "version": "1", "description": "OpenAI-compatible API of a pagedserve gateway."},
-    "paths": {
-        "/v1/completions": _post("Create a completion", "CompletionRequest", "CompletionResponse", streams=True),
-        "/v1/chat/completions": _post("Create a chat completion", "ChatRequest", "ChatResponse", streams=True),
-        "/v1/models": _get("Models with live workers", "ModelList"),
-        "/health": _get("Liveness"),
-        "/ready": _get("Redis reachable and a worker alive"),
-        "/metrics": _get("Prometheus metrics"),
-        "/version": _get("The pagedserve version", "Version"),
-        "/tokenize": _post("Token ids of a prompt or chat, as a generation request would send them", "TokenizeRequest",
-                           "TokenizeResponse"),
-        "/detokenize": _post("Text of token ids", "DetokenizeRequest", "DetokenizeResponse"),
-    },
-    "components": {"schemas": {
-        **RESPONSES,
-        "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-            **_SAMPLING, "logprobs": BOUNDS["logprobs"].json_schema(), "best_of": BOUNDS["best_of"].json_schema(),
-            "prompt": _PROMPT}},
-        "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-            **_SAMPLING, "max_completion_tokens": BOUNDS["max_tokens"].json_schema(), "logprobs": {"type": "boolean"},
-            "top_logprobs": BOUNDS["logprobs"].json_schema(),
-            "messages": _MESSAGES}},
-        "TokenizeRequest": {"type": "object", "properties": {"model": {"type": "string"}, "prompt": _PROMPT,
-                                                             "messages": _MESSAGES}},
-        "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
-            "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}},
-        "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-            "code": {"type": ["string", "null"]}}}}},
-    }},
-}
+def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits()) -> dict:
+    """The description for a model with ``vocab_size`` token ids, behind a gateway with ``limits``."""
+    prompt = _prompt(vocab_size)
+    caps = {"n": limits.max_n, "best_of": limits.max_n, "beam_width": limits.max_n, "max_tokens": limits.max_tokens}
+    capped = {name: {**BOUNDS[name].json_schema(), "maximum": min(cap, BOUNDS[name].high or cap)} for name, cap in caps.items()}
+    sampling = {**_SAMPLING, **{k: v for k, v in capped.items() if k != "best_of"}}
+    optional_model = {"type": ["string", "null"]}  # the utility routes default to the served model
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pagedserve", "version": "1", "description": "OpenAI-compatible API of a pagedserve gateway."},
+        "paths": {
+            "/v1/completions": _post("Create a completion", "CompletionRequest", "CompletionResponse", streams=True),
+            "/v1/chat/completions": _post("Create a chat completion", "ChatRequest", "ChatResponse", streams=True),
+            "/v1/models": _get("Models with live workers", "ModelList"),
+            "/health": _get("Liveness"),
+            "/ready": _get("Redis reachable and a worker alive"),
+            "/metrics": _get("Prometheus metrics"),
+            "/version": _get("The pagedserve version", "Version"),
+            "/tokenize": _post("Token ids of a prompt or chat, as a generation request would send them", "TokenizeRequest",
+                               "TokenizeResponse"),
+            "/detokenize": _post("Text of token ids", "DetokenizeRequest", "DetokenizeResponse"),
+        },
+        "components": {"schemas": {
+            **RESPONSES,
+            "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
+                **sampling, "logprobs": BOUNDS["logprobs"].json_schema(), "best_of": capped["best_of"],
+                "prompt": prompt}},
+            "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+                **sampling, "max_completion_tokens": capped["max_tokens"], "logprobs": {"type": "boolean"},
+                "top_logprobs": BOUNDS["logprobs"].json_schema(), "messages": _MESSAGES},
+            # top_logprobs only with logprobs: true
+            "dependentSchemas": {"top_logprobs": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}},
+            "TokenizeRequest": {"type": "object", "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}],
+                                "properties": {"model": optional_model, "messages": _MESSAGES, "prompt": {
+                                    "oneOf": [{"type": "string", "minLength": 1}, _ids(vocab_size)]}}},
+            "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+                "model": optional_model, "tokens": {**_ids(vocab_size), "minItems": 0}}},
+            "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]}}}}},
+        }},
+    }
+
+
+OPENAPI = openapi_spec()

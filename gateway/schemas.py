@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.errors import InvalidRequestError
+from shared.prompts import is_token_id
 from shared.sampling import SamplingParams
 
 
@@ -103,7 +104,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
     except (InvalidRequestError, TypeError) as err:
         raise ApiError(400, str(err), getattr(err, "field", None)) from None
-    choices = (len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (int, dict)) else 1) * n
+    choices = (len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1) * n
     if choices > limits.max_choices:
         raise ApiError(400, f"prompts x n is {choices}; at most {limits.max_choices} per request", "prompt" if not chat else "n")
     priority = _typed(body, "priority", int, default=0)
@@ -146,9 +147,9 @@ def completion_prompt(body: dict):
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) and p for p in prompt):
             return prompt
-        if all(type(t) is int for t in prompt):
+        if all(is_token_id(t) for t in prompt):
             return prompt
-        if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompt):
             return prompt
     raise ApiError(400, "prompt must be a non-empty string, list of strings, token ids or lists of token ids", "prompt")
 

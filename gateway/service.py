@@ -19,6 +19,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_spec
 from gateway.schemas import ApiError, Limits, ParsedRequest
 from shared.replies import ReplyDispatcher
 from shared.keys import Keys
@@ -47,6 +48,7 @@ class GatewayService:
                  defaults=self.sampling_defaults or "none")
         self.limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens,
                              default_chat_max_tokens=settings.default_chat_max_tokens)
+        self.openapi = openapi_spec(len(self.tokenizer), self.limits)
         # Blocking pool: a burst of requests waits for a connection instead of failing. Pooled
         # connections that died with a Redis restart are retried on a fresh one, not turned into 503s.
         self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
@@ -109,17 +111,17 @@ class GatewayService:
             return [self.tokenizer.encode(prompt)]
         if isinstance(prompt[0], str):
             return [self.tokenizer.encode(p) for p in prompt]
-        if isinstance(prompt[0], int):
+        if not isinstance(prompt[0], list):  # token ids
             return [list(prompt)]
         return [list(p) for p in prompt]
 
     def _prompt_ids(self, parsed: ParsedRequest, limit: int) -> list[list[int]]:
         prompts = self._encode(parsed.prompt, parsed.chat)
+        try:
+            prompts = [check_token_ids(ids, len(self.tokenizer)) for ids in prompts]
+        except InvalidRequestError as err:
+            raise ApiError(400, str(err), err.field) from None
         for ids in prompts:
-            try:
-                check_token_ids(ids, len(self.tokenizer))
-            except InvalidRequestError as err:
-                raise ApiError(400, str(err), err.field) from None
             if len(ids) + parsed.params.max_tokens > limit:
                 raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                f"requested {len(ids) + parsed.params.max_tokens} tokens ({len(ids)} in the prompt, "

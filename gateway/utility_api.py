@@ -34,10 +34,15 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _body(request)
     chat = "messages" in body
+    if chat and "prompt" in body:
+        raise ApiError(400, "tokenize takes either prompt or messages, not both", "prompt")
     prompt = chat_messages(body) if chat else completion_prompt(body)
-    if not chat and isinstance(prompt, list) and not isinstance(prompt[0], int):
+    if not chat and isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
         raise ApiError(400, "tokenize takes one prompt (a string or a list of token ids)", "prompt")
-    tokens = (await state.encode(prompt, chat))[0]
+    try:
+        tokens = check_token_ids((await state.encode(prompt, chat))[0], len(state.tokenizer))
+    except InvalidRequestError as err:
+        raise ApiError(400, str(err), "prompt") from None
     return web.json_response({"count": len(tokens), "max_model_len": await state.context_limit(), "tokens": tokens})
 
 

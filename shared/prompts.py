@@ -17,9 +17,13 @@ def encode_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def is_token_id(value) -> bool:
+    """An integer, or a float with an integral value (JSON Schema's "integer" includes ``1.0``)."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt") -> list[int]:
-    """``ids`` as a list, or InvalidRequestError when one is not an integer in ``[0, vocab_size)``."""
-    ids = list(ids)
-    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+    """``ids`` as a list of ints, or InvalidRequestError when one is not an integer in ``[0, vocab_size)``."""
+    if not all(is_token_id(t) and 0 <= t < vocab_size for t in ids):
         raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", field)
-    return ids
+    return [int(t) for t in ids]

@@ -108,6 +108,7 @@ def test_tokenize_counts_what_a_request_would_send(stack):
 
 @pytest.mark.parametrize("path,body,status", [
     ("/tokenize", {"prompt": ""}, 400), ("/tokenize", {"prompt": ["a", "b"]}, 400), ("/tokenize", [1], 400),
+    ("/tokenize", {"prompt": [10**9]}, 400), ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400),
     ("/tokenize", {"model": "other", "prompt": "x"}, 404), ("/detokenize", {"tokens": [10**9]}, 400),
     ("/detokenize", {"tokens": "abc"}, 400), ("/detokenize", {}, 400),
 ])
@@ -171,3 +172,12 @@ def test_live_answers_match_the_response_schemas_of_openapi_json(stack):
     }
     for name, body in answers.items():
         Draft202012Validator(schemas[name]).validate(body)
+
+
+def test_token_ids_written_as_integral_floats_count_as_integers(stack):
+    """JSON Schema's "integer" includes 1.0, and so do the schemas in /openapi.json."""
+    r = post(stack, "/v1/completions", prompt=[20.0, 21.0, 22.0], max_tokens=2, **greedy())
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+    assert post(stack, "/v1/completions", prompt=[20.5]).status_code == 400
+    assert httpx.post(stack.url + "/detokenize", json={"tokens": [5.0, 6]}).json()["prompt"] == \
+        httpx.post(stack.url + "/detokenize", json={"tokens": [5, 6]}).json()["prompt"]
