@@ -27,6 +27,16 @@ STATE = web.AppKey("state", GatewayService)
 TALLY: web.RequestKey["Tally"] = web.RequestKey("tally", "Tally")  # a generation request's Tally, for the access log
 
 
+async def read_json(request: web.Request):
+    """The request body as JSON, or a 400 saying why it is not."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, chat=False)
 
@@ -38,13 +48,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.monotonic()
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the request body is not valid JSON") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply") from None
-    parsed = parse(body, chat, state.limits, state.sampling_defaults)
+    parsed = parse(await read_json(request), chat, state.limits, state.sampling_defaults)
     state.note_ignored(parsed.ignored)
     if parsed.model != state.settings.served_model_name:
         raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")

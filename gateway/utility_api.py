@@ -4,11 +4,9 @@ routes, so ``/tokenize`` counts exactly what a request of the same body would se
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
-from gateway.openai_api import STATE
+from gateway.openai_api import STATE, read_json
 from gateway.schemas import ApiError, chat_messages, completion_prompt
 from shared.prompts import check_token_ids
 from shared.errors import InvalidRequestError
@@ -16,10 +14,7 @@ from shared.version import installed_version
 
 
 async def _body(request: web.Request) -> dict:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise ApiError(400, "the request body is not valid JSON") from None
+    body = await read_json(request)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -56,7 +51,7 @@ async def detokenize(request: web.Request) -> web.Response:
     try:
         ids = check_token_ids(tokens, len(state.tokenizer), "tokens")
     except InvalidRequestError as err:
-        raise ApiError(400, str(err).replace("prompt token ids", "tokens"), "tokens") from None
+        raise ApiError(400, str(err), err.field) from None
     return web.json_response({"prompt": state.tokenizer.decode(ids)})
 
 

@@ -25,5 +25,5 @@ def is_token_id(value) -> bool:
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt") -> list[int]:
     """``ids`` as a list of ints, or InvalidRequestError when one is not an integer in ``[0, vocab_size)``."""
     if not all(is_token_id(t) and 0 <= t < vocab_size for t in ids):
-        raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab_size})", field)
+        raise InvalidRequestError(f"{field} token ids must be integers in [0, {vocab_size})", field)
     return [int(t) for t in ids]
