@@ -13,16 +13,31 @@ from shared.sampling import BOUNDS, MAX_TOKEN_ID
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": 256}
 _BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items() if name not in ("logprobs", "best_of")}
 _SAMPLING = {
-    **_BOUNDED, "model": {"type": "string"},
+    **_BOUNDED,
     "stop": {"oneOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": 4}]},
     "stream": {"type": "boolean"}, "stream_options": {"type": "object", "properties": {
-        "include_usage": {"type": "boolean"}, "continuous_usage_stats": {"type": "boolean"}}},
+        "include_usage": {"type": ["boolean", "null"]}, "continuous_usage_stats": {"type": ["boolean", "null"]}}},
     "user": {"type": "string", "maxLength": MAX_USER_LEN},
     "priority": {"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1]}, "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
     "ignore_eos": {"type": "boolean"}, "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID - 1}},
     "use_beam_search": {"type": "boolean"},
     "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
 }
+
+
+# Beam search takes neither best_of nor stop strings (the other cross-field rules, min_tokens <=
+# max_tokens, best_of >= n, n <= beam_width, are beyond JSON Schema: the gateway's 400 names them).
+_BEAM_RULE = {"if": {"required": ["use_beam_search"], "properties": {"use_beam_search": {"const": True}}},
+              "then": {"properties": {"best_of": {"type": "null"}, "stop": {"anyOf": [
+                  {"type": "null"}, {"type": "array", "maxItems": 0}]}}}}
+# Chat: top_logprobs (not null) only with logprobs: true.
+_TOP_LOGPROBS_RULE = {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"not": {"type": "null"}}}},
+                      "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+
+
+def _nullable(properties: dict) -> dict:
+    """Every sampling field may be null: the gateway reads null as "not set" (as OpenAI's spec has it)."""
+    return {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in properties.items()}
 
 
 def _ids(vocab_size: int) -> dict:
@@ -48,12 +63,16 @@ _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$
 _ERRORS = {code: _ERROR for code in ("400", "401", "404", "413", "429", "503", "504")}
 
 
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "one JSON chunk of the answer's object (as a chunk), or [DONE] last"}}}
+
+
 def _ok(schema: str | None, streams: bool = False) -> dict:
     if schema is None:
         return {"200": {"description": "ok"}}
     content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
     if streams:  # stream=true: chunks of the same objects, as server-sent events
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        content["text/event-stream"] = {"schema": _SSE_EVENT}  # before OpenAPI 3.2 the schema is one event's
     return {"200": {"description": "ok", "content": content}}
 
 
@@ -66,12 +85,16 @@ def _get(summary: str, response: str | None = None) -> dict:
     return {"get": {"summary": summary, "responses": {**_ok(response), "503": {"description": "not ready"}}}}
 
 
-def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits()) -> dict:
-    """The description for a model with ``vocab_size`` token ids, behind a gateway with ``limits``."""
+def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits(), served_model: str | None = None) -> dict:
+    """The description for a model with ``vocab_size`` token ids, behind a gateway with ``limits``;
+    ``served_model`` names the gateway's own model (other workers on the same Redis may serve more,
+    which ``/v1/models`` lists: they are valid too, though the spec cannot know them)."""
     prompt = _prompt(vocab_size)
+    model = {"type": "string"} if served_model is None else {"type": "string", "enum": [served_model]}
     caps = {"n": limits.max_n, "best_of": limits.max_n, "beam_width": limits.max_n, "max_tokens": limits.max_tokens}
     capped = {name: {**BOUNDS[name].json_schema(), "maximum": min(cap, BOUNDS[name].high or cap)} for name, cap in caps.items()}
-    sampling = {**_SAMPLING, **{k: v for k, v in capped.items() if k != "best_of"}}
+    sampling = _nullable({**_SAMPLING, **{k: v for k, v in capped.items() if k != "best_of"}})
+    sampling["model"] = model
     optional_model = {"type": ["string", "null"]}  # the utility routes default to the served model
     return {
         "openapi": "3.1.0",
@@ -90,14 +113,13 @@ def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits()) -> d
         },
         "components": {"schemas": {
             **RESPONSES,
-            "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-                **sampling, "logprobs": BOUNDS["logprobs"].json_schema(), "best_of": capped["best_of"],
+            "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "allOf": [_BEAM_RULE], "properties": {
+                **sampling, **_nullable({"logprobs": BOUNDS["logprobs"].json_schema(), "best_of": capped["best_of"]}),
                 "prompt": prompt}},
-            "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-                **sampling, "max_completion_tokens": capped["max_tokens"], "logprobs": {"type": "boolean"},
-                "top_logprobs": BOUNDS["logprobs"].json_schema(), "messages": _MESSAGES},
-            # top_logprobs only with logprobs: true
-            "dependentSchemas": {"top_logprobs": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}},
+            "ChatRequest": {"type": "object", "required": ["model", "messages"], "allOf": [_BEAM_RULE, _TOP_LOGPROBS_RULE],
+                            "properties": {
+                **sampling, **_nullable({"max_completion_tokens": capped["max_tokens"], "logprobs": {"type": "boolean"},
+                                         "top_logprobs": BOUNDS["logprobs"].json_schema()}), "messages": _MESSAGES}},
             "TokenizeRequest": {"type": "object", "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}],
                                 "properties": {"model": optional_model, "messages": _MESSAGES, "prompt": {
                                     "oneOf": [{"type": "string", "minLength": 1}, _ids(vocab_size)]}}},

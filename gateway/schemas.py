@@ -10,7 +10,7 @@ from typing import Any
 
 from shared.errors import InvalidRequestError
 from shared.prompts import is_token_id
-from shared.sampling import SamplingParams
+from shared.sampling import BOUNDS, SamplingParams
 
 
 class ApiError(Exception):
@@ -41,6 +41,9 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_p
 
 
 PRIORITY_RANGE = (-1000, 1000)  # lower runs first
+# Integer fields: a JSON Schema "integer" includes integral floats (``6.0``), so they are taken as ints.
+INTEGER_FIELDS = frozenset({name for name, bound in BOUNDS.items() if bound.kind is int}
+                           | {"max_completion_tokens", "top_logprobs", "priority"})
 MAX_USER_LEN = 256
 
 
@@ -73,6 +76,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
     """``defaults``: sampling parameters (the model's generation config) for fields the body leaves unset."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    body = {k: int(v) if k in INTEGER_FIELDS and is_token_id(v) and isinstance(v, float) else v for k, v in body.items()}
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for key, inert in INERT_VALUES.items():
         if key in body and body[key] not in inert:
@@ -81,7 +85,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
     model = _typed(body, "model", str, required=True)
     prompt = chat_messages(body) if chat else completion_prompt(body)
     stream = _typed(body, "stream", bool, default=False)
-    options = _stream_options(body) if stream else {}  # without streaming there are no chunks to shape
+    options = _stream_options(body) if stream else (_stream_options(body) and {})  # checked; no chunks to shape without stream
     max_tokens = body.get("max_completion_tokens") if chat and "max_completion_tokens" in body else body.get("max_tokens")
     if max_tokens is None:
         max_tokens = limits.default_chat_max_tokens if chat else 16
@@ -92,13 +96,15 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         if not isinstance(stop, list) or len(stop) > limits.max_stop or not all(isinstance(s, str) and 0 < len(s) <= limits.max_stop_len for s in stop):
             raise ApiError(400, f"stop must be a string or up to {limits.max_stop} non-empty strings of <= {limits.max_stop_len} characters", "stop")
         sampling["stop"] = stop
-    n = body.get("n", 1)
+    n = 1 if body.get("n") is None else body["n"]
     for name in ("n", "best_of", "beam_width"):
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_n:
             raise ApiError(400, f"{name} must be <= {limits.max_n}", name)
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > limits.max_tokens:
-        raise ApiError(400, f"max_tokens must be <= {limits.max_tokens}", "max_tokens")
+    for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):  # both checked, one used
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens):
+            raise ApiError(400, f"{name} must be an integer in [1, {limits.max_tokens}]", name)
     sampling["logprobs"] = _logprobs(body, chat)
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)

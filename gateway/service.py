@@ -48,7 +48,7 @@ class GatewayService:
                  defaults=self.sampling_defaults or "none")
         self.limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens,
                              default_chat_max_tokens=settings.default_chat_max_tokens)
-        self.openapi = openapi_spec(len(self.tokenizer), self.limits)
+        self.openapi = openapi_spec(len(self.tokenizer), self.limits, self.settings.served_model_name)
         # Blocking pool: a burst of requests waits for a connection instead of failing. Pooled
         # connections that died with a Redis restart are retried on a fresh one, not turned into 503s.
         self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(

@@ -12,6 +12,7 @@
     pagedserve bench queue-overhead [args]       the same workload through Redis vs in-process
     pagedserve bench serve [args]                serving benchmark: TTFT, TPOT, ITL, goodput
     pagedserve bench chaos [args]                worker SIGKILL and Redis restart under load
+    pagedserve bench client-tools [args]         guidellm and aiperf against a gateway: zero errors
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ BENCHES = {
     "queue-overhead": "bench.queue_overhead",
     "serve": "bench.serve",
     "chaos": "bench.chaos",
+    "client-tools": "bench.client_tools",
 }
 
 

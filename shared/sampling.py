@@ -41,7 +41,7 @@ BOUNDS: dict[str, Bound] = {
     "max_tokens": Bound(int, 1),
     "min_tokens": Bound(int, 0),
     "temperature": Bound(float, 0.0, 100.0),
-    "top_k": Bound(int, -1),  # -1 (or 0): all tokens
+    "top_k": Bound(int, -1, MAX_TOKEN_ID),  # -1 (or 0): all tokens
     "top_p": Bound(float, 0.0, 1.0, low_open=True),
     "min_p": Bound(float, 0.0, 1.0),
     "presence_penalty": Bound(float, -2.0, 2.0),
@@ -111,7 +111,7 @@ class SamplingParams:
         self._validate_search()
 
     def _validate_search(self) -> None:
-        if self.early_stopping not in (True, False, "never"):
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):  # 0 == False: not a bool
             raise InvalidRequestError('early_stopping must be true, false or "never"', "early_stopping")
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidRequestError(f"best_of must be in [{self.n}, {MAX_SEQS}] (>= n), got {self.best_of}", "best_of")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from gateway.schemas import Limits, parse
+from gateway.schemas import ApiError, Limits, parse
 from tests.gateway.test_gateway import VALID, greedy, sse_events
 from tests.service_helpers import MODEL_NAME
 
@@ -181,3 +181,23 @@ def test_token_ids_written_as_integral_floats_count_as_integers(stack):
     assert post(stack, "/v1/completions", prompt=[20.5]).status_code == 400
     assert httpx.post(stack.url + "/detokenize", json={"tokens": [5.0, 6]}).json()["prompt"] == \
         httpx.post(stack.url + "/detokenize", json={"tokens": [5, 6]}).json()["prompt"]
+
+
+def test_integer_fields_take_integral_floats_and_null_means_unset():
+    parsed = parse({"model": "m", "prompt": "x", "n": 2.0, "best_of": 3.0, "max_tokens": 5.0, "seed": 7.0, "top_k": None,
+                    "priority": 1.0, "stream_options": None, "temperature": None}, False, Limits())
+    assert (parsed.params.n, parsed.params.best_of, parsed.params.max_tokens, parsed.params.seed) == (2, 3, 5, 7)
+    assert parsed.priority == 1 and parsed.params.top_k == 0 and parsed.params.temperature == 1.0
+    assert parse({"model": "m", "prompt": "x", "n": None}, False, Limits()).params.n == 1
+    for bad in ({"n": 2.5}, {"early_stopping": 0}, {"top_k": 2**80}, {"stream_options": {"include_usage": 1}}):
+        with pytest.raises(ApiError) as err:
+            parse({"model": "m", "prompt": "x", **bad}, False, Limits())
+        assert err.value.param == next(iter(bad))
+
+
+def test_chat_checks_max_tokens_even_when_max_completion_tokens_wins():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3}
+    assert parse(body, True, Limits()).params.max_tokens == 3
+    with pytest.raises(ApiError) as err:
+        parse({**body, "max_tokens": Limits().max_tokens + 1}, True, Limits())
+    assert err.value.param == "max_tokens"

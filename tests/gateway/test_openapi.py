@@ -19,7 +19,9 @@ def test_the_spec_is_openapi_3_1_with_json_schema_nulls():
 
 @pytest.mark.parametrize("name", sorted(BOUNDS))
 def test_the_spec_range_is_the_range_sampling_params_enforce(name):
-    schema = dict(SCHEMAS["CompletionRequest"]["properties"][name])
+    nullable = SCHEMAS["CompletionRequest"]["properties"][name]["anyOf"]
+    assert nullable[1] == {"type": "null"}  # null means "not set"
+    schema = dict(nullable[0])
     bound = BOUNDS[name]
     if name in GATEWAY_CAPS:  # the gateway's own limit (--max-n, --max-tokens) can be lower than the engine's
         cap = getattr(Limits(), GATEWAY_CAPS[name])
