@@ -21,6 +21,17 @@ _SAMPLING = {
     "priority": {"type": "integer", "minimum": PRIORITY_RANGE[0], "maximum": PRIORITY_RANGE[1]}, "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
     "ignore_eos": {"type": "boolean"}, "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID - 1}},
     "use_beam_search": {"type": "boolean"},
+    # Structured outputs (gateway/structured_fields.py): at most one of these per request.
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {"type": {"const": "json_schema"},
+         "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}}}}]},
+    "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "properties": {
+        "json": {"type": ["object", "string"]}, "json_object": {"const": True}, "regex": {"type": "string"},
+        "choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}, "grammar": {"type": "string"}},
+        "additionalProperties": False},
+    "guided_json": {"type": ["object", "string"]}, "guided_regex": {"type": "string"}, "guided_grammar": {"type": "string"},
+    "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
     "early_stopping": {"oneOf": [{"type": "boolean"}, {"type": "string", "enum": ["never"]}]},
 }
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from shared.errors import InvalidRequestError
 from shared.prompts import is_token_id
+from gateway.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs
 from shared.sampling import BOUNDS, SamplingParams
 
 
@@ -27,13 +28,12 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", 
           "frequency_penalty", "repetition_penalty", "logprobs", "stream", "stream_options", "user", "priority",
           "timeout", "min_tokens", "ignore_eos", "stop_token_ids"}
 BEAM = {"use_beam_search", "beam_width", "length_penalty", "early_stopping"}  # extension fields
-COMPLETION_FIELDS = COMMON | BEAM | {"prompt", "best_of"}
-CHAT_FIELDS = COMMON | BEAM | {"messages", "max_completion_tokens", "top_logprobs"}
+COMPLETION_FIELDS = COMMON | BEAM | STRUCTURED_FIELDS | {"prompt", "best_of"}
+CHAT_FIELDS = COMMON | BEAM | STRUCTURED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 # OpenAI fields whose effect pagedserve does not give: accepted at these no-op values, a 400 otherwise.
 INERT_VALUES = {
     "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -106,6 +106,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens):
             raise ApiError(400, f"{name} must be an integer in [1, {limits.max_tokens}]", name)
     sampling["logprobs"] = _logprobs(body, chat)
+    sampling["structured"] = structured_outputs(body, lambda message, param: ApiError(400, message, param))
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
     except (InvalidRequestError, TypeError) as err:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from shared.errors import InvalidRequestError
+from shared.structured import StructuredOutputs
 
 MAX_LOGPROBS = 20
 MAX_SEQS = 64  # beam_width and best_of
@@ -78,6 +79,7 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in transformers
+    structured: StructuredOutputs | None = None  # output constrained to a schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):  # checked before they are made tuples below
@@ -89,6 +91,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            object.__setattr__(self, "structured", StructuredOutputs.from_dict(self.structured))  # a wire map
         self._validate()
 
     def _validate(self) -> None:
@@ -120,6 +124,8 @@ class SamplingParams:
                 raise InvalidRequestError(f"n ({self.n}) must be <= beam_width ({self.beam_width})", "n")
             if self.best_of is not None or self.stop:
                 raise InvalidRequestError("beam search takes neither best_of nor stop strings", "use_beam_search")
+            if self.structured is not None:
+                raise InvalidRequestError("beam search cannot be combined with structured outputs", "use_beam_search")
 
     @property
     def num_seqs(self) -> int:
@@ -136,6 +142,7 @@ class SamplingParams:
         """Plain types only (lists, not tuples), for the wire."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["stop"], out["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        out["structured"] = self.structured.to_dict() if self.structured is not None else None
         return out
 
     @classmethod

@@ -11,6 +11,7 @@ read the outputs.
 from __future__ import annotations
 
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Hashable, Sequence as Seq
 
 import structlog
@@ -30,6 +31,7 @@ from worker.core.request import Request
 from worker.core.scheduler import Scheduler
 from worker.runner.beam_search import BeamSearcher
 from worker.runner.cuda_graphs import GraphLimits
+from worker.runner.grammar import GrammarCompiler
 from worker.runner.loader import inspect_model, load_weights
 from worker.runner.memory_profile import peak_step_bytes
 from worker.runner.model_runner import ModelRunner, kv_block_bytes
@@ -70,6 +72,7 @@ class Engine:
         graphs = None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs)
         self.runner = make_runner(num_gpu, num_cpu, graphs)
         self.sampling_defaults = generation_defaults(info.path, config.generation_config)
+        self.grammars = GrammarCompiler(self.tokenizer, info.config.vocab_size, eos)
         log.info(
             "kv cache allocated", sampling_defaults=self.sampling_defaults or "none", device=str(device), dtype=str(info.dtype).replace("torch.", ""),
             gpu_blocks=num_gpu, cpu_blocks=num_cpu, block_size=config.block_size,
@@ -106,8 +109,9 @@ class Engine:
         ids = self.encode(prompt)
         resumed = check_token_ids(resume_output, self.info.config.vocab_size, "resume") if resume_output else ()
         monotonic_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
+        grammar = None if params.structured is None else self.grammars.compile(params.structured)
         return self.scheduler.add(request_id, ids, params, priority=priority, deadline=monotonic_deadline,
-                                  extra_key=extra_key, resume_output=resumed)
+                                  extra_key=extra_key, resume_output=resumed, grammar=grammar)
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
@@ -117,6 +121,8 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if plan.is_empty and (compiling := self.scheduler.compiling()):
+            wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built
         try:
             result = self.runner.execute(plan)
         except Exception as err:  # a bad kernel launch, out of memory, a bug: fail those requests, not the engine

@@ -318,3 +318,24 @@ def test_queue_time_is_from_arrival_to_the_first_step_that_runs_it():
             assert queued["second"] > 1.0  # it waited behind "first"
             return
     raise AssertionError("the second request never ran")
+
+
+def test_a_request_waits_for_its_grammar_and_others_pass_it():
+    """A structured request stays queued while its grammar compiles (a Future); requests behind it
+    start meanwhile; a grammar that failed ends its request with the reason."""
+    from concurrent.futures import Future
+
+    sched, sim = make()
+    compiling, broken = Future(), Future()
+    sched.add("slow", [1, 2], params(), grammar=compiling)
+    sched.add("free", [3, 4], params())
+    sched.add("bad", [5, 6], params(), grammar=broken)
+    broken.set_exception(ValueError("unsupported keyword"))
+    plan, outs = step(sched, sim)
+    assert [s.request_id for s in plan.seqs] == ["free"] and sched.compiling() == [compiling]
+    assert [(o.request_id, o.error) for o in outs if o.finished] == [("bad", "structured output: unsupported keyword")]
+    step(sched, sim)
+    compiling.set_result(None)  # a real engine sets a pristine matcher; None is "ready" to the queue
+    sched.requests["slow"].grammar = None
+    plan, _ = step(sched, sim)
+    assert "slow" in [s.request_id for s in plan.seqs]

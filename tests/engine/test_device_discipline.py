@@ -12,6 +12,7 @@ import torch
 
 from pagedserve import LLM
 from shared.sampling import SamplingParams
+from shared.structured import StructuredOutputs
 
 FEATURES = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
@@ -25,6 +26,7 @@ FEATURES = {
     "min_tokens_stop_ids": SamplingParams(min_tokens=4, stop_token_ids=(40, 41, 42), max_tokens=12),
     "n3": SamplingParams(n=3, temperature=0.9, max_tokens=12, ignore_eos=True),
     "best_of": SamplingParams(n=2, best_of=3, max_tokens=12, ignore_eos=True),
+    "structured": SamplingParams(n=2, temperature=1.0, max_tokens=12, structured=StructuredOutputs(regex="[a-z]{3,9}")),
     "beam": SamplingParams(use_beam_search=True, beam_width=3, n=2, temperature=0.0, max_tokens=12, ignore_eos=True),
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import msgpack
 import pytest
@@ -237,3 +238,30 @@ def test_a_task_that_fails_is_restarted_and_heartbeats_go_on(redis_server, zoo, 
 
     code, done = asyncio.run(main())
     assert code == 0 and done.last.finish_reason == "length"
+
+
+def test_queue_producers_ask_for_structured_output_in_params(redis_server, zoo, engine):
+    """``params.structured`` on the wire (docs/protocol.md): a valid constraint is followed, a bad
+    one is an error event naming it, and the worker goes on."""
+    from shared.structured import StructuredOutputs
+
+    regex = r"[a-f]{3}:[0-9]{2}"
+
+    async def main():
+        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
+            async with QueueClient(redis_server.url) as client:
+                good = [await client.submit(MODEL_NAME, prompt=f"p{i}", params=SamplingParams(
+                    max_tokens=40, temperature=1.0, seed=i, structured=StructuredOutputs(regex=regex))) for i in range(10)]
+                good = await asyncio.gather(*(collect(s) for s in good))
+                r = aioredis.from_url(redis_server.url)
+                box = client.dispatcher.open("bad-structured")
+                await r.xadd(Keys().requests(MODEL_NAME), {"data": pack({
+                    "v": VERSION, "id": "bad-structured", "model": MODEL_NAME, "prompt": "hi",
+                    "params": {"structured": {"regex": "(open"}}, "reply": {"channel": client.dispatcher.channel}})})
+                bad = [e async for e in box.events()]
+                await r.aclose()
+        return good, bad
+
+    good, bad = asyncio.run(main())
+    assert all(g.last.finish_reason == "stop" and re.fullmatch(regex, g.text()) for g in good)
+    assert bad[-1].finish_reason == "error" and "structured" in bad[-1].error and "regex" in bad[-1].error

@@ -31,6 +31,7 @@ class ScheduledSeq:
     prompt_ids: tuple[int, ...] = ()  # token history, only when penalties need it
     output_ids: tuple[int, ...] = ()
     beam_group: tuple[int, ...] = ()  # beam search: the request's live beams (seq ids), in order
+    grammar: object = None  # the sequence's GrammarState when its output is constrained (sampling rows only)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ A request with ``n > 1`` holds one sequence until its prompt is prefilled, then 
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -39,6 +40,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     logprobs: list = field(default_factory=list)  # one entry per output token when asked
     cumulative_logprob: float = 0.0
+    grammar: object = None  # this sequence's GrammarState (worker.core.grammar) when the output is constrained
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +92,11 @@ class Request:
     error: str | None = None
     resumed: int = 0  # output tokens a client already had when this request was re-sent (Resume)
     first_scheduled: float | None = None  # when it first ran, on the scheduler's clock (queue time)
+    grammar: Future | None = None  # the compiled constraint (a pristine GrammarState) while it is built
+
+    @property
+    def grammar_ready(self) -> bool:
+        return self.grammar is None or self.grammar.done()
 
     @property
     def sort_key(self) -> tuple[int, float, int]:

@@ -48,6 +48,8 @@ class RequestTable:
         for i in range(count):
             child = self.new_seq(req, list(parent.token_ids), index=i + 1)
             child.num_computed = parent.num_computed
+            if parent.grammar is not None:  # each child advances its own
+                child.grammar = parent.grammar.deep_copy()
             self.blocks.fork(parent.seq_id, child.seq_id)
             children.append(child)
         return children

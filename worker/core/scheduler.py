@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence as Seq
 
@@ -27,6 +28,7 @@ from shared.sampling import SamplingParams
 from worker.core.block_manager import BlockManager
 from worker.core.config import SchedulerConfig
 from worker.core.detokenizer import Detokenizer
+from worker.core.grammar import grammar_error, start_state
 from worker.core.output_builder import OutputBuilder
 from worker.core.outputs import RequestOutput
 from worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
@@ -77,17 +79,19 @@ class Scheduler:
         deadline: float | None = None,
         extra_key: Hashable = None,
         resume_output: Seq[int] = (),
+        grammar: Future | None = None,
     ) -> Request:
         """Queue a request. Raises InvalidRequestError if it could never be served.
 
         ``resume_output``: output tokens already sent by a worker that died; the request goes on
-        after them (prefilled with the prompt, like a request preempted by recompute)."""
+        after them (prefilled with the prompt, like a request preempted by recompute). ``grammar``:
+        the compiled constraint of a structured request, which waits until it is done."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "id")
         self.config.check_fits(len(prompt_ids), params)
         req = Request(
             request_id, list(prompt_ids), params, arrival=self.clock(), order=next(self._orders),
-            priority=priority, deadline=deadline, extra_key=extra_key, resumed=len(resume_output),
+            priority=priority, deadline=deadline, extra_key=extra_key, resumed=len(resume_output), grammar=grammar,
         )
         self.table.new_seq(req, list(prompt_ids) + list(resume_output), index=0)
         self.requests[request_id] = req
@@ -113,6 +117,10 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.requests or self.table.ended_outside_update)
+
+    def compiling(self) -> list[Future]:
+        """Grammars that waiting requests wait for."""
+        return [r.grammar for r in self.waiting if not r.grammar_ready]
 
     @property
     def num_running_seqs(self) -> int:
@@ -174,8 +182,12 @@ class Scheduler:
     def _schedule_waiting(self, step: StepBuilder) -> None:
         self.waiting.sort(key=lambda r: r.sort_key)
         for req in list(self.waiting):
+            if not req.grammar_ready:
+                continue  # compiling off the loop: later requests may start meanwhile
             if not self._may_start(req, step):
                 return
+            if not self._start_grammar(req):
+                continue
             hits = {s.seq_id: self.blocks.match_prefix(s.token_ids, req.extra_key) for s in req.live_seqs}
             reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
             sizes, budget, new_blocks = [], step.budget, 0
@@ -194,6 +206,19 @@ class Scheduler:
             self.waiting.remove(req)
             self._run(req)
             self._emit(req, sizes, step)
+
+    def _start_grammar(self, req: Request) -> bool:
+        """Give each sequence its grammar state (first start only); False when it failed to compile."""
+        if req.grammar is None:
+            return True
+        error = grammar_error(req.grammar)
+        if error is not None:
+            self.table.end_outside_update(req, FinishReason.ERROR, error)
+            return False
+        for seq in req.live_seqs:
+            if seq.grammar is None:
+                seq.grammar = start_state(req.grammar.result(), seq.output_ids)
+        return True
 
     def _may_start(self, req: Request, step: StepBuilder) -> bool:
         return step.budget > 0 and self.num_running_seqs + req.seq_slots <= self.config.max_num_seqs
@@ -228,6 +253,7 @@ class Scheduler:
             self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
+            seq.grammar if samples else None,
         )
 
     def _preempt(self, req: Request, step: StepBuilder) -> None:

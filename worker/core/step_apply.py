@@ -53,6 +53,8 @@ class StepApplier:
         if req.params.logprobs is not None:
             seq.logprobs.append(token)
         reason = seq.token_stop(req.params, self.eos_token_ids)
+        if seq.grammar is not None and reason is None:
+            reason = _grammar_stop(seq.grammar, token.token_id)
         if reason is not None:
             self.table.finish_seq(seq.seq_id, reason)
 
@@ -90,3 +92,11 @@ class StepApplier:
             outputs.append(seq)
         req.seqs = outputs
         self.table.finish_request(req, FinishReason.STOP, None)
+
+
+def _grammar_stop(grammar, token: int) -> FinishReason | None:
+    """The grammar consumes the token: STOP once it is complete, ERROR if the token broke it
+    (the sampler's mask allows only tokens it accepts, so that is a bug, never a silent cut)."""
+    if not grammar.consume_token(token):
+        return FinishReason.ERROR
+    return FinishReason.STOP if grammar.is_stopped() else None

@@ -3,7 +3,8 @@
 Order per row, as transformers' warpers and vLLM apply it: ``min_tokens`` (EOS and stop ids
 masked), repetition penalty (prompt and output tokens), presence and frequency penalties (output
 tokens); then greedy argmax, or temperature, top-k, top-p over the renormalised top-k
-distribution, min-p, and a draw. Every per-row parameter is a tensor built once per step from the
+distribution, min-p, and a draw. Rows with a grammar (structured outputs) have every token it
+forbids set to -inf after the penalties (``worker.runner.grammar``). Every per-row parameter is a tensor built once per step from the
 rows; token histories become one padded matrix, scattered into masks and counts, so no Python
 loop touches vocabulary-sized work. Reported logprobs are of the raw model distribution
 (``log_softmax`` before any processing), like vLLM's default; they reach the host once per step.
@@ -22,6 +23,7 @@ import torch
 
 from shared.sampling import SamplingParams
 from worker.core.plan import SampledToken
+from worker.runner.grammar import MaskFiller, mask_logits
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class SampleRow:
     seq_index: int  # which of the request's n outputs (the first of a fork's rows)
     num_samples: int  # > 1 only where a request forks: one row per child
     num_output: int  # tokens generated so far (min_tokens, seeded draws)
+    grammar: object = None  # the row's grammar state when its output is constrained
 
 
 class Sampler:
@@ -41,6 +44,7 @@ class Sampler:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.masks = MaskFiller()
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[list[SampledToken]]:
         """``logits`` ``[len(rows), vocab]`` -> ``num_samples`` tokens per row."""
@@ -51,6 +55,7 @@ class Sampler:
         params = [r.params for r, _ in flat]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = apply_penalties(logits.clone(), [r for r, _ in flat], self.eos_token_ids)
+        processed = mask_logits(processed, [r.grammar for r, _ in flat], self.masks)
         tokens = self._draw(processed, flat)
         picked = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         tops = _top_logprobs(raw_logprobs, params)
@@ -83,7 +88,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_i
     """min_tokens masking, then repetition, presence and frequency penalties, in place."""
     vocab = logits.shape[1]
     dev = logits.device
-    banned = [(*eos_token_ids, *r.params.stop_token_ids) if r.num_output < r.params.min_tokens else () for r in rows]
+    # A grammar decides when a constrained row may end: min_tokens does not ban its EOS.
+    banned = [(*eos_token_ids, *r.params.stop_token_ids) if r.num_output < r.params.min_tokens and r.grammar is None
+              else () for r in rows]
     if any(banned):
         logits.masked_fill_(_token_mask(banned, vocab, dev), float("-inf"))
     rep = [r.params.repetition_penalty for r in rows]

@@ -1,0 +1,93 @@
+"""Structured outputs on the engine's side, with llguidance: grammars compiled off the loop, and
+each step's token masks applied in one vectorised operation on the logits' device.
+
+``GrammarCompiler.compile(structured)`` returns a ``Future`` of a pristine matcher, built in a
+small thread pool (llguidance drops the GIL while it builds) and cached by the constraint's key,
+so a repeated schema costs nothing; the scheduler keeps the request waiting until it is done.
+``mask_logits`` asks every constrained row's matcher for its allowed tokens (a bitmask, one bit per
+token, filled on the host by llguidance's parallel executor), moves the masks to the device once,
+unpacks them there and sets every other token's logit to -inf before sampling.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+import torch
+
+from shared.structured import StructuredOutputs
+
+CACHE_SIZE = 256
+
+
+class GrammarCompiler:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: frozenset[int], threads: int = 2) -> None:
+        self._hf_tokenizer, self._vocab_size, self._eos = hf_tokenizer, vocab_size, sorted(eos_token_ids)
+        self._tokenizer = None  # llguidance's view of the vocabulary: built on first use (about a second)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+
+    def compile(self, structured: StructuredOutputs) -> Future:
+        key = structured.key
+        pending = self._cache.get(key)
+        if pending is None or (pending.done() and pending.exception() is not None):
+            pending = self._cache[key] = self._pool.submit(self._build, structured)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return pending
+
+    def _build(self, structured: StructuredOutputs):
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.tokenizer(), structured.grammar_text(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from llguidance.hf import from_tokenizer
+
+            self._tokenizer = from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size, eos_token=self._eos or None)
+        return self._tokenizer
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class MaskFiller:
+    """Fills the host bitmask of a step's constrained rows (one llguidance executor per sampler)."""
+
+    def __init__(self) -> None:
+        self._executor = None
+
+    def bitmask(self, states: Sequence, vocab: int) -> torch.Tensor:
+        from llguidance import LLExecutor
+
+        if self._executor is None:
+            self._executor = LLExecutor()
+        words = (vocab + 31) // 32
+        bits = torch.full((len(states), words), -1, dtype=torch.int32, device="cpu")
+        self._executor.unsafe_compute_mask_ptr([(s, i) for i, s in enumerate(states)], bits.data_ptr(), words * 4,
+                                               len(states))
+        return bits
+
+
+def mask_logits(logits: torch.Tensor, states: Sequence, filler: MaskFiller) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with the tokens each row's grammar forbids at -inf (rows whose
+    state is None untouched)."""
+    rows = [i for i, s in enumerate(states) if s is not None]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    distinct = list({id(states[i]): states[i] for i in rows}.values())  # a fork's rows share one state
+    position = {id(s): k for k, s in enumerate(distinct)}
+    bits = filler.bitmask(distinct, vocab)[[position[id(states[i])] for i in rows]].to(dev, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
