@@ -4,7 +4,7 @@ pins clash with ours), created under ``--tools-dir`` on first use with ``--insta
 
     pagedserve serve --port 8124 &
     python -m bench.client_tools --url http://127.0.0.1:8124 --model demo \\
-        --tokenizer ~/.cache/pagedserve/demo-llama-v1 --install
+        --tokenizer ~/.cache/pagedserve/demo-llama-v2 --install
 
 Prints one JSON line and a table (requests sent, succeeded, errored, output tok/s as the tool
 measured it) and exits 1 when any request of any tool failed: the bar is zero errors.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -20,6 +20,7 @@ from gateway import sse
 from gateway.responses import Choice, Renderer, usage
 from gateway.schemas import ApiError, ParsedRequest, parse
 from gateway.service import GatewayService
+from gateway.tool_calls import ToolStream
 from shared.mailbox import Mailbox
 from shared.protocol import WireEvent
 
@@ -57,7 +58,8 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     base = state.new_id(chat)
     ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
     boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
-    renderer = Renderer(chat, base, int(time.time()), parsed.model, state.tokenizer, parsed.params.logprobs)
+    renderer = Renderer(chat, base, int(time.time()), parsed.model, state.tokenizer, parsed.params.logprobs,
+                        parsed.tools, state.settings.tool_call_parser)
     deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
     tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))
     state.metrics.prompt_tokens.labels(parsed.model).inc(tally.prompt_tokens)
@@ -151,6 +153,7 @@ async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, eve
     first_sent: set[int] = set()
     offsets: dict[int, int] = {}
     generated: dict[int, int] = {}  # tokens so far per choice, for continuous usage stats
+    tool_streams: dict[int, ToolStream] = {}
     prompt_tokens = completion_tokens = 0
     try:
         async for index, event in events:
@@ -160,6 +163,11 @@ async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, eve
                 break
             for delta in event.outputs:
                 choice = index * n + delta.index
+                calls, reason = [], delta.finish_reason
+                if renderer.tools is not None:  # text that may be a tool call is held back
+                    streams = tool_streams.setdefault(choice, ToolStream(renderer.tools, renderer.tool_parser))
+                    text, calls = streams.feed(delta.text, reason is not None)
+                    delta = replace(delta, text=text, finish_reason=None if calls else reason)
                 chunk = renderer.chunk(choice, delta, choice not in first_sent, parsed.include_usage, offsets.get(choice, 0))
                 first_sent.add(choice)
                 offsets[choice] = offsets.get(choice, 0) + len(delta.text)
@@ -167,6 +175,8 @@ async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, eve
                 if parsed.continuous_usage:
                     chunk["usage"] = usage(prompt_lens[index], generated[choice])
                 await response.write(sse.frame(chunk))
+                if calls:
+                    await response.write(sse.frame(renderer.tool_calls_chunk(choice, calls, reason, parsed.include_usage)))
             if event.done and event.usage:
                 prompt_tokens += event.usage["prompt_tokens"]
                 completion_tokens += event.usage["completion_tokens"]

@@ -68,8 +68,26 @@ _MESSAGES = {"type": "array", "minItems": 1, "items": {"oneOf": [  # only an ass
     {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"enum": ["system", "user", "developer"]}, "content": {"oneOf": _CONTENT}}},
     {"type": "object", "required": ["role"], "properties": {
-        "role": {"const": "assistant"}, "content": {"oneOf": [*_CONTENT, {"type": "null"}]}}},
+        "role": {"const": "assistant"}, "content": {"oneOf": [*_CONTENT, {"type": "null"}]},
+        "tool_calls": {"type": ["array", "null"], "items": {"type": "object", "required": ["function"], "properties": {
+            "id": {"type": "string"}, "type": {"const": "function"}, "function": {
+                "type": "object", "required": ["name"], "properties": {"name": {"type": "string"},
+                                                                       "arguments": {"type": "string"}}}}}}}},
+    {"type": "object", "required": ["role", "content", "tool_call_id"], "properties": {
+        "role": {"const": "tool"}, "content": {"oneOf": _CONTENT}, "tool_call_id": {"type": "string"}}},
 ]}}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {"type": {"const": "function"}, "function": {
+    "type": "object", "required": ["name"], "properties": {"name": {"type": "string", "minLength": 1},
+                                                           "description": {"type": "string"},
+                                                           "parameters": {"type": "object"}}}}}
+_TOOL_FIELDS = {  # tools need a unique name each; a named tool_choice must be one of them (checked by the gateway)
+    "tools": {"type": "array", "maxItems": 128, "items": _TOOL},
+    "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                         "properties": {"name": {"type": "string"}}}}}]},
+    "parallel_tool_calls": {"type": "boolean"},
+}
 _ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _ERRORS = {code: _ERROR for code in ("400", "401", "404", "413", "429", "503", "504")}
 
@@ -130,7 +148,8 @@ def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits(), serv
             "ChatRequest": {"type": "object", "required": ["model", "messages"], "allOf": [_BEAM_RULE, _TOP_LOGPROBS_RULE],
                             "properties": {
                 **sampling, **_nullable({"max_completion_tokens": capped["max_tokens"], "logprobs": {"type": "boolean"},
-                                         "top_logprobs": BOUNDS["logprobs"].json_schema()}), "messages": _MESSAGES}},
+                                         "top_logprobs": BOUNDS["logprobs"].json_schema(), **_TOOL_FIELDS}),
+                "messages": _MESSAGES}},
             "TokenizeRequest": {"type": "object", "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}],
                                 "properties": {"model": optional_model, "messages": _MESSAGES, "prompt": {
                                     "oneOf": [{"type": "string", "minLength": 1}, _ids(vocab_size)]}}},

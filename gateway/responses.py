@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.tool_calls import ToolRequest, extract
 from shared.protocol import OutputDelta
 
 
@@ -30,12 +31,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Renderer:
     """Builds the objects of one response; ``chat`` picks the chat or the completions shapes."""
 
-    def __init__(self, chat: bool, request_id: str, created: int, model: str, tokenizer, top_logprobs: int | None) -> None:
+    def __init__(self, chat: bool, request_id: str, created: int, model: str, tokenizer, top_logprobs: int | None,
+                 tools: ToolRequest | None = None, tool_parser: str = "hermes") -> None:
         """``top_logprobs``: alternatives per token asked for (None: no logprobs at all). Chat lists
         exactly that many; completions also keep the sampled token when it is not among them, as
-        the legacy API and vLLM do."""
+        the legacy API and vLLM do. ``tools``: a chat with tools, whose answers may be tool calls."""
         self.chat, self.id, self.created, self.model = chat, request_id, created, model
         self.tokenizer, self.top_logprobs = tokenizer, top_logprobs
+        self.tools = tools if tools is not None and tools.parses_output else None
+        self.tool_parser = tool_parser
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -45,7 +49,11 @@ class Renderer:
         for c in choices:
             item = {"index": c.index, "logprobs": self.logprobs(c.logprobs, 0), "finish_reason": c.finish_reason}
             if self.chat:
-                item["message"] = {"role": "assistant", "content": c.text}
+                content, calls = extract(c.text, self.tools, self.tool_parser) if self.tools else (c.text, [])
+                item["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    item["message"]["tool_calls"] = calls
+                    item["finish_reason"] = tool_finish(c.finish_reason)
             else:
                 item["text"] = c.text
             out.append(item)
@@ -61,6 +69,15 @@ class Renderer:
         else:
             item["text"] = text
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [item]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def tool_calls_chunk(self, index: int, calls: list[dict], reason: str | None, include_usage: bool) -> dict:
+        """The calls of a streamed choice, whole, with its finish reason."""
+        delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        item = {"index": index, "logprobs": None, "finish_reason": tool_finish(reason), "delta": delta}
+        body = {**self._head("chat.completion.chunk"), "choices": [item]}
         if include_usage:
             body["usage"] = None
         return body
@@ -85,3 +102,8 @@ class Renderer:
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
                 "top_logprobs": [{piece(t): lp for t, lp in e["top"].items()} for e in entries], "text_offset": offsets}
+
+
+def tool_finish(reason: str | None) -> str | None:
+    """A generation that ended on its own with tool calls ends for them; a cut one says so."""
+    return "tool_calls" if reason == "stop" else reason

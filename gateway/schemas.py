@@ -11,6 +11,7 @@ from typing import Any
 from shared.errors import InvalidRequestError
 from shared.prompts import is_token_id
 from gateway.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs
+from gateway.tool_calls import ToolRequest, template_messages, tool_request
 from shared.sampling import BOUNDS, SamplingParams
 
 
@@ -29,12 +30,14 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", 
           "timeout", "min_tokens", "ignore_eos", "stop_token_ids"}
 BEAM = {"use_beam_search", "beam_width", "length_penalty", "early_stopping"}  # extension fields
 COMPLETION_FIELDS = COMMON | BEAM | STRUCTURED_FIELDS | {"prompt", "best_of"}
-CHAT_FIELDS = COMMON | BEAM | STRUCTURED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON | BEAM | STRUCTURED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                                   "tool_choice", "parallel_tool_calls"}
 # OpenAI fields whose effect pagedserve does not give: accepted at these no-op values, a 400 otherwise.
 INERT_VALUES = {
-    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
+    "functions": (None, []), "function_call": (None, "none", "auto"),  # the deprecated forms of tools
 }
+COMPLETION_INERT = {"tools": (None, []), "tool_choice": (None, "none", "auto")}  # tools are for chat
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of"} | BEAM
@@ -70,6 +73,7 @@ class ParsedRequest:
     user: str | None
     continuous_usage: bool = False  # include_usage + continuous_usage_stats: usage so far on every chunk (vLLM)
     ignored: tuple[str, ...] = ()  # body fields nobody here knows, accepted without effect
+    tools: ToolRequest | None = None  # chat: the tools the template sees and how calls are made
 
 
 def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -> ParsedRequest:
@@ -78,10 +82,10 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         raise ApiError(400, "the request body must be a JSON object")
     body = {k: int(v) if k in INTEGER_FIELDS and is_token_id(v) and isinstance(v, float) else v for k, v in body.items()}
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for key, inert in INERT_VALUES.items():
+    for key, inert in (INERT_VALUES if chat else {**INERT_VALUES, **COMPLETION_INERT}).items():
         if key in body and body[key] not in inert:
             raise ApiError(400, f"{key!r} is not supported (accepted only as {inert[1]!r})", key, "unsupported_parameter")
-    ignored = tuple(sorted(k for k in body if k not in allowed and k not in INERT_VALUES))
+    ignored = tuple(sorted(k for k in body if k not in allowed and k not in INERT_VALUES and k not in COMPLETION_INERT))
     model = _typed(body, "model", str, required=True)
     prompt = chat_messages(body) if chat else completion_prompt(body)
     stream = _typed(body, "stream", bool, default=False)
@@ -106,7 +110,14 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens):
             raise ApiError(400, f"{name} must be an integer in [1, {limits.max_tokens}]", name)
     sampling["logprobs"] = _logprobs(body, chat)
-    sampling["structured"] = structured_outputs(body, lambda message, param: ApiError(400, message, param))
+    refuse = lambda message, param: ApiError(400, message, param)  # noqa: E731
+    sampling["structured"] = structured_outputs(body, refuse)
+    tools = tool_request(body, refuse) if chat else None
+    if tools is not None and tools.constraint() is not None:
+        if sampling["structured"] is not None:
+            raise ApiError(400, "a forced tool call (tool_choice) and a response format cannot both constrain the output",
+                           "tool_choice")
+        sampling["structured"] = tools.constraint()
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
     except (InvalidRequestError, TypeError) as err:
@@ -124,7 +135,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
     if timeout is not None and not 0 < timeout <= 3600:
         raise ApiError(400, "timeout must be in (0, 3600] seconds", "timeout")
     return ParsedRequest(chat, model, prompt, params, stream, bool(options.get("include_usage")), priority, timeout,
-                         user, bool(options.get("include_usage") and options.get("continuous_usage_stats")), ignored)
+                         user, bool(options.get("include_usage") and options.get("continuous_usage_stats")), ignored, tools)
 
 
 def _stream_options(body: dict) -> dict:
@@ -161,24 +172,46 @@ def completion_prompt(body: dict):
     raise ApiError(400, "prompt must be a non-empty string, list of strings, token ids or lists of token ids", "prompt")
 
 
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    return [{"role": "system" if m.get("role") == "developer" else m.get("role"), "content": _content(m, i)}
-            for i, m in enumerate(messages)]
+    return template_messages([_message(m, i) for i, m in enumerate(messages)])
 
 
-def _content(message: dict, index: int) -> str:
-    """A message's text: a string, or text content parts joined by newlines (as vLLM joins them)."""
+def _message(message: dict, index: int) -> dict:
+    """One message as the chat template sees it: its text, and an assistant's tool calls or a tool
+    result's call id."""
     param = f"messages[{index}]"
-    if message.get("role") not in ROLES:
-        raise ApiError(400, f"{param}.role must be one of {', '.join(ROLES)} (tool messages are not supported)", param)
-    if message.get("tool_calls") or message.get("tool_call_id"):
-        raise ApiError(400, f"{param}: tool calls are not supported", param, "unsupported_parameter")
+    role = message.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"{param}.role must be one of {', '.join(ROLES)}", param)
+    out = {"role": "system" if role == "developer" else role, "content": _content(message, param)}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant" or not _well_formed_calls(calls):
+            raise ApiError(400, f"{param}.tool_calls must be an assistant's list of "
+                                '{"id", "type": "function", "function": {"name", "arguments"}}', param)
+        out["tool_calls"] = calls
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise ApiError(400, f"{param}: a tool message needs the tool_call_id it answers", param)
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _well_formed_calls(calls) -> bool:
+    return isinstance(calls, list) and all(
+        isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("id", ""), str)
+        and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+        and isinstance(c["function"].get("arguments", ""), str) for c in calls)
+
+
+def _content(message: dict, param: str) -> str:
+    """A message's text: a string, or text content parts joined by newlines (as vLLM joins them)."""
     content = message.get("content")
     if content is None and message["role"] == "assistant":
         return ""

@@ -104,9 +104,9 @@ class GatewayService:
         tokenizing thread; not checked against the context."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._encode, prompt, chat)
 
-    def _encode(self, prompt, chat: bool) -> list[list[int]]:
+    def _encode(self, prompt, chat: bool, tools: tuple[dict, ...] = ()) -> list[list[int]]:
         if chat:
-            return [encode_chat(self.tokenizer, prompt)]
+            return [encode_chat(self.tokenizer, prompt, tools)]
         if isinstance(prompt, str):
             return [self.tokenizer.encode(prompt)]
         if isinstance(prompt[0], str):
@@ -116,7 +116,7 @@ class GatewayService:
         return [list(p) for p in prompt]
 
     def _prompt_ids(self, parsed: ParsedRequest, limit: int) -> list[list[int]]:
-        prompts = self._encode(parsed.prompt, parsed.chat)
+        prompts = self._encode(parsed.prompt, parsed.chat, parsed.tools.tools if parsed.tools else ())
         try:
             prompts = [check_token_ids(ids, len(self.tokenizer)) for ids in prompts]
         except InvalidRequestError as err:

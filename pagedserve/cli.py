@@ -107,6 +107,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     model = args.model_option or args.model
     gateway_args = [arg for key in args.api_key or () for arg in ("--api-key", key)]
+    gateway_args += ["--tool-call-parser", args.tool_call_parser]
     try:
         with LocalStack(model=model, workers=args.workers, port=args.port, host=args.host,
                         extra_worker_args=tuple(engine_argv(args)), extra_gateway_args=tuple(gateway_args),

@@ -30,6 +30,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         ("--port", dict(type=_port, default=e("port", 8000, int), help="port of the HTTP gateway")),
         ("--workers", dict(type=_workers, default=e("workers", 1, int), help="engine workers (one model copy each)")),
         ("--served-model-name", dict(default=e("served_model_name", None), help="the name clients use (default: MODEL)")),
+        ("--tool-call-parser", dict(choices=["hermes", "llama3_json"], default=e("tool_call_parser", "hermes"),
+                                    help="the model's tool-call format for tool_choice auto")),
     ]
     for flag, options in rows:
         action = serve.add_argument(flag, **options)

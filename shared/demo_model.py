@@ -11,8 +11,12 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+CHAT_TEMPLATE = (  # Hermes-style tools: listed in a system turn, called as <tool_call>{"name", "arguments"}</tool_call>
+    "{% if tools %}<|system|>\nTools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|end|>\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ {'name': c['function']['name'], "
+    "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -105,7 +109,7 @@ def _set_rope_scaling(config, scaling: dict) -> None:
 
 
 DEMO_MODEL = dict(family="llama", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688)
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # bumped when the demo model or its tokenizer changes (2: the chat template takes tools)
 
 
 def demo_model_dir(cache_root: Path | None = None) -> Path:

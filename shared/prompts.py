@@ -12,8 +12,10 @@ from typing import Sequence
 from shared.errors import InvalidRequestError
 
 
-def encode_chat(tokenizer, messages: Sequence[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+def encode_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    """``tools``: OpenAI tool objects, handed to the template (which decides how a model sees them)."""
+    text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -212,6 +212,7 @@ class GatewaySettings:
     cors_origins: tuple[str, ...]
     key_prefix: str
     generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset fields; "vllm": ignore it
+    tool_call_parser: str = "hermes"  # how tool calls are found in a model's text (gateway/tool_calls.py)
 
 
 def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -236,6 +237,8 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
     p.add_argument("--generation-config", choices=["auto", "vllm"], default=e("generation_config", "auto"),
                    help="auto: sampling defaults from the model's generation_config.json for unset request fields; "
                         "vllm: ignore it")
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=e("tool_call_parser", "hermes"),
+                   help="the model's tool-call format, for tool_choice auto: hermes (Hermes, Qwen) or llama3_json")
     return p
 
 
@@ -249,4 +252,5 @@ def gateway_settings(argv: list[str] | None = None, environ: Mapping[str, str] |
         max_body_bytes=args.max_body_bytes, max_queue_depth=args.max_queue_depth, request_timeout_s=args.request_timeout,
         max_n=args.max_n, max_tokens=args.max_tokens, default_chat_max_tokens=args.default_chat_max_tokens,
         cors_origins=tuple(args.cors_origin or ()), key_prefix=args.key_prefix, generation_config=args.generation_config,
+        tool_call_parser=args.tool_call_parser,
     )

@@ -14,7 +14,7 @@ def test_generate_builds_the_demo_model_once_and_streams_text(tmp_path):
     env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path)}
     first = run_cli("generate", "--max-tokens", "5", "hello", env=env)
     assert first.returncode == 0, first.stderr
-    assert (tmp_path / "demo-llama-v1" / "config.json").exists()
+    assert (tmp_path / "demo-llama-v2" / "config.json").exists()
     second = run_cli("generate", "--max-tokens", "5", "hello", env=env)
     assert second.returncode == 0 and second.stdout == first.stdout  # deterministic model, greedy
 
