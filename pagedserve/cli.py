@@ -13,6 +13,7 @@
     pagedserve bench serve [args]                serving benchmark: TTFT, TPOT, ITL, goodput
     pagedserve bench chaos [args]                worker SIGKILL and Redis restart under load
     pagedserve bench client-tools [args]         guidellm and aiperf against a gateway: zero errors
+    pagedserve bench structured [args]           structured outputs: throughput cost, compile time
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ BENCHES = {
     "serve": "bench.serve",
     "chaos": "bench.chaos",
     "client-tools": "bench.client_tools",
+    "structured": "bench.structured",
 }
 
 
