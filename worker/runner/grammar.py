@@ -45,6 +45,7 @@ class GrammarCompiler:
         matcher = LLMatcher(self.tokenizer(), structured.grammar_text(), log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
+        matcher.deep_copy().compute_bitmask()  # warms the lexer the copies share: the first step's mask is not slow
         return matcher
 
     def tokenizer(self):
