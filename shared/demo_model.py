@@ -26,6 +26,16 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    # mixture of experts: 4 experts of which 2 per token; Qwen2-MoE with its shared expert, Qwen3-MoE
+    # with one dense layer among the sparse ones
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                        "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
 }
 
 

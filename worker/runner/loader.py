@@ -1,8 +1,10 @@
-"""Load a Llama-family model and its tokenizer from a local directory or a hub id.
+"""Load a model of a supported family (``worker/runner/models/families.py``) and its tokenizer from
+a local directory or a hub id.
 
 Config and tokenizer come through transformers (``AutoConfig``, ``AutoTokenizer``), weights from
-the safetensors files, by name, straight into the paged model. A hub id is resolved to a local
-snapshot first, so both take the same path.
+the safetensors shards, by name (the family's ``rename`` maps checkpoint names; per-expert tensors
+are stacked), straight into the paged model. A hub id is resolved to a local snapshot first, so
+both take the same path.
 """
 
 from __future__ import annotations
@@ -17,15 +19,10 @@ from tqdm.auto import tqdm
 
 from shared.model_source import max_model_len, resolve_model_dir
 from kernels.ops import AttentionOps
-from worker.runner.models.llama import LlamaArch, LlamaForCausalLM
+from worker.runner.models.families import FAMILIES, Family, supported
+from worker.runner.models.layers import CausalLM
 from worker.runner.prepack import fast_cpu_linears
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": LlamaArch(qkv_bias=False, qk_norm=False),
-    "MistralForCausalLM": LlamaArch(qkv_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": LlamaArch(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": LlamaArch(qkv_bias=False, qk_norm=True),
-}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,7 +34,7 @@ class UnsupportedModelError(ValueError):
 class ModelInfo:
     path: Path
     config: object
-    arch: LlamaArch
+    family: Family
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: frozenset[int]
@@ -49,12 +46,12 @@ def inspect_model(model: str | Path, dtype: str | torch.dtype = "auto") -> Model
     path = resolve_model_dir(model)
     config = AutoConfig.from_pretrained(path)
     names = list(getattr(config, "architectures", None) or [])
-    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
-    if arch is None:
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or (names and family.architecture not in names):
         raise UnsupportedModelError(
-            f"unsupported architecture {names or config.model_type!r}; supported: {', '.join(ARCHITECTURES)}"
+            f"unsupported model {config.model_type!r} ({', '.join(names) or 'no architectures'}); supported: {supported()}"
         )
-    return ModelInfo(path, config, arch, _resolve_dtype(dtype, config), max_model_len(config), _eos_ids(path, config))
+    return ModelInfo(path, config, family, _resolve_dtype(dtype, config), max_model_len(config), _eos_ids(path, config))
 
 
 def _resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
@@ -82,23 +79,30 @@ def _eos_ids(path: Path, config) -> frozenset[int]:
     return frozenset([ids] if isinstance(ids, int) else ids)
 
 
-def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> LlamaForCausalLM:
+def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> CausalLM:
     """Build the model without initialising it, then fill every parameter from safetensors."""
+    family = info.family
     with torch.device("meta"):
-        model = LlamaForCausalLM(info.config, info.arch, ops)
+        model = CausalLM(info.config, family.arch, ops, family.feed_forward)
     expected = set(model.state_dict())
     files = sorted(info.path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {info.path}")
     state: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     # disable=None: a bar only on a terminal, never interleaved with a service's JSON log lines
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False, disable=None) as bar:
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    if name in expected:
-                        state[name] = f.get_tensor(name).to(device=device, dtype=info.dtype)
+                    target = family.rename(name)
+                    if isinstance(target, tuple):  # one expert's matrix: stacked below
+                        prefix, expert, part = target
+                        experts.setdefault((prefix, part), {})[expert] = f.get_tensor(name)
+                    elif target in expected:
+                        state[target] = f.get_tensor(name).to(device=device, dtype=info.dtype)
                         bar.update(1)
+    state.update(_stack_experts(experts, device, info.dtype))
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
         state.pop("lm_head.weight", None)
@@ -110,3 +114,20 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> Ll
     model.rotary = type(model.rotary)(info.config, model.head_dim).to(device)  # buffers were on meta
     fast_cpu_linears(model, device, info.dtype)
     return model.eval()
+
+
+def _stack_experts(parts: dict[tuple[str, str], dict[int, torch.Tensor]], device: torch.device,
+                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down matrices -> ``<prefix>.gate_up_proj`` ``[E, 2I, H]`` and
+    ``<prefix>.down_proj`` ``[E, H, I]``."""
+    def stacked(prefix: str, part: str) -> torch.Tensor:
+        by_expert = parts[(prefix, part)]
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"checkpoint experts of {prefix} are not 0..{len(by_expert) - 1}")
+        return torch.stack([by_expert[e] for e in range(len(by_expert))]).to(device=device, dtype=dtype)
+
+    out = {}
+    for prefix in sorted({prefix for prefix, _ in parts}):
+        out[f"{prefix}.gate_up_proj"] = torch.cat([stacked(prefix, "gate"), stacked(prefix, "up")], dim=1)
+        out[f"{prefix}.down_proj"] = stacked(prefix, "down")
+    return out

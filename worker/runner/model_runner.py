@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from kernels.ops import AttentionOps
 from worker.runner.attention import AttentionMetadata
-from worker.runner.models.llama import LlamaForCausalLM
+from worker.runner.models.layers import CausalLM
 from worker.core.plan import ScheduledSeq, StepPlan, StepResult
 from worker.runner.beam_search import BeamSearcher
 from worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
@@ -30,7 +30,7 @@ class StepLogits:
     items: tuple[ScheduledSeq, ...]  # the sampling sequence of each row
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V, all layers, for one block."""
     elem = torch.empty((), dtype=dtype, device="meta").element_size()
     return 2 * len(model.model.layers) * block_size * model.num_kv_heads * model.head_dim * elem
@@ -38,7 +38,7 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype,
+        self, model: CausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype,
         block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler, beams: BeamSearcher,
         graph_limits: GraphLimits | None = None,
     ) -> None:

@@ -1,13 +1,18 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) with paged attention.
+"""The decoder layers every supported family is built from, with paged attention: RMSNorm,
+attention (grouped-query heads, optional q/k/v bias and per-head q/k norm), the gated SiLU MLP,
+a decoder layer whose feed-forward block a family chooses (dense or mixture-of-experts,
+``worker/runner/models/moe.py``), and the causal LM around them.
 
-Module and parameter names follow Hugging Face's, so a safetensors checkpoint loads by name.
-The family differences are flags read from the config: q/k/v bias (Qwen2, ``attention_bias``),
-per-head q/k RMSNorm (Qwen3), grouped-query heads, rope scaling, tied embeddings.
+Module and parameter names follow Hugging Face's, so a safetensors checkpoint loads by name (a
+family's ``weight_names`` maps the names that differ). The family differences are flags read from
+the config (``Arch``): q/k/v bias (Qwen2, ``attention_bias``), per-head q/k RMSNorm (Qwen3),
+grouped-query heads, rope scaling, tied embeddings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -21,11 +26,14 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
-class LlamaArch:
-    """What differs between the supported architectures."""
+class Arch:
+    """What differs between the supported architectures' attention."""
 
-    qkv_bias: bool
-    qk_norm: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+FeedForward = Callable[[object, int], nn.Module]  # (config, layer index) -> the layer's MLP or MoE block
 
 
 class RMSNorm(nn.Module):
@@ -42,13 +50,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config, arch: LlamaArch, ops: AttentionOps) -> None:
+    def __init__(self, config, arch: Arch, ops: AttentionOps) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         hidden = config.hidden_size
-        bias = arch.qkv_bias or bool(getattr(config, "attention_bias", False))
+        bias = bool(getattr(config, "qkv_bias", arch.qkv_bias)) or bool(getattr(config, "attention_bias", False))
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
@@ -72,12 +80,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, size, bias=bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu'")
 
@@ -85,11 +94,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def dense(config, index: int) -> nn.Module:
+    return MLP(config)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config, arch: LlamaArch, ops: AttentionOps) -> None:
+    def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(config, arch, ops)
-        self.mlp = MLP(config)
+        self.mlp = feed_forward
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -98,19 +111,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaBackbone(nn.Module):
-    def __init__(self, config, arch: LlamaArch, ops: AttentionOps) -> None:
+class Backbone(nn.Module):
+    def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: FeedForward) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, arch, ops) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, arch, ops, feed_forward(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, arch: LlamaArch, ops: AttentionOps) -> None:
+class CausalLM(nn.Module):
+    def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: FeedForward = dense) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config, arch, ops)
+        self.model = Backbone(config, arch, ops, feed_forward)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         first = self.model.layers[0].self_attn

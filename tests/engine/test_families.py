@@ -1,0 +1,55 @@
+"""Families beyond the dense Llama ones: greedy output equals transformers token for token for
+mixture-of-experts models (Mixtral; Qwen2-MoE with its shared expert; Qwen3-MoE with a dense layer
+among sparse ones), concurrent requests of different lengths, under preemption, with prefix-cache
+hits and with n > 1. Random routers: every token goes through its own top-2 of 4 experts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve import LLM
+from shared.sampling import SamplingParams
+from tests.conftest import random_prompts
+from tests.engine.test_parity import VOCAB, assert_parity
+from worker.runner.loader import UnsupportedModelError
+from worker.runner.models.moe import SparseMoE
+
+MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_greedy_parity_concurrent_requests(zoo, name):
+    cases = random_prompts(seed=21, count=16, max_len=300, vocab=VOCAB, max_new=120)
+    llm = assert_parity(zoo, name, cases, block_size=16, num_gpu_blocks=2048)
+    layers = llm.engine.runner.model.model.layers
+    kinds = ["moe" if isinstance(layer.mlp, SparseMoE) else "dense" for layer in layers]
+    assert kinds == (["moe", "dense", "moe"] if name == "qwen3-moe" else ["moe", "moe"])  # qwen3-moe: mlp_only_layers=[1]
+
+
+def test_moe_parity_under_preemption_and_prefix_hits(zoo):
+    system = [11 + (i * 7) % 400 for i in range(64)]
+    cases = [(system + p, n) for p, n in random_prompts(seed=22, count=16, max_len=60, vocab=VOCAB, max_new=60)]
+    llm = assert_parity(zoo, "mixtral", cases, block_size=8, num_gpu_blocks=90, num_cpu_blocks=400,
+                        preemption_mode="recompute", max_num_batched_tokens=256)
+    stats = llm.engine.scheduler.stats
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0, stats
+
+
+def test_moe_forks_of_a_greedy_n_request_all_match(zoo):
+    prompt, n = random_prompts(seed=23, count=1, max_len=80, vocab=VOCAB, max_new=40)[0]
+    llm = LLM(zoo.path("qwen2-moe"), device="cpu", dtype="float32", num_gpu_blocks=512)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, n=3), use_tqdm=False)[0]
+    want = zoo.hf_greedy("qwen2-moe", prompt, n)
+    assert [o.token_ids for o in out.outputs] == [want] * 3
+
+
+def test_an_unknown_family_names_the_supported_ones(tmp_path, zoo):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((zoo.path("llama-gqa") / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*mixtral \(MixtralForCausalLM\).*qwen3_moe"):
+        LLM(tmp_path)

@@ -1,0 +1,63 @@
+"""The supported model families: ``config.model_type`` -> how to build the model and how its
+checkpoint names map onto the model's parameters.
+
+Dense families share ``CausalLM`` with flags (``Arch``); mixture-of-experts families choose a
+sparse feed-forward block per layer (``worker/runner/models/moe.py``) and stack their per-expert
+checkpoint tensors on load. Anything else is an ``UnsupportedModelError`` naming the families.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from worker.runner.models.layers import Arch, FeedForward, dense
+from worker.runner.models.moe import mixtral, qwen_moe
+
+ExpertPart = tuple[str, int, str]  # (stacked parameter prefix, expert index, "gate" | "up" | "down")
+Rename = Callable[[str], "str | ExpertPart"]
+
+
+def same(name: str) -> str:
+    return name
+
+
+def _experts(pattern: str, parts: dict[str, str], before: Rename = same) -> Rename:
+    expert = re.compile(pattern)
+
+    def rename(name: str):
+        name = before(name)
+        found = expert.fullmatch(name)
+        return (found[1] + ".experts", int(found[2]), parts[found[3]]) if found else name
+
+    return rename
+
+
+mixtral_names = _experts(r"(.*\.mlp)\.experts\.(\d+)\.(w1|w2|w3)\.weight", {"w1": "gate", "w3": "up", "w2": "down"},
+                         lambda name: name.replace(".block_sparse_moe.", ".mlp."))
+qwen_moe_names = _experts(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight",
+                          {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # the transformers class a checkpoint of this family names
+    arch: Arch
+    feed_forward: FeedForward = dense
+    rename: Rename = same
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM", Arch()),
+    "mistral": Family("MistralForCausalLM", Arch()),
+    "qwen2": Family("Qwen2ForCausalLM", Arch(qkv_bias=True)),
+    "qwen3": Family("Qwen3ForCausalLM", Arch(qk_norm=True)),
+    "mixtral": Family("MixtralForCausalLM", Arch(), mixtral, mixtral_names),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", Arch(qkv_bias=True), qwen_moe, qwen_moe_names),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", Arch(qk_norm=True), qwen_moe, qwen_moe_names),
+}
+
+
+def supported() -> str:
+    return ", ".join(f"{name} ({family.architecture})" for name, family in FAMILIES.items())
