@@ -21,6 +21,7 @@ MODEL_SPECS = {
     "qwen2": dict(family="qwen2", num_heads=4, num_kv_heads=2),
     "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
     "mixtral": dict(family="mixtral", num_heads=4, num_kv_heads=2),
+    "phi3": dict(family="phi3", num_heads=4, num_kv_heads=2),
     "qwen2-moe": dict(family="qwen2_moe", num_heads=4, num_kv_heads=2),
     "qwen3-moe": dict(family="qwen3_moe", num_heads=4, num_kv_heads=2, num_layers=3),
 }

@@ -1,5 +1,5 @@
-"""Families beyond the dense Llama ones: greedy output equals transformers token for token for
-mixture-of-experts models (Mixtral; Qwen2-MoE with its shared expert; Qwen3-MoE with a dense layer
+"""Families beyond the Llama ones: greedy output equals transformers token for token for Phi-3
+(fused weights, partial rotary) and mixture-of-experts models (Mixtral; Qwen2-MoE with its shared expert; Qwen3-MoE with a dense layer
 among sparse ones), concurrent requests of different lengths, under preemption, with prefix-cache
 hits and with n > 1. Random routers: every token goes through its own top-2 of 4 experts."""
 
@@ -28,6 +28,13 @@ def test_moe_greedy_parity_concurrent_requests(zoo, name):
     assert kinds == (["moe", "dense", "moe"] if name == "qwen3-moe" else ["moe", "moe"])  # qwen3-moe: mlp_only_layers=[1]
 
 
+def test_phi3_fused_weights_and_partial_rotary_parity(zoo):
+    """Phi-3's fused q/k/v and gate/up tensors split on load; half of each head rotates (as Phi-4-mini)."""
+    cases = random_prompts(seed=24, count=16, max_len=300, vocab=VOCAB, max_new=120)
+    llm = assert_parity(zoo, "phi3", cases, block_size=16, num_gpu_blocks=2048)
+    assert llm.engine.runner.model.rotary.inv_freq.numel() * 2 == llm.engine.runner.model.head_dim // 2
+
+
 def test_moe_parity_under_preemption_and_prefix_hits(zoo):
     system = [11 + (i * 7) % 400 for i in range(64)]
     cases = [(system + p, n) for p, n in random_prompts(seed=22, count=16, max_len=60, vocab=VOCAB, max_new=60)]
@@ -53,3 +60,17 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path, zoo):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*mixtral \(MixtralForCausalLM\).*qwen3_moe"):
         LLM(tmp_path)
+
+
+def test_long_rope_serves_up_to_its_original_length():
+    """Past ``original_max_position_embeddings`` transformers switches Phi-3's rope to the long
+    factors mid-sequence; the rotary table here is computed once, so the context stops there."""
+    from transformers import Phi3Config
+
+    from shared.model_source import max_model_len
+
+    short = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=131072,
+                        original_max_position_embeddings=4096, rope_scaling=short)
+    assert max_model_len(config) == 4096
+    assert max_model_len(Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=8192)) == 8192

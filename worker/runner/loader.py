@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from shared.model_source import max_model_len, resolve_model_dir
 from kernels.ops import AttentionOps
-from worker.runner.models.families import FAMILIES, Family, supported
+from worker.runner.models.families import FAMILIES, Family, Fused, supported
 from worker.runner.models.layers import CausalLM
 from worker.runner.prepack import fast_cpu_linears
 
@@ -84,7 +84,8 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> Ca
     family = info.family
     with torch.device("meta"):
         model = CausalLM(info.config, family.arch, ops, family.feed_forward)
-    expected = set(model.state_dict())
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    expected = set(shapes)
     files = sorted(info.path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {info.path}")
@@ -99,6 +100,11 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> Ca
                     if isinstance(target, tuple):  # one expert's matrix: stacked below
                         prefix, expert, part = target
                         experts.setdefault((prefix, part), {})[expert] = f.get_tensor(name)
+                    elif isinstance(target, Fused):  # several parameters in one tensor: split by their sizes
+                        pieces = f.get_tensor(name).split([shapes[t][0] for t in target.targets], dim=0)
+                        for part, piece in zip(target.targets, pieces):
+                            state[part] = piece.to(device=device, dtype=info.dtype)
+                            bar.update(1)
                     elif target in expected:
                         state[target] = f.get_tensor(name).to(device=device, dtype=info.dtype)
                         bar.update(1)

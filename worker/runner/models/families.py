@@ -3,7 +3,7 @@ checkpoint names map onto the model's parameters.
 
 Dense families share ``CausalLM`` with flags (``Arch``); mixture-of-experts families choose a
 sparse feed-forward block per layer (``worker/runner/models/moe.py``) and stack their per-expert
-checkpoint tensors on load. Anything else is an ``UnsupportedModelError`` naming the families.
+checkpoint tensors on load; Phi-3 splits its fused q/k/v and gate/up tensors on load. Anything else is an ``UnsupportedModelError`` naming the families.
 """
 
 from __future__ import annotations
@@ -16,7 +16,17 @@ from worker.runner.models.layers import Arch, FeedForward, dense
 from worker.runner.models.moe import mixtral, qwen_moe
 
 ExpertPart = tuple[str, int, str]  # (stacked parameter prefix, expert index, "gate" | "up" | "down")
-Rename = Callable[[str], "str | ExpertPart"]
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A checkpoint tensor holding several parameters one after another along dim 0 (Phi-3's
+    ``qkv_proj``, ``gate_up_proj``); each part's size is its parameter's."""
+
+    targets: tuple[str, ...]
+
+
+Rename = Callable[[str], "str | ExpertPart | Fused"]
 
 
 def same(name: str) -> str:
@@ -40,6 +50,18 @@ qwen_moe_names = _experts(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_p
                           {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"})
 
 
+_PHI3_FUSED = re.compile(r"(.*)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
+
+
+def phi3_names(name: str):
+    found = _PHI3_FUSED.fullmatch(name)
+    if found is None:
+        return name
+    parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj") if found[2].startswith("self_attn") \
+        else ("mlp.gate_proj", "mlp.up_proj")
+    return Fused(tuple(f"{found[1]}.{part}.weight" for part in parts))
+
+
 @dataclass(frozen=True)
 class Family:
     architecture: str  # the transformers class a checkpoint of this family names
@@ -56,6 +78,7 @@ FAMILIES = {
     "mixtral": Family("MixtralForCausalLM", Arch(), mixtral, mixtral_names),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", Arch(qkv_bias=True), qwen_moe, qwen_moe_names),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", Arch(qk_norm=True), qwen_moe, qwen_moe_names),
+    "phi3": Family("Phi3ForCausalLM", Arch(), dense, phi3_names),
 }
 
 

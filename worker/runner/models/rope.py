@@ -2,7 +2,8 @@
 
 The inverse frequencies come from the config: plain RoPE is computed here; scaled variants
 (``llama3``, ``linear``, ``yarn`` …) use transformers' own ``ROPE_INIT_FUNCTIONS``, which also give
-the attention factor applied to cos/sin.
+the attention factor applied to cos/sin. A ``partial_rotary_factor`` below 1 (Phi-4-mini) rotates
+the first part of each head only; the rest passes unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class RotaryEmbedding(nn.Module):
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             factor = 1.0
         elif rope_type == "dynamic":
             raise ValueError("dynamic NTK rope scaling is not supported (it changes with the sequence length)")
@@ -40,7 +42,7 @@ class RotaryEmbedding(nn.Module):
         self.factor = float(factor)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[num_tokens, 1, head_dim]`` for the given absolute positions."""
+        """cos, sin ``[num_tokens, 1, rotary_dim]`` for the given absolute positions."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.factor, emb.sin() * self.factor
@@ -49,6 +51,10 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(q: torch.Tensor, k: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cos_sin
+        dim = cos.shape[-1]
+        if dim < q.shape[-1]:  # partial rotary: the first ``dim`` features of each head
+            q_rot, k_rot = RotaryEmbedding.apply(q[..., :dim], k[..., :dim], cos_sin)
+            return torch.cat((q_rot, q[..., dim:]), dim=-1), torch.cat((k_rot, k[..., dim:]), dim=-1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
