@@ -4,7 +4,8 @@ Grid ``(num_seqs, num_kv_heads, num_splits)``: each program takes one KV head wi
 heads that share it (GQA) and one slice of ``PARTITION`` context tokens, walks it in tiles of
 ``TILE`` tokens (block ids looked up per token, so any power-of-two block size works) with an
 online softmax in float32, and writes a partial result. A second kernel combines the slices, so a
-batch of a few long sequences still spreads over the whole GPU.
+batch of a few long sequences still spreads over the whole GPU. With ``window`` > 0 (sliding-window
+attention) slices and tiles before the window are skipped and the rest masked to it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ PARTITION = 512
 @triton.jit
 def _decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale, stride_qs, stride_qh, stride_bt, stride_kb, stride_kt, stride_kh, max_splits,
+    scale, stride_qs, stride_qh, stride_bt, stride_kb, stride_kt, stride_kh, max_splits, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
 ):
@@ -32,7 +33,8 @@ def _decode_partial(
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + seq)
     start = split * PARTITION
-    if start < seq_len:
+    first = _first_key(seq_len, window)
+    if (start < seq_len) & (start + PARTITION > first):
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, DIM_PAD)
         heads = kv_head * GROUP + g
@@ -42,9 +44,9 @@ def _decode_partial(
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         end = tl.minimum(start + PARTITION, seq_len)
-        for tile in range(start, end, TILE):
+        for tile in range(tl.maximum(start, first // TILE * TILE), end, TILE):  # tiles wholly before the window skipped
             pos = tile + tl.arange(0, TILE)
-            valid = pos < end
+            valid = (pos < end) & (pos >= first)
             k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
                                 pos, valid, d, DIM, BLOCK_SIZE)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
@@ -62,8 +64,14 @@ def _decode_partial(
 
 
 @triton.jit
+def _first_key(seq_len, window):
+    """The first position a decode query sees: 0, or the start of its sliding window."""
+    return tl.where((window > 0) & (seq_len > window), seq_len - window, 0)
+
+
+@triton.jit
 def _decode_reduce(
-    part_out_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr, stride_os, stride_oh, num_heads, max_splits,
+    part_out_ptr, part_max_ptr, part_sum_ptr, lens_ptr, out_ptr, stride_os, stride_oh, num_heads, max_splits, window,
     DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, PARTITION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -73,7 +81,7 @@ def _decode_reduce(
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
     row = (seq * num_heads + head) * max_splits + s
-    live = s < num_splits
+    live = (s < num_splits) & (s >= _first_key(seq_len, window) // PARTITION)  # slices before the window wrote nothing
     m = tl.load(part_max_ptr + row, mask=live, other=float("-inf"))
     l = tl.load(part_sum_ptr + row, mask=live, other=0.0)
     o = tl.load(part_out_ptr + row[:, None] * DIM + d[None, :], mask=live[:, None] & (d[None, :] < DIM), other=0.0)
@@ -85,7 +93,7 @@ def _decode_reduce(
 
 def paged_attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
+    seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None, window: int = 0,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention_decode``."""
     check_cache(k_cache, v_cache)
@@ -107,11 +115,11 @@ def paged_attention_decode(
     _decode_partial[(num_seqs, k_cache.shape[2], splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        splits, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), DIM=dim,
+        splits, window, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[1], TILE=TILE, PARTITION=PARTITION,
     )
     _decode_reduce[(num_seqs, num_heads)](
-        part_out, part_max, part_sum, seq_lens, out, out.stride(0), out.stride(1), num_heads, splits,
+        part_out, part_max, part_sum, seq_lens, out, out.stride(0), out.stride(1), num_heads, splits, window,
         DIM=dim, DIM_PAD=triton.next_power_of_2(dim), SPLITS_PAD=triton.next_power_of_2(splits), PARTITION=PARTITION,
     )
     return out

@@ -3,7 +3,8 @@
 Each sequence's chunk holds its last ``q_len`` positions; the earlier ``seq_len - q_len`` tokens
 (a prefix-cache hit or earlier chunks) and the chunk itself are read from the cache through the
 block table, so the chunk's K/V must be stored first. Grid ``(num_seqs, query tiles, num_heads)``;
-each program walks key tiles up to its causal limit with an online softmax in float32.
+each program walks key tiles up to its causal limit with an online softmax in float32 (from the
+start of its earliest row's window, with ``window`` > 0: sliding-window attention).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ BLOCK_N = 32
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh, window,
     GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -45,13 +46,15 @@ def _prefill_kernel(
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
         limit = tl.minimum(seq_len, prefix + (tile_m + 1) * BLOCK_M)  # last key any row of the tile sees
-        for tile in range(0, limit, BLOCK_N):
+        lowest = tl.where(window > 0, tl.maximum(prefix + tile_m * BLOCK_M - window + 1, 0), 0)  # first key it sees
+        for tile in range(lowest // BLOCK_N * BLOCK_N, limit, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = pos < limit
             k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
                                 pos, valid, d, DIM, BLOCK_SIZE)
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             allowed = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+            allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
             scores = tl.where(allowed, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows see no key at all
@@ -69,6 +72,7 @@ def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
     max_seq_len: int | None = None,  # part of the ops contract; each program walks its own length
+    window: int = 0,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.prefill_attention``."""
     check_cache(k_cache, v_cache)
@@ -89,7 +93,7 @@ def prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window,
         GROUP=group, DIM=q.shape[2], DIM_PAD=triton.next_power_of_2(q.shape[2]),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )

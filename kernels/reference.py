@@ -101,27 +101,33 @@ def paged_attention_decode(
     scale: float,
     max_seq_len: int | None = None,
     workspace: Workspace | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence over its whole context. ``q``/``out``: ``[num_seqs, num_heads, head_dim]``.
-    ``max_seq_len``: ``seq_lens.max()`` when the caller knows it (saves reading it back)."""
+    ``max_seq_len``: ``seq_lens.max()`` when the caller knows it (saves reading it back).
+    ``window`` > 0: sliding-window attention, each query sees its last ``window`` positions (itself included)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     buckets = length_buckets(seq_lens)
     if buckets == [None]:
-        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_seq_len)
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_seq_len, window)
     out = torch.empty_like(q)
     for idx in buckets:
-        out[idx] = _decode(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, workspace)
+        out[idx] = _decode(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, workspace, window=window)
     return out
 
 
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_len: int | None = None) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_len: int | None = None,
+            window: int = 0) -> torch.Tensor:
     max_len = max_len if max_len is not None else int(seq_lens.max())
     k = gather_context(k_cache, block_tables, max_len, workspace, "k")
     v = gather_context(v_cache, block_tables, max_len, workspace, "v")
     positions = torch.arange(max_len, device=q.device)
-    allowed = (positions[None, :] < seq_lens[:, None].long())[:, None, :]
-    return _attend(q[:, None], k, v, allowed, scale, workspace)[:, 0].to(q.dtype)
+    lens = seq_lens[:, None].long()
+    allowed = positions[None, :] < lens
+    if window > 0:
+        allowed &= positions[None, :] >= lens - window
+    return _attend(q[:, None], k, v, allowed[:, None, :], scale, workspace)[:, 0].to(q.dtype)
 
 
 def prefill_attention(
@@ -135,8 +141,10 @@ def prefill_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     workspace: Workspace | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention for variable-length query chunks whose earlier tokens are already cached.
+    """Causal attention for variable-length query chunks whose earlier tokens are already cached
+    (``window`` > 0: each query sees only its last ``window`` positions, itself included).
 
     ``q``: ``[num_tokens, num_heads, head_dim]``, the chunks of all sequences back to back;
     ``query_start_loc``: ``[num_seqs + 1]`` offsets into ``q``; ``seq_lens``: context length of
@@ -156,6 +164,8 @@ def prefill_attention(
     q_pos = seq_lens[:, None].long() - q_lens[:, None] + rows[None, :]  # absolute position of each query
     k_pos = torch.arange(max_len, device=q.device)
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]
+    if window > 0:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - window
     k = gather_context(k_cache, block_tables, max_len, workspace, "k")
     v = gather_context(v_cache, block_tables, max_len, workspace, "v")
     out = _attend(padded, k, v, allowed, scale, workspace)

@@ -78,12 +78,14 @@ def build_model(
     padded_vocab_size: int | None = None,
     device: str = "cpu",
     dtype: str | None = None,
+    **config_overrides,
 ) -> Path:
     """Write a random-weight model of ``family`` with its tokenizer to ``path``; return the path.
 
     ``padded_vocab_size``: a larger embedding than the tokenizer needs (as many checkpoints pad
     theirs), for benchmarks with realistic vocabularies. ``device``/``dtype``: where the random
-    weights are made and how they are saved (a 1B model is made in seconds on a GPU)."""
+    weights are made and how they are saved (a 1B model is made in seconds on a GPU).
+    ``config_overrides``: further config fields (e.g. ``sliding_window``) over the family's."""
     import torch
     import transformers
 
@@ -97,7 +99,7 @@ def build_model(
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
         initializer_range=initializer_range, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **{**extra, **config_overrides},
     )
     if rope_scaling:
         _set_rope_scaling(config, rope_scaling)

@@ -8,14 +8,11 @@ from pathlib import Path
 
 
 def max_model_len(config) -> int:
-    """The longest sequence served: ``max_position_embeddings``, capped at a sliding window
-    (sliding-window attention is not implemented, so we stay inside the window) and, for long-rope
-    (Phi-3), at ``original_max_position_embeddings`` (past it transformers switches to the long
-    factors as the sequence grows; the rotary table here is computed once, with the short ones)."""
+    """The longest sequence served: ``max_position_embeddings``, capped for long-rope (Phi-3) at
+    ``original_max_position_embeddings`` (past it transformers switches to the long factors as the
+    sequence grows; the rotary table here is computed once, with the short ones). Sliding-window
+    layers attend within their window at any length."""
     length = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        length = min(length, int(window))
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     original = getattr(config, "original_max_position_embeddings", None)
     if rope.get("rope_type", rope.get("type")) == "longrope" and original:

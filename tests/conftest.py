@@ -22,6 +22,10 @@ MODEL_SPECS = {
     "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
     "mixtral": dict(family="mixtral", num_heads=4, num_kv_heads=2),
     "phi3": dict(family="phi3", num_heads=4, num_kv_heads=2),
+    # sliding windows much shorter than the test contexts: every layer (Mistral), or mixed with full layers (Qwen2)
+    "mistral-window": dict(family="mistral", num_heads=4, num_kv_heads=2, sliding_window=24),
+    "qwen2-window": dict(family="qwen2", num_heads=4, num_kv_heads=2, num_layers=3, sliding_window=20,
+                         use_sliding_window=True, max_window_layers=1),
     "qwen2-moe": dict(family="qwen2_moe", num_heads=4, num_kv_heads=2),
     "qwen3-moe": dict(family="qwen3_moe", num_heads=4, num_kv_heads=2, num_layers=3),
 }

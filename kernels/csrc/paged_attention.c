@@ -2,7 +2,8 @@
  * copy of any context (the torch reference makes all three).
  *
  * Every query token t attends over the first ctx_len[t] positions of its sequence token_seq[t]:
- * a decode token sees its whole context, a prefill token the positions up to its own (causal).
+ * a decode token sees its whole context, a prefill token the positions up to its own (causal);
+ * with window > 0 only the last `window` of them (sliding-window attention).
  * One task per (token, KV head) computes all the query heads that share that KV head (GQA),
  * block by block with an online softmax, in float32 whatever the storage type.
  *
@@ -71,7 +72,7 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
     void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,                   \
               int64_t table_stride, const int32_t *token_seq, const int32_t *ctx_len, T *out,                \
               int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                 \
-              int64_t block_size, float scale, int num_threads) {                                            \
+              int64_t block_size, float scale, int64_t window, int num_threads) {                                            \
         const int64_t group = num_heads / num_kv_heads;                                                      \
         const int64_t row_stride = num_kv_heads * head_dim; /* one position to the next in a block */       \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                \
@@ -91,10 +92,12 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
                 }                                                                                            \
                 const int32_t *table = block_tables + (int64_t)token_seq[t] * table_stride;                  \
                 const int64_t ctx = ctx_len[t];                                                              \
-                for (int64_t start = 0; start < ctx; start += block_size) {                                  \
-                    const int64_t n = ctx - start < block_size ? ctx - start : block_size;                   \
-                    const int64_t base = ((int64_t)table[start / block_size] * block_size * num_kv_heads + h) \
-                                         * head_dim;                                                         \
+                const int64_t first = window > 0 && ctx > window ? ctx - window : 0;                         \
+                for (int64_t start = first; start < ctx;) {                                                  \
+                    const int64_t in_block = start % block_size, left = block_size - in_block;               \
+                    const int64_t n = ctx - start < left ? ctx - start : left;                               \
+                    const int64_t base = (((int64_t)table[start / block_size] * block_size + in_block)       \
+                                          * num_kv_heads + h) * head_dim;                                    \
                     const T *kb = k_cache + base, *vb = v_cache + base;                                      \
                     for (int64_t i = 0; i < n; i++) {                                                        \
                         for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(kb + i * row_stride + d);       \
@@ -130,6 +133,7 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
                             for (int64_t d = 0; d < head_dim; d++) ag[d] += w * row[d];                      \
                         }                                                                                    \
                     }                                                                                        \
+                    start += n;                                                                              \
                 }                                                                                            \
                 T *ot = out + (t * num_heads + h * group) * head_dim;                                        \
                 for (int64_t g = 0; g < group; g++) {                                                        \

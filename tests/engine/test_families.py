@@ -35,6 +35,16 @@ def test_phi3_fused_weights_and_partial_rotary_parity(zoo):
     assert llm.engine.runner.model.rotary.inv_freq.numel() * 2 == llm.engine.runner.model.head_dim // 2
 
 
+@pytest.mark.parametrize("name, windows", [("mistral-window", [24, 24]), ("qwen2-window", [0, 20, 20])])
+def test_sliding_window_parity_past_the_window(zoo, name, windows):
+    """Contexts many times the window, decode and chunked prefill: each windowed layer sees its last
+    W positions (Qwen2: the first ``max_window_layers`` layers attend fully)."""
+    cases = random_prompts(seed=25, count=12, max_len=150, vocab=VOCAB, max_new=80)
+    llm = assert_parity(zoo, name, cases, block_size=8, num_gpu_blocks=2048, max_num_batched_tokens=64)
+    attention = [layer.self_attn.attn.extra.get("window", 0) for layer in llm.engine.runner.model.model.layers]
+    assert attention == windows
+
+
 def test_moe_parity_under_preemption_and_prefix_hits(zoo):
     system = [11 + (i * 7) % 400 for i in range(64)]
     cases = [(system + p, n) for p, n in random_prompts(seed=22, count=16, max_len=60, vocab=VOCAB, max_new=60)]

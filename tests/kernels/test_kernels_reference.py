@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from tests.paged_cases import TOLERANCE, dense_context, make_case, naive_attention
+from tests.paged_cases import (TOLERANCE, WINDOW_LENGTHS, dense_context, make_case, naive_attention,
+                               windowed_decode_expected)
 
 LENGTHS = [1, 15, 16, 17, 40, 97]
 
@@ -73,3 +74,21 @@ def test_copy_and_swap_blocks():
     cpu = torch.zeros(4, 3, 2, 1, 3)
     ref.swap_blocks(pool, cpu, torch.tensor([[2, 0], [4, 2]]))
     assert torch.equal(cpu[:, 0], pool[:, 2]) and torch.equal(cpu[:, 2], pool[:, 4]) and cpu[:, 1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("window", [1, 16, 33])
+def test_sliding_window_decode_and_prefill_match_naive(window):
+    case = make_case(WINDOW_LENGTHS, 7, 2, 16)
+    q = torch.randn(len(WINDOW_LENGTHS), 4, 16)
+    out = ref.paged_attention_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.25, window=window)
+    for s, expected in enumerate(windowed_decode_expected(case, q, 0.25, window)):
+        torch.testing.assert_close(out[s], expected, atol=2e-5, rtol=2e-5)
+    seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 30]
+    case = make_case(seq_lens, 4, 2, 16)
+    q = torch.randn(sum(q_lens), 4, 16)
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    out = ref.prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.25, window=window)
+    for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        k, v = dense_context(case, s)
+        chunk = slice(int(starts[s]), int(starts[s + 1]))
+        torch.testing.assert_close(out[chunk], naive_attention(q[chunk], k, v, 0.25, n - ql, window), atol=2e-5, rtol=2e-5)

@@ -30,11 +30,13 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    """Attention of one layer over its paged K/V cache."""
+    """Attention of one layer over its paged K/V cache; ``window`` > 0: sliding-window attention
+    (each token sees its last ``window`` positions), as the layer's config says."""
 
-    def __init__(self, ops: AttentionOps, scale: float) -> None:
+    def __init__(self, ops: AttentionOps, scale: float, window: int = 0) -> None:
         self.ops = ops
         self.scale = scale
+        self.extra = {"window": window} if window > 0 else {}  # full attention calls the ops as they always were
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -47,11 +49,11 @@ class PagedAttention:
         parts = []
         if d:
             parts.append(self.ops.decode(q[:d], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-                                         max_seq_len=meta.decode_max_seq_len))
+                                         max_seq_len=meta.decode_max_seq_len, **self.extra))
         if q.shape[0] > d:
             parts.append(self.ops.prefill(
                 q[d:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_query_start,
                 meta.prefill_seq_lens, self.scale, max_query_len=meta.prefill_max_query_len,
-                max_seq_len=meta.prefill_max_seq_len,
+                max_seq_len=meta.prefill_max_seq_len, **self.extra,
             ))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

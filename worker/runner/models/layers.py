@@ -49,8 +49,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def layer_window(config, index: int) -> int:
+    """Layer ``index``'s sliding window (0: full attention): every layer's where the config has one
+    (Mistral, Mixtral), or the layers ``layer_types`` calls ``sliding_attention`` (Qwen2 and later)."""
+    window = int(getattr(config, "sliding_window", None) or 0)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return window if types[index] == "sliding_attention" else 0
+    return window if getattr(config, "use_sliding_window", True) else 0
+
+
 class Attention(nn.Module):
-    def __init__(self, config, arch: Arch, ops: AttentionOps) -> None:
+    def __init__(self, config, arch: Arch, ops: AttentionOps, window: int = 0) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -65,7 +75,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = arch.qk_norm
-        self.attn = PagedAttention(ops, self.head_dim**-0.5)
+        self.attn = PagedAttention(ops, self.head_dim**-0.5, window)
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
@@ -99,9 +109,9 @@ def dense(config, index: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: nn.Module) -> None:
+    def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: nn.Module, window: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, arch, ops)
+        self.self_attn = Attention(config, arch, ops, window)
         self.mlp = feed_forward
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -115,7 +125,7 @@ class Backbone(nn.Module):
     def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: FeedForward) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, arch, ops, feed_forward(config, i))
+        self.layers = nn.ModuleList(DecoderLayer(config, arch, ops, feed_forward(config, i), layer_window(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
