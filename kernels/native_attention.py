@@ -39,21 +39,21 @@ class NativeAttention:
                 and heads % kv_heads == 0 and heads // kv_heads <= self._max_group and dim <= self._max_dim
                 and block_size <= self._max_block)
 
-    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=0):
+    def decode(self, q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=None, window=0, softcap=0.0):
         """Same contract as ``reference.paged_attention_decode``."""
         if not self.supports(q, k_cache):
             return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-                                                    self._workspace, window)
+                                                    self._workspace, window, softcap)
         check_tables(block_tables, seq_lens, q.shape[0])
         token_seq = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
-        return self._run(q, k_cache, v_cache, block_tables, token_seq, seq_lens, scale, window)
+        return self._run(q, k_cache, v_cache, block_tables, token_seq, seq_lens, scale, window, softcap)
 
     def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None,
-                max_seq_len=None, window=0):
+                max_seq_len=None, window=0, softcap=0.0):
         """Same contract as ``reference.prefill_attention``."""
         if not self.supports(q, k_cache):
             return reference.prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                               max_query_len, max_seq_len, self._workspace, window)
+                                               max_query_len, max_seq_len, self._workspace, window, softcap)
         check_tables(block_tables, seq_lens, query_start_loc.shape[0] - 1)
         starts = query_start_loc.long()
         q_lens = starts[1:] - starts[:-1]
@@ -61,9 +61,10 @@ class NativeAttention:
         offset_in_chunk = torch.arange(q.shape[0], device=q.device) - starts[seq_of_token]
         first_position = seq_lens.long() - q_lens  # the chunk's first token's position in its sequence
         ctx_len = (first_position[seq_of_token] + offset_in_chunk + 1).to(torch.int32)
-        return self._run(q, k_cache, v_cache, block_tables, seq_of_token.to(torch.int32), ctx_len, scale, window)
+        return self._run(q, k_cache, v_cache, block_tables, seq_of_token.to(torch.int32), ctx_len, scale, window, softcap)
 
-    def _run(self, q, k_cache, v_cache, block_tables, token_seq, ctx_len, scale, window: int = 0) -> torch.Tensor:
+    def _run(self, q, k_cache, v_cache, block_tables, token_seq, ctx_len, scale, window: int = 0,
+             softcap: float = 0.0) -> torch.Tensor:
         if k_cache.shape != v_cache.shape or v_cache.dtype != k_cache.dtype:
             raise ValueError(f"K and V caches differ: {tuple(k_cache.shape)} {k_cache.dtype} and "
                              f"{tuple(v_cache.shape)} {v_cache.dtype}")
@@ -84,6 +85,6 @@ class NativeAttention:
             _PTR(q.data_ptr()), _PTR(k_cache.data_ptr()), _PTR(v_cache.data_ptr()), _PTR(tables.data_ptr()),
             _I64(tables.stride(0)), _PTR(token_seq.data_ptr()), _PTR(ctx_len.data_ptr()), _PTR(out.data_ptr()),
             _I64(num_tokens), _I64(heads), _I64(kv_heads), _I64(dim), _I64(block_size), ctypes.c_float(scale),
-            _I64(window), ctypes.c_int(torch.get_num_threads()),
+            _I64(window), ctypes.c_float(softcap), ctypes.c_int(torch.get_num_threads()),
         )
         return out

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_cache, check_heads, check_same, check_tables
-from kernels.paged_tiles import load_kv_tile
+from kernels.paged_tiles import cap_scores, load_kv_tile
 
 TILE = 64
 PARTITION = 512
@@ -24,7 +24,7 @@ PARTITION = 512
 @triton.jit
 def _decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-    scale, stride_qs, stride_qh, stride_bt, stride_kb, stride_kt, stride_kh, max_splits, window,
+    scale, stride_qs, stride_qh, stride_bt, stride_kb, stride_kt, stride_kh, max_splits, window, softcap,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
 ):
@@ -50,6 +50,7 @@ def _decode_partial(
             k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
                                 pos, valid, d, DIM, BLOCK_SIZE)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
+            scores = cap_scores(scores, softcap)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
@@ -93,7 +94,7 @@ def _decode_reduce(
 
 def paged_attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None, window: int = 0,
+    seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None, window: int = 0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention_decode``."""
     check_cache(k_cache, v_cache)
@@ -115,7 +116,7 @@ def paged_attention_decode(
     _decode_partial[(num_seqs, k_cache.shape[2], splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        splits, window, GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), DIM=dim,
+        splits, window, float(softcap), GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[1], TILE=TILE, PARTITION=PARTITION,
     )
     _decode_reduce[(num_seqs, num_heads)](

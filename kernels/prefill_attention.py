@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_cache, check_heads, check_same, check_tables
-from kernels.paged_tiles import load_kv_tile
+from kernels.paged_tiles import cap_scores, load_kv_tile
 
 BLOCK_M = 16
 BLOCK_N = 32
@@ -23,7 +23,7 @@ BLOCK_N = 32
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh, window, softcap,
     GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -52,7 +52,7 @@ def _prefill_kernel(
             valid = pos < limit
             k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
                                 pos, valid, d, DIM, BLOCK_SIZE)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            scores = cap_scores(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap)
             allowed = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
             allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
             scores = tl.where(allowed, scores, float("-inf"))
@@ -73,6 +73,7 @@ def prefill_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_query_len: int | None = None,
     max_seq_len: int | None = None,  # part of the ops contract; each program walks its own length
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.prefill_attention``."""
     check_cache(k_cache, v_cache)
@@ -93,7 +94,7 @@ def prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window, float(softcap),
         GROUP=group, DIM=q.shape[2], DIM_PAD=triton.next_power_of_2(q.shape[2]),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )

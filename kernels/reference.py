@@ -69,17 +69,24 @@ def _as_float(t: torch.Tensor, workspace: Workspace | None, slot: str) -> torch.
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-            workspace: Workspace | None = None) -> torch.Tensor:
+            workspace: Workspace | None = None, softcap: float = 0.0) -> torch.Tensor:
     """q ``[S, Q, Hq, D]``, k/v ``[S, L, Hkv, D]``, allowed ``[S, Q, L]`` -> ``[S, Q, Hq, D]`` (float32).
 
     In float32 whatever the cache dtype: this CPU kernel is twice as slow on bf16 inputs (measured,
     llama-med W64 decode: 239 ms a step against 116 ms). Rows with nothing allowed (padding
-    queries) come out as garbage; callers drop them."""
-    out = F.scaled_dot_product_attention(
-        _as_float(q, workspace, "qf").transpose(1, 2), _as_float(k, workspace, "kf").transpose(1, 2),
-        _as_float(v, workspace, "vf").transpose(1, 2),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2],
-    )
+    queries) come out as garbage; callers drop them. ``softcap`` > 0: scores become
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2), written out as matmuls since
+    ``scaled_dot_product_attention`` has no such step."""
+    qf, kf, vf = (_as_float(t, workspace, slot).transpose(1, 2) for t, slot in ((q, "qf"), (k, "kf"), (v, "vf")))
+    if softcap > 0:
+        group = qf.shape[1] // kf.shape[1]
+        kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
+        scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), vf).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed[:, None], scale=scale,
+                                         enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 
@@ -102,23 +109,26 @@ def paged_attention_decode(
     max_seq_len: int | None = None,
     workspace: Workspace | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence over its whole context. ``q``/``out``: ``[num_seqs, num_heads, head_dim]``.
     ``max_seq_len``: ``seq_lens.max()`` when the caller knows it (saves reading it back).
-    ``window`` > 0: sliding-window attention, each query sees its last ``window`` positions (itself included)."""
+    ``window`` > 0: sliding-window attention, each query sees its last ``window`` positions (itself included).
+    ``softcap`` > 0: scores capped with ``tanh`` (see ``_attend``)."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     buckets = length_buckets(seq_lens)
     if buckets == [None]:
-        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_seq_len, window)
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_seq_len, window, softcap)
     out = torch.empty_like(q)
     for idx in buckets:
-        out[idx] = _decode(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, workspace, window=window)
+        out[idx] = _decode(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, workspace, window=window,
+                           softcap=softcap)
     return out
 
 
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_len: int | None = None,
-            window: int = 0) -> torch.Tensor:
+            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     max_len = max_len if max_len is not None else int(seq_lens.max())
     k = gather_context(k_cache, block_tables, max_len, workspace, "k")
     v = gather_context(v_cache, block_tables, max_len, workspace, "v")
@@ -127,7 +137,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_l
     allowed = positions[None, :] < lens
     if window > 0:
         allowed &= positions[None, :] >= lens - window
-    return _attend(q[:, None], k, v, allowed[:, None, :], scale, workspace)[:, 0].to(q.dtype)
+    return _attend(q[:, None], k, v, allowed[:, None, :], scale, workspace, softcap)[:, 0].to(q.dtype)
 
 
 def prefill_attention(
@@ -142,6 +152,7 @@ def prefill_attention(
     max_seq_len: int | None = None,
     workspace: Workspace | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention for variable-length query chunks whose earlier tokens are already cached
     (``window`` > 0: each query sees only its last ``window`` positions, itself included).
@@ -168,7 +179,7 @@ def prefill_attention(
         allowed &= k_pos[None, None, :] > q_pos[:, :, None] - window
     k = gather_context(k_cache, block_tables, max_len, workspace, "k")
     v = gather_context(v_cache, block_tables, max_len, workspace, "v")
-    out = _attend(padded, k, v, allowed, scale, workspace)
+    out = _attend(padded, k, v, allowed, scale, workspace, softcap)
     return out[valid_q].to(q.dtype)
 
 

@@ -26,6 +26,9 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    # Gemma 2: alternating sliding (8 tokens) and global layers, soft caps that bite on random weights
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                                                    "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "sliding_window": None}),  # as Phi-4-mini: half the head rotates
     # mixture of experts: 4 experts of which 2 per token; Qwen2-MoE with its shared expert, Qwen3-MoE
     # with one dense layer among the sparse ones

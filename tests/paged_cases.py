@@ -49,13 +49,15 @@ def dense_context(case: PagedCase, seq: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q ``[Q, Hq, D]`` at positions ``q_start..`` over k/v ``[L, Hkv, D]``, causal (and within the
     last ``window`` positions when ``window`` > 0); float32."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,lhd->hql", q.float(), k) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     pos_q = torch.arange(q.shape[0])[:, None] + q_start
     pos_k = torch.arange(k.shape[0])[None, :]
     scores = scores.masked_fill(pos_k > pos_q, float("-inf"))
@@ -70,10 +72,11 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 WINDOW_LENGTHS = [1, 9, 16, 17, 40, 97, 600]  # shorter than, equal to and past the windows below
 
 
-def windowed_decode_expected(case: PagedCase, q: torch.Tensor, scale: float, window: int) -> list[torch.Tensor]:
-    """Each sequence's decode answer under a sliding window, from plain attention."""
+def windowed_decode_expected(case: PagedCase, q: torch.Tensor, scale: float, window: int,
+                             softcap: float = 0.0) -> list[torch.Tensor]:
+    """Each sequence's decode answer under a sliding window (and a score cap), from plain attention."""
     out = []
     for s in range(q.shape[0]):
         k, v = dense_context(case, s)
-        out.append(naive_attention(q[s : s + 1].cpu(), k.cpu(), v.cpu(), scale, k.shape[0] - 1, window)[0])
+        out.append(naive_attention(q[s : s + 1].cpu(), k.cpu(), v.cpu(), scale, k.shape[0] - 1, window, softcap)[0])
     return out

@@ -3,7 +3,8 @@
  *
  * Every query token t attends over the first ctx_len[t] positions of its sequence token_seq[t]:
  * a decode token sees its whole context, a prefill token the positions up to its own (causal);
- * with window > 0 only the last `window` of them (sliding-window attention).
+ * with window > 0 only the last `window` of them (sliding-window attention). softcap > 0 caps each
+ * score as softcap * tanh(score / softcap) before the softmax (Gemma 2).
  * One task per (token, KV head) computes all the query heads that share that KV head (GQA),
  * block by block with an online softmax, in float32 whatever the storage type.
  *
@@ -72,7 +73,7 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
     void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,                   \
               int64_t table_stride, const int32_t *token_seq, const int32_t *ctx_len, T *out,                \
               int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                 \
-              int64_t block_size, float scale, int64_t window, int num_threads) {                                            \
+              int64_t block_size, float scale, int64_t window, float softcap, int num_threads) {                                            \
         const int64_t group = num_heads / num_kv_heads;                                                      \
         const int64_t row_stride = num_kv_heads * head_dim; /* one position to the next in a block */       \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                \
@@ -106,7 +107,7 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
                             float s = 0.0f;                                                                  \
                             _Pragma("omp simd reduction(+ : s)")                                             \
                             for (int64_t d = 0; d < head_dim; d++) s += qg[d] * row[d];                      \
-                            p[g * block_size + i] = s;                                                       \
+                            p[g * block_size + i] = softcap > 0.0f ? softcap * tanhf(s / softcap) : s;       \
                         }                                                                                    \
                     }                                                                                        \
                     for (int64_t g = 0; g < group; g++) {                                                    \

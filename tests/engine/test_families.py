@@ -45,6 +45,13 @@ def test_sliding_window_parity_past_the_window(zoo, name, windows):
     assert attention == windows
 
 
+def test_gemma2_parity_with_soft_caps_sandwich_norms_and_alternating_windows(zoo):
+    cases = random_prompts(seed=26, count=12, max_len=120, vocab=VOCAB, max_new=60)
+    llm = assert_parity(zoo, "gemma2", cases, block_size=8, num_gpu_blocks=2048, max_num_batched_tokens=64)
+    extras = [layer.self_attn.attn.extra for layer in llm.engine.runner.model.model.layers]
+    assert extras == [{"window": 8, "softcap": 2.0}, {"softcap": 2.0}] * 2
+
+
 def test_moe_parity_under_preemption_and_prefix_hits(zoo):
     system = [11 + (i * 7) % 400 for i in range(64)]
     cases = [(system + p, n) for p, n in random_prompts(seed=22, count=16, max_len=60, vocab=VOCAB, max_new=60)]

@@ -117,3 +117,24 @@ def test_a_failing_compiler_is_a_clear_error(native, tmp_path, monkeypatch):
     with pytest.raises(NativeKernelUnavailable, match="failed on paged_attention.c"):
         NativeAttention(tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("*"))  # nothing half-written left behind
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_soft_capped_scores_match_naive(native, window):
+    """Gemma 2: each score becomes 50 * tanh(score / 50) (here 3, so the cap bites), with and without a window."""
+    case = make_case(WINDOW_LENGTHS, 7, 2, 32)
+    q = torch.randn(len(WINDOW_LENGTHS), 4, 32) * 4
+    out = native.decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.3,
+                    window=window, softcap=3.0)
+    for s, expected in enumerate(windowed_decode_expected(case, q, 0.3, window, 3.0)):
+        torch.testing.assert_close(out[s], expected, atol=2e-5, rtol=2e-5)
+    seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 30]
+    case = make_case(seq_lens, 4, 2, 32)
+    q = torch.randn(sum(q_lens), 4, 32) * 4
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    out = native.prefill(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.3,
+                    window=window, softcap=3.0)
+    for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        k, v = dense_context(case, s)
+        chunk = slice(int(starts[s]), int(starts[s + 1]))
+        torch.testing.assert_close(out[chunk], naive_attention(q[chunk], k, v, 0.3, n - ql, window, 3.0), atol=2e-5, rtol=2e-5)

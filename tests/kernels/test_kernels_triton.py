@@ -61,24 +61,26 @@ def test_prefill_with_cached_prefix(device, dtype, block_size, head_dim, heads, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("window", [1, 16, 33, 520])
-def test_sliding_window_decode_and_prefill(device, window):
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (16, 0.0), (33, 3.0), (520, 0.0), (0, 3.0)])
+def test_sliding_window_and_soft_capped_decode_and_prefill(device, window, softcap):
     """Windows shorter than a tile, across tiles, and past a 512-token partition (slices before
     the window write nothing and the reduce must not read them)."""
     lengths = [1, 9, 16, 17, 40, 97, 600, 1100]
     case = make_case(lengths, 16, 2, 64, torch.float32, device)
-    q = torch.randn(len(lengths), 4, 64).to(device)
-    out = paged_attention_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.1, window=window)
+    q = torch.randn(len(lengths), 4, 64).to(device) * 3
+    out = paged_attention_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.1, window=window,
+                                 softcap=softcap)
     expected = ref.paged_attention_decode(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
-                                          case.seq_lens.cpu(), 0.1, window=window)
+                                          case.seq_lens.cpu(), 0.1, window=window, softcap=softcap)
     close(out, expected, torch.float32)
     seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 37]
     case = make_case(seq_lens, 4, 1, 32, torch.float32, device)
-    q = torch.randn(sum(q_lens), 3, 32).to(device)
+    q = torch.randn(sum(q_lens), 3, 32).to(device) * 3
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125, window=window)
+    out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125, window=window,
+                            softcap=softcap)
     expected = ref.prefill_attention(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
-                                     starts.cpu(), case.seq_lens.cpu(), 0.125, window=window)
+                                     starts.cpu(), case.seq_lens.cpu(), 0.125, window=window, softcap=softcap)
     close(out, expected, torch.float32)
 
 

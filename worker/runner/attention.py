@@ -31,12 +31,14 @@ class AttentionMetadata:
 
 class PagedAttention:
     """Attention of one layer over its paged K/V cache; ``window`` > 0: sliding-window attention
-    (each token sees its last ``window`` positions), as the layer's config says."""
+    (each token sees its last ``window`` positions), as the layer's config says; ``softcap`` > 0:
+    scores capped as ``softcap * tanh(score / softcap)``."""
 
-    def __init__(self, ops: AttentionOps, scale: float, window: int = 0) -> None:
+    def __init__(self, ops: AttentionOps, scale: float, window: int = 0, softcap: float = 0.0) -> None:
         self.ops = ops
         self.scale = scale
-        self.extra = {"window": window} if window > 0 else {}  # full attention calls the ops as they always were
+        # Plain attention calls the ops as it always did; a window or a score cap (Gemma 2) is asked for by name.
+        self.extra = {**({"window": window} if window > 0 else {}), **({"softcap": softcap} if softcap > 0 else {})}
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

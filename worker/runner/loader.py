@@ -83,7 +83,7 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> Ca
     """Build the model without initialising it, then fill every parameter from safetensors."""
     family = info.family
     with torch.device("meta"):
-        model = CausalLM(info.config, family.arch, ops, family.feed_forward)
+        model = family.model(info.config, family.arch, ops, family.feed_forward)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
     expected = set(shapes)
     files = sorted(info.path.glob("*.safetensors"))

@@ -177,6 +177,18 @@ class RedisBridge:
             pipe.xdel(self.stream, *entry_ids)
             await pipe.execute()
 
+    async def hand_back(self, entries: list[Entry]) -> None:
+        """Entries this worker read but will not serve (it is stopping) back onto the stream, as new
+        entries another worker reads, in one transaction with their acknowledgement."""
+        if entries:
+            pipe = self.r.pipeline(transaction=True)
+            for entry in entries:
+                pipe.xadd(self.stream, {"data": entry.data or b""})
+            ids = [entry.entry_id for entry in entries]
+            pipe.xack(self.stream, self.group, *ids)
+            pipe.xdel(self.stream, *ids)
+            await pipe.execute()
+
     async def dead_letter(self, entry: Entry, reason: str) -> None:
         """Move an entry to the dead-letter stream with the reason, and acknowledge it."""
         await self.r.xadd(self.keys.dead_letter(self.model), {

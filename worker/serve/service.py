@@ -171,6 +171,9 @@ class WorkerService:
                 continue
             block = 1000 if not self.inflight else 50
             entries = await self._retrying("read", lambda: self.bridge.read(count, block))
+            if self.stopping.is_set():  # the stop came while the read was blocked: these are for another worker
+                await self._retrying("hand back", lambda: self.bridge.hand_back(entries))
+                return
             for entry in entries:
                 await self._accept(entry)
 

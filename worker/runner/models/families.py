@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from worker.runner.models.layers import Arch, FeedForward, dense
+from worker.runner.models.gemma import Gemma2ForCausalLM
+from worker.runner.models.layers import Arch, CausalLM, FeedForward, dense
 from worker.runner.models.moe import mixtral, qwen_moe
 
 ExpertPart = tuple[str, int, str]  # (stacked parameter prefix, expert index, "gate" | "up" | "down")
@@ -68,6 +69,7 @@ class Family:
     arch: Arch
     feed_forward: FeedForward = dense
     rename: Rename = same
+    model: type = CausalLM  # the model class (a subclass where the layer or its surroundings differ)
 
 
 FAMILIES = {
@@ -79,6 +81,7 @@ FAMILIES = {
     "qwen2_moe": Family("Qwen2MoeForCausalLM", Arch(qkv_bias=True), qwen_moe, qwen_moe_names),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", Arch(qk_norm=True), qwen_moe, qwen_moe_names),
     "phi3": Family("Phi3ForCausalLM", Arch(), dense, phi3_names),
+    "gemma2": Family("Gemma2ForCausalLM", Arch(), dense, same, Gemma2ForCausalLM),
 }
 
 

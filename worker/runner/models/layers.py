@@ -75,7 +75,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = arch.qk_norm
-        self.attn = PagedAttention(ops, self.head_dim**-0.5, window)
+        scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma 2 scales by this, not by head_dim
+        softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+        self.attn = PagedAttention(ops, (scalar or self.head_dim) ** -0.5, window, softcap)
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
@@ -97,11 +99,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, size, bias=bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu'")
+        self.act = activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(config):
+    name = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma names it hidden_activation
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
 
 def dense(config, index: int) -> nn.Module:
@@ -122,19 +133,23 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: FeedForward) -> None:
+    def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: FeedForward,
+                 layer_class: type = DecoderLayer, norm_class: type = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, arch, ops, feed_forward(config, i), layer_window(config, i))
+        self.layers = nn.ModuleList(layer_class(config, arch, ops, feed_forward(config, i), layer_window(config, i))
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_class(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
+    layer_class: type = DecoderLayer  # a family with another layer shape (Gemma 2) subclasses these
+    norm_class: type = RMSNorm
+
     def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: FeedForward = dense) -> None:
         super().__init__()
         self.config = config
-        self.model = Backbone(config, arch, ops, feed_forward)
+        self.model = Backbone(config, arch, ops, feed_forward, self.layer_class, self.norm_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         first = self.model.layers[0].self_attn
@@ -149,11 +164,14 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` for a flat batch of tokens."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
         for layer, cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos_sin, meta, cache)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
