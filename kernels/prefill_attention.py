@@ -49,7 +49,7 @@ def _prefill_kernel(
         lowest = tl.where(window > 0, tl.maximum(prefix + tile_m * BLOCK_M - window + 1, 0), 0)  # first key it sees
         for tile in range(lowest // BLOCK_N * BLOCK_N, limit, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
-            valid = pos < limit
+            valid = (pos < limit) & (pos >= lowest)  # before the window: never read (its blocks may be released)
             k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
                                 pos, valid, d, DIM, BLOCK_SIZE)
             scores = cap_scores(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap)

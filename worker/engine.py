@@ -35,6 +35,7 @@ from worker.runner.grammar import GrammarCompiler
 from worker.runner.loader import inspect_model, load_weights
 from worker.runner.memory_profile import peak_step_bytes
 from worker.runner.model_runner import ModelRunner, kv_block_bytes
+from worker.runner.models.layers import release_window
 from worker.runner.sampler import Sampler
 
 log = structlog.get_logger("pagedserve.engine")
@@ -65,7 +66,7 @@ class Engine:
                 num_gpu_blocks=num_gpu, block_size=config.block_size, num_cpu_blocks=num_cpu,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
-                preemption_mode=config.preemption_mode,
+                preemption_mode=config.preemption_mode, sliding_window=release_window(info.config),
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer),
         )

@@ -287,3 +287,31 @@ def test_the_pool_check_catches_each_kind_of_corruption(corrupt):
 def test_defaults_and_pool_names():
     bm = BlockManager(8)
     assert (bm.block_size, bm.cpu.num_blocks, bm.gpu.name, bm.cpu.name) == (16, 0, "gpu", "cpu")
+
+
+def test_release_before_returns_blocks_outside_a_sliding_window():
+    """Released entries become NO_BLOCK, their blocks go back (published ones to the prefix cache,
+    evictable); forks, swaps and frees skip them; the invariants hold throughout."""
+    from worker.core.block_manager import NO_BLOCK
+
+    bm = BlockManager(num_blocks=12, block_size=4, num_cpu_blocks=12)
+    bm.start(0)
+    bm.grow(0, 18)  # 5 blocks
+    tokens = list(range(18))
+    bm.register_full_blocks(0, tokens, 18)
+    assert bm.release_before(0, 9) == 2 and bm.block_table(0)[:2] == (NO_BLOCK, NO_BLOCK)
+    assert bm.num_free_blocks == 12 - 3 and bm.gpu.num_cached >= 2  # published blocks stay findable
+    assert bm.release_before(0, 9) == 0  # nothing more before position 9
+    bm.check_invariants()
+    bm.fork(0, 1)
+    assert bm.block_table(1)[:2] == (NO_BLOCK, NO_BLOCK)
+    bm.check_invariants()
+    bm.swap_out([0, 1])
+    assert bm.cpu.num_used == 3
+    bm.swap_in([0, 1])
+    assert bm.block_table(0)[:2] == (NO_BLOCK, NO_BLOCK) and bm.block_table(0) == bm.block_table(1)
+    bm.check_invariants()
+    bm.free(0)
+    bm.free(1)
+    bm.check_invariants()
+    assert bm.gpu.num_used == 0

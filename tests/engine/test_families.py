@@ -91,3 +91,34 @@ def test_long_rope_serves_up_to_its_original_length():
                         original_max_position_embeddings=4096, rope_scaling=short)
     assert max_model_len(config) == 4096
     assert max_model_len(Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=8192)) == 8192
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_sliding_window_model_holds_only_the_blocks_its_window_needs(zoo, mode):
+    """Mistral, window 24, blocks of 8: as sequences grow to 260 tokens, each holds at most
+    ceil(24 / 8) + 1 blocks after every step (released blocks go back to the pool, or to the prefix
+    cache), and the output still equals transformers, under preemption too."""
+    cases = random_prompts(seed=27, count=10, max_len=60, vocab=VOCAB, max_new=200)
+    llm = LLM(zoo.path("mistral-window"), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=30,
+              num_cpu_blocks=400, preemption_mode=mode, max_num_batched_tokens=64)
+    engine, blocks = llm.engine, llm.engine.scheduler.blocks
+    assert engine.scheduler.config.sliding_window == 24
+    for i, (prompt, n) in enumerate(cases):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=n))
+    done, most = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out
+        blocks.check_invariants()
+        for seq in engine.scheduler.table._seqs.values():
+            if blocks.has_seq(seq.seq_id) and not blocks.is_swapped(seq.seq_id):
+                held = [b for b in blocks.block_table(seq.seq_id) if b >= 0]
+                chunk_room = -(-64 // 8)  # a prefill chunk's blocks, until the step that computed them ends
+                assert len(held) <= 24 // 8 + 1 + chunk_room
+                if seq.num_computed == seq.num_tokens:  # between decode steps: the window and one partial block
+                    assert len(held) <= 24 // 8 + 1, (seq.num_tokens, blocks.block_table(seq.seq_id))
+                most = max(most, len(held))
+    assert most >= 3 and engine.scheduler.stats.num_preemptions > 0  # 30 blocks; 10 x 260 tokens would need 330
+    for i, (prompt, n) in enumerate(cases):
+        assert done[i].outputs[0].token_ids == zoo.hf_greedy("mistral-window", prompt, n), f"request {i}"

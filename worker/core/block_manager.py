@@ -12,6 +12,12 @@ last token (its logits are needed to sample).
 Swap moves whole sequence groups: blocks shared inside the group stay shared on the CPU side.
 Swapped-in blocks come back unhashed; their content is valid but they are not re-published.
 
+Sliding windows: when every layer attends only to its last W positions, a block that holds only
+positions no future query can see is released (``release_before``): its table entry becomes
+``NO_BLOCK`` and its reference goes back to the pool (to the prefix cache, evictable, when it is
+published there). Released entries are always a leading run of the table; the kernels never read
+them (they start at the window).
+
 Pure Python, no torch.
 """
 
@@ -22,6 +28,8 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from worker.core.block_pool import BlockPool
+
+NO_BLOCK = -1  # a table entry whose block was released: wholly outside every layer's sliding window
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class BlockManager:
         self._cpu_tables: dict[int, list[int]] = {}
         self._num_slots: dict[int, int] = {}
         self._hashes: dict[int, list[int]] = {}  # chained hashes of the seq's leading full blocks
+        self._released: dict[int, int] = {}  # leading table entries already released (sliding window)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -176,25 +185,41 @@ class BlockManager:
         if self.has_seq(child_id):
             raise ValueError(f"sequence {child_id} already has blocks")
         table = self._tables[parent_id]
-        for block in table:
+        for block in _live(table):
             self.gpu.incref(block)
         self._tables[child_id] = list(table)
         self._hashes[child_id] = list(self._hashes[parent_id])
         self._num_slots[child_id] = self._num_slots[parent_id]
+        self._released[child_id] = self._released.get(parent_id, 0)
+
+    def release_before(self, seq_id: int, position: int) -> int:
+        """Release the seq's GPU blocks that hold only positions before ``position`` (no query will
+        read them again under a sliding window). Returns how many were released."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        first, last = self._released.get(seq_id, 0), min(max(position, 0) // self.block_size, len(table))
+        for i in range(first, last):
+            self.gpu.decref(table[i])
+            table[i] = NO_BLOCK
+        if last > first:
+            self._released[seq_id] = last
+        return max(0, last - first)
 
     def free(self, seq_id: int) -> None:
         """Release the seq's blocks on whichever device they are. Unknown ids are ignored."""
         for pool, tables in ((self.gpu, self._tables), (self.cpu, self._cpu_tables)):
             # Release from the end so the prefix's head blocks are the last to be evicted.
-            for block in reversed(tables.pop(seq_id, [])):
+            for block in reversed(_live(tables.pop(seq_id, []))):
                 pool.decref(block)
         self._num_slots.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
+        self._released.pop(seq_id, None)
 
     # ------------------------------------------------------------------ swap
     @staticmethod
     def _count_unique(tables: dict[int, list[int]], seq_ids: Sequence[int]) -> int:
-        return len({b for s in seq_ids for b in tables[s]})
+        return len({b for s in seq_ids for b in _live(tables[s])})
 
     def swap_out_cost(self, seq_ids: Sequence[int]) -> int:
         """CPU blocks needed to swap these seqs out (shared blocks counted once)."""
@@ -221,14 +246,14 @@ class BlockManager:
         mapping: dict[int, int] = {}  # a block shared inside the group is copied once
         old_tables = [src_tables.pop(seq_id) for seq_id in seq_ids]
         for seq_id, old in zip(seq_ids, old_tables):
-            for block in old:
+            for block in _live(old):
                 if block in mapping:
                     dst_pool.incref(mapping[block])
                 else:
                     mapping[block] = dst_pool.allocate()
-            dst_tables[seq_id] = [mapping[block] for block in old]
+            dst_tables[seq_id] = [mapping.get(block, NO_BLOCK) for block in old]  # released entries stay released
         for old in old_tables:
-            for block in old:
+            for block in _live(old):
                 src_pool.decref(block)
         return list(mapping.items())
 
@@ -238,7 +263,8 @@ class BlockManager:
         for seq_id, table in self._tables.items():
             slots = self._num_slots[seq_id]
             for i, block in enumerate(table):
-                filled[block] = max(filled.get(block, 0), min(self.block_size, slots - i * self.block_size))
+                if block != NO_BLOCK:
+                    filled[block] = max(filled.get(block, 0), min(self.block_size, slots - i * self.block_size))
         tokens = sum(filled.values())
         used = self.gpu.num_used
         return BlockUsage(
@@ -248,15 +274,15 @@ class BlockManager:
             cached=self.gpu.num_cached,
             cpu_total=self.cpu.num_blocks,
             cpu_used=self.cpu.num_used,
-            logical=sum(len(t) for t in self._tables.values()),
+            logical=sum(len(_live(t)) for t in self._tables.values()),
             tokens_held=tokens,
             slot_utilization=tokens / (used * self.block_size) if used else 1.0,
         )
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any table, refcount, free list or hash entry disagrees."""
-        self.gpu.check_invariants(Counter(b for t in self._tables.values() for b in t))
-        self.cpu.check_invariants(Counter(b for t in self._cpu_tables.values() for b in t))
+        self.gpu.check_invariants(Counter(b for t in self._tables.values() for b in _live(t)))
+        self.cpu.check_invariants(Counter(b for t in self._cpu_tables.values() for b in _live(t)))
         both = self._tables.keys() & self._cpu_tables.keys()
         if both:
             raise AssertionError(f"sequences on both devices: {sorted(both)}")
@@ -266,3 +292,11 @@ class BlockManager:
                 raise AssertionError(f"seq {seq_id}: {slots} slots but table {table}")
             if len(self._hashes[seq_id]) > len(table):
                 raise AssertionError(f"seq {seq_id}: more hashes than blocks")
+            released = self._released.get(seq_id, 0)
+            if any(b == NO_BLOCK for b in table[released:]) or any(b != NO_BLOCK for b in table[:released]):
+                raise AssertionError(f"seq {seq_id}: released entries are not the leading {released}: {table}")
+
+
+def _live(table: list[int]) -> list[int]:
+    """The table's blocks that are held (released entries left out)."""
+    return [b for b in table if b != NO_BLOCK]

@@ -21,6 +21,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = "recompute"
+    sliding_window: int = 0  # > 0: every layer sees only its last W positions, so older blocks are released
 
     def __post_init__(self) -> None:
         positive = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -45,8 +46,12 @@ class SchedulerConfig:
         if params.num_seqs > self.max_num_seqs:
             raise InvalidRequestError(f"{params.num_seqs} sequences (n, best_of or beam_width) exceed "
                                       f"max_num_seqs={self.max_num_seqs}", "n")
-        # Worst case: every output sequence recomputed privately after a preemption.
-        worst = params.num_seqs * -(-(prompt_len + params.max_tokens) // self.block_size)
+        # Worst case: every output sequence recomputed privately after a preemption; under a sliding
+        # window a sequence holds at most the window plus one prefill chunk, and a partial block.
+        length = prompt_len + params.max_tokens
+        if self.sliding_window:
+            length = min(length, self.sliding_window + self.max_num_batched_tokens + self.block_size)
+        worst = params.num_seqs * -(-length // self.block_size)
         if worst > self.num_gpu_blocks:
             raise InvalidRequestError(
                 f"the request needs up to {worst} KV blocks but the cache holds {self.num_gpu_blocks}; "

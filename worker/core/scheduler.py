@@ -64,7 +64,7 @@ class Scheduler:
         self.requests, self.waiting = self.table.requests, self.table.waiting
         self.running, self.swapped = self.table.running, self.table.swapped
         self.stats = SchedulerStats()
-        self.applier = StepApplier(self.table, self.eos_token_ids)
+        self.applier = StepApplier(self.table, self.eos_token_ids, config.sliding_window)
         self.outputs = OutputBuilder(self.table, detokenizer)
         self._orders = itertools.count()
 

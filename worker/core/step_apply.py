@@ -1,6 +1,7 @@
 """Applying a step's results to the requests (the first half of ``Scheduler.update``).
 
-Sampled tokens: computed counts advance, full blocks are published to the prefix cache, ``n > 1``
+Sampled tokens: computed counts advance, full blocks are published to the prefix cache (and,
+under a sliding window, blocks no query will read again are released), ``n > 1``
 (and ``best_of``) requests fork once their prompt is done, token-level stops end sequences.
 Beam search: each new beam extends a parent beam; the first child of a parent takes the parent's
 sequence, further children fork it (shared blocks, copy-on-write), and parents nobody extends are
@@ -15,9 +16,10 @@ from worker.core.request_table import RequestTable
 
 
 class StepApplier:
-    def __init__(self, table: RequestTable, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, table: RequestTable, eos_token_ids: frozenset[int], sliding_window: int = 0) -> None:
         self.table = table
         self.eos_token_ids = eos_token_ids
+        self.sliding_window = sliding_window
 
     def apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """The requests that got tokens or ended, in plan order (those ended outside ``update`` first)."""
@@ -30,6 +32,8 @@ class StepApplier:
             req = self.table.owner(item.seq_id)
             seq.num_computed += item.num_tokens
             self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, req.extra_key)
+            if self.sliding_window:  # the next query is at num_computed and sees positions > it - W
+                self.table.blocks.release_before(seq.seq_id, seq.num_computed - self.sliding_window + 1)
             if item.num_samples == 0 or req.params.use_beam_search:
                 continue  # beam requests take their next tokens from ``result.beams``
             tokens = list(result.samples[item.seq_id])

@@ -59,6 +59,13 @@ def layer_window(config, index: int) -> int:
     return window if getattr(config, "use_sliding_window", True) else 0
 
 
+def release_window(config) -> int:
+    """The window past which KV blocks can be released: the largest window when every layer has
+    one; 0 (keep everything) when any layer attends fully."""
+    windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
+    return max(windows) if windows and all(windows) else 0
+
+
 class Attention(nn.Module):
     def __init__(self, config, arch: Arch, ops: AttentionOps, window: int = 0) -> None:
         super().__init__()
