@@ -69,14 +69,29 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
-WINDOW_LENGTHS = [1, 9, 16, 17, 40, 97, 600]  # shorter than, equal to and past the windows below
+WINDOW_LENGTHS = [1, 9, 16, 17, 40, 97, 600]  # shorter than, equal to and past the windows tested
 
 
-def windowed_decode_expected(case: PagedCase, q: torch.Tensor, scale: float, window: int,
-                             softcap: float = 0.0) -> list[torch.Tensor]:
-    """Each sequence's decode answer under a sliding window (and a score cap), from plain attention."""
-    out = []
-    for s in range(q.shape[0]):
-        k, v = dense_context(case, s)
-        out.append(naive_attention(q[s : s + 1].cpu(), k.cpu(), v.cpu(), scale, k.shape[0] - 1, window, softcap)[0])
-    return out
+def check_against_naive(decode, prefill, block_size: int, heads: int, kv_heads: int, dim: int, scale: float,
+                        window: int = 0, softcap: float = 0.0, q_scale: float = 1.0) -> None:
+    """An ops pair (decode, prefill) against plain attention, float32: decode over contexts shorter
+    and longer than ``window``, prefill chunks after cached prefixes; ``softcap`` and ``window``
+    passed by name (``q_scale`` > 1 makes scores large enough for a cap to change them)."""
+    case = make_case(WINDOW_LENGTHS, block_size, kv_heads, dim)
+    q = torch.randn(len(WINDOW_LENGTHS), heads, dim) * q_scale
+    out = decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale, window=window, softcap=softcap)
+    for seq in range(q.shape[0]):
+        k, v = dense_context(case, seq)
+        expected = naive_attention(q[seq : seq + 1], k, v, scale, k.shape[0] - 1, window, softcap)[0]
+        torch.testing.assert_close(out[seq], expected, atol=2e-5, rtol=2e-5)
+    seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 30]  # whole prompts, a one-token chunk, chunks after a prefix
+    case = make_case(seq_lens, block_size, kv_heads, dim)
+    q = torch.randn(sum(q_lens), heads, dim) * q_scale
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    out = prefill(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, scale, window=window,
+                  softcap=softcap)
+    for seq, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        k, v = dense_context(case, seq)
+        chunk = slice(int(starts[seq]), int(starts[seq + 1]))
+        torch.testing.assert_close(out[chunk], naive_attention(q[chunk], k, v, scale, n - ql, window, softcap),
+                                   atol=2e-5, rtol=2e-5)

@@ -9,8 +9,7 @@ import torch
 from kernels import native_build
 from kernels.native_attention import NativeAttention
 from kernels.native_build import NativeKernelUnavailable
-from tests.paged_cases import (TOLERANCE, WINDOW_LENGTHS, dense_context, make_case, naive_attention,
-                               windowed_decode_expected)
+from tests.paged_cases import TOLERANCE, check_against_naive, dense_context, make_case, naive_attention
 
 LENGTHS = [1, 15, 16, 17, 40, 97, 300]
 
@@ -58,20 +57,7 @@ def test_prefill_with_cached_prefix_matches_naive(native, block_size, heads, kv_
 @pytest.mark.parametrize("window", [1, 16, 33])
 def test_sliding_window_decode_and_prefill_match_naive(native, block_size, window):
     """The window may start inside a block: the kernel reads from that position, not the block's start."""
-    case = make_case(WINDOW_LENGTHS, block_size, 2, 32)
-    q = torch.randn(len(WINDOW_LENGTHS), 6, 32)
-    out = native.decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.2, window=window)
-    for s, expected in enumerate(windowed_decode_expected(case, q, 0.2, window)):
-        torch.testing.assert_close(out[s], expected, atol=2e-5, rtol=2e-5)
-    seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 30]
-    case = make_case(seq_lens, block_size, 2, 32)
-    q = torch.randn(sum(q_lens), 6, 32)
-    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    out = native.prefill(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.25, window=window)
-    for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
-        k, v = dense_context(case, s)
-        chunk = slice(int(starts[s]), int(starts[s + 1]))
-        torch.testing.assert_close(out[chunk], naive_attention(q[chunk], k, v, 0.25, n - ql, window), atol=2e-5, rtol=2e-5)
+    check_against_naive(native.decode, native.prefill, block_size, 6, 2, 32, 0.2, window=window)
 
 
 def test_a_non_contiguous_query_is_read_correctly(native):
@@ -121,20 +107,5 @@ def test_a_failing_compiler_is_a_clear_error(native, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("window", [0, 16])
 def test_soft_capped_scores_match_naive(native, window):
-    """Gemma 2: each score becomes 50 * tanh(score / 50) (here 3, so the cap bites), with and without a window."""
-    case = make_case(WINDOW_LENGTHS, 7, 2, 32)
-    q = torch.randn(len(WINDOW_LENGTHS), 4, 32) * 4
-    out = native.decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.3,
-                    window=window, softcap=3.0)
-    for s, expected in enumerate(windowed_decode_expected(case, q, 0.3, window, 3.0)):
-        torch.testing.assert_close(out[s], expected, atol=2e-5, rtol=2e-5)
-    seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 30]
-    case = make_case(seq_lens, 4, 2, 32)
-    q = torch.randn(sum(q_lens), 4, 32) * 4
-    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    out = native.prefill(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.3,
-                    window=window, softcap=3.0)
-    for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
-        k, v = dense_context(case, s)
-        chunk = slice(int(starts[s]), int(starts[s + 1]))
-        torch.testing.assert_close(out[chunk], naive_attention(q[chunk], k, v, 0.3, n - ql, window, 3.0), atol=2e-5, rtol=2e-5)
+    """Gemma 2: each score becomes cap * tanh(score / cap) (a cap of 3 on large scores, so it bites)."""
+    check_against_naive(native.decode, native.prefill, 7, 4, 2, 32, 0.3, window=window, softcap=3.0, q_scale=4.0)
