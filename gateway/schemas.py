@@ -13,6 +13,7 @@ from shared.prompts import is_token_id
 from gateway.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs
 from gateway.tool_calls import ToolRequest, template_messages, tool_request
 from shared.sampling import BOUNDS, SamplingParams
+from shared.structured import StructuredOutputs
 
 
 class ApiError(Exception):
@@ -110,14 +111,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens):
             raise ApiError(400, f"{name} must be an integer in [1, {limits.max_tokens}]", name)
     sampling["logprobs"] = _logprobs(body, chat)
-    refuse = lambda message, param: ApiError(400, message, param)  # noqa: E731
-    sampling["structured"] = structured_outputs(body, refuse)
-    tools = tool_request(body, refuse) if chat else None
-    if tools is not None and tools.constraint() is not None:
-        if sampling["structured"] is not None:
-            raise ApiError(400, "a forced tool call (tool_choice) and a response format cannot both constrain the output",
-                           "tool_choice")
-        sampling["structured"] = tools.constraint()
+    sampling["structured"], tools = _constraints(body, chat)
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
     except (InvalidRequestError, TypeError) as err:
@@ -136,6 +130,22 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         raise ApiError(400, "timeout must be in (0, 3600] seconds", "timeout")
     return ParsedRequest(chat, model, prompt, params, stream, bool(options.get("include_usage")), priority, timeout,
                          user, bool(options.get("include_usage") and options.get("continuous_usage_stats")), ignored, tools)
+
+
+def _constraints(body: dict, chat: bool) -> tuple[StructuredOutputs | None, ToolRequest | None]:
+    """What constrains the output (a response format, or the grammar of a forced tool call: not
+    both), and the chat's tools."""
+    refuse = lambda message, param: ApiError(400, message, param)  # noqa: E731
+    structured = structured_outputs(body, refuse)
+    tools = tool_request(body, refuse) if chat else None
+    try:
+        forced = tools.constraint() if tools is not None else None
+    except InvalidRequestError as err:  # a tool's parameters are not a schema the grammar can follow
+        raise ApiError(400, f"tools: {err}", "tools") from None
+    if forced is not None and structured is not None:
+        raise ApiError(400, "a forced tool call (tool_choice) and a response format cannot both constrain the output",
+                       "tool_choice")
+    return forced or structured, tools
 
 
 def _stream_options(body: dict) -> dict:

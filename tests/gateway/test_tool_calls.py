@@ -87,6 +87,8 @@ def test_the_template_sees_the_tools_and_the_next_turn_takes_tool_messages(clien
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], "tool_choice": "required"},
+     "tools"),  # a forced call needs a grammar from the parameters: a schema it cannot follow is the client's 400
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
