@@ -37,6 +37,7 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96,
         "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 0.5}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True,
         "decoder_sparse_step": 1, "mlp_only_layers": [1]}),

@@ -30,6 +30,7 @@ MODEL_SPECS = {
                          use_sliding_window=True, max_window_layers=1),
     "qwen2-moe": dict(family="qwen2_moe", num_heads=4, num_kv_heads=2),
     "qwen3-moe": dict(family="qwen3_moe", num_heads=4, num_kv_heads=2, num_layers=3),
+    "olmoe": dict(family="olmoe", num_heads=4, num_kv_heads=2, initializer_range=0.2),  # large enough for clip_qkv to bite
 }
 
 

@@ -16,7 +16,7 @@ from tests.engine.test_parity import VOCAB, assert_parity
 from worker.runner.loader import UnsupportedModelError
 from worker.runner.models.moe import SparseMoE
 
-MOE = ["mixtral", "qwen2-moe", "qwen3-moe"]
+MOE = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
 
 
 @pytest.mark.parametrize("name", MOE)

@@ -80,6 +80,7 @@ FAMILIES = {
     "mixtral": Family("MixtralForCausalLM", Arch(), mixtral, mixtral_names),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", Arch(qkv_bias=True), qwen_moe, qwen_moe_names),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", Arch(qk_norm=True), qwen_moe, qwen_moe_names),
+    "olmoe": Family("OlmoeForCausalLM", Arch(qk_norm_full=True), qwen_moe, qwen_moe_names),
     "phi3": Family("Phi3ForCausalLM", Arch(), dense, phi3_names),
     "gemma2": Family("Gemma2ForCausalLM", Arch(), dense, same, Gemma2ForCausalLM),
 }

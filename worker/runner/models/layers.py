@@ -30,7 +30,8 @@ class Arch:
     """What differs between the supported architectures' attention."""
 
     qkv_bias: bool = False
-    qk_norm: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
+    qk_norm_full: bool = False  # RMSNorm over the whole q and k projections, before the heads split (OLMoE)
 
 
 FeedForward = Callable[[object, int], nn.Module]  # (config, layer index) -> the layer's MLP or MoE block
@@ -78,19 +79,26 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bool(getattr(config, "attention_bias", False)))
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = arch.qk_norm
+        if arch.qk_norm or arch.qk_norm_full:
+            width = 1 if arch.qk_norm else None  # per head, or the whole projection
+            self.q_norm = RMSNorm(self.head_dim * (width or self.num_heads), config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim * (width or self.num_kv_heads), config.rms_norm_eps)
+        self.qk_norm, self.qk_norm_full = arch.qk_norm, arch.qk_norm_full
+        self.clip = getattr(config, "clip_qkv", None)  # OLMoE: q, k, v clamped to [-clip, clip]
         scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma 2 scales by this, not by head_dim
         softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.attn = PagedAttention(ops, (scalar or self.head_dim) ** -0.5, window, softcap)
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (y.clamp(-self.clip, self.clip) for y in (q, k, v))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, k, cos_sin)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE), on the CPU as a grouped
+"""Mixture-of-experts feed-forward blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), on the CPU as a grouped
 loop over the experts that received tokens.
 
 A router (``gate``, no bias) scores every expert per token; softmax in float32, the top ``k``,
@@ -74,9 +74,11 @@ def mixtral(config, index: int) -> nn.Module:
 
 
 def qwen_moe(config, index: int) -> nn.Module:
-    """Qwen2-MoE / Qwen3-MoE: sparse every ``decoder_sparse_step`` layers except ``mlp_only_layers``."""
+    """Qwen2-MoE / Qwen3-MoE (and OLMoE, whose experts are ``intermediate_size`` wide): sparse every
+    ``decoder_sparse_step`` layers except ``mlp_only_layers``."""
     step = getattr(config, "decoder_sparse_step", 1) or 1
     if index in (getattr(config, "mlp_only_layers", None) or []) or config.num_experts == 0 or (index + 1) % step:
         return MLP(config)
-    return SparseMoE(config, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return SparseMoE(config, config.num_experts, config.num_experts_per_tok, width,
                      bool(getattr(config, "norm_topk_prob", False)), getattr(config, "shared_expert_intermediate_size", 0))
