@@ -29,6 +29,8 @@ FAMILIES = {
     # Gemma 2: alternating sliding (8 tokens) and global layers, soft caps that bite on random weights
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
                                                     "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    # Gemma 3 (text): 5 local layers (window 8, base 10,000) to 1 global (base 1,000,000)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5, "sliding_window": None}),  # as Phi-4-mini: half the head rotates
     # mixture of experts: 4 experts of which 2 per token; Qwen2-MoE with its shared expert, Qwen3-MoE
     # with one dense layer among the sparse ones

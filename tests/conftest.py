@@ -22,6 +22,8 @@ MODEL_SPECS = {
     "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
     "mixtral": dict(family="mixtral", num_heads=4, num_kv_heads=2),
     "phi3": dict(family="phi3", num_heads=4, num_kv_heads=2),
+    "gemma3": dict(family="gemma3", num_heads=4, num_kv_heads=2, num_layers=6, tie_word_embeddings=True,
+                   initializer_range=0.2),
     "gemma2": dict(family="gemma2", num_heads=4, num_kv_heads=2, num_layers=4, tie_word_embeddings=True,
                    initializer_range=0.2),  # scores large enough for the soft cap to change them
     # sliding windows much shorter than the test contexts: every layer (Mistral), or mixed with full layers (Qwen2)

@@ -32,7 +32,7 @@ def test_phi3_fused_weights_and_partial_rotary_parity(zoo):
     """Phi-3's fused q/k/v and gate/up tensors split on load; half of each head rotates (as Phi-4-mini)."""
     cases = random_prompts(seed=24, count=16, max_len=300, vocab=VOCAB, max_new=120)
     llm = assert_parity(zoo, "phi3", cases, block_size=16, num_gpu_blocks=2048)
-    assert llm.engine.runner.model.rotary.inv_freq.numel() * 2 == llm.engine.runner.model.head_dim // 2
+    assert llm.engine.runner.model.rotary.by_type["default"].inv_freq.numel() * 2 == llm.engine.runner.model.head_dim // 2
 
 
 @pytest.mark.parametrize("name, windows", [("mistral-window", [24, 24]), ("qwen2-window", [0, 20, 20])])
@@ -50,6 +50,16 @@ def test_gemma2_parity_with_soft_caps_sandwich_norms_and_alternating_windows(zoo
     llm = assert_parity(zoo, "gemma2", cases, block_size=8, num_gpu_blocks=2048, max_num_batched_tokens=64)
     extras = [layer.self_attn.attn.extra for layer in llm.engine.runner.model.model.layers]
     assert extras == [{"window": 8, "softcap": 2.0}, {"softcap": 2.0}] * 2
+
+
+def test_gemma3_parity_with_per_head_qk_norms_and_local_global_rope(zoo):
+    """Gemma 3 (text): q/k normed per head, local layers (window 8) rotating with base 10,000 and
+    global ones with their own base; the pattern is 5 local to 1 global, here over 6 layers."""
+    cases = random_prompts(seed=28, count=12, max_len=120, vocab=VOCAB, max_new=60)
+    llm = assert_parity(zoo, "gemma3", cases, block_size=8, num_gpu_blocks=2048, max_num_batched_tokens=64)
+    model = llm.engine.runner.model
+    assert sorted(model.rotary.by_type) == ["full_attention", "sliding_attention"]
+    assert [layer.self_attn.attn.extra.get("window", 0) for layer in model.model.layers] == [8] * 5 + [0]
 
 
 def test_moe_parity_under_preemption_and_prefix_hits(zoo):

@@ -82,7 +82,8 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", Arch(qk_norm=True), qwen_moe, qwen_moe_names),
     "olmoe": Family("OlmoeForCausalLM", Arch(qk_norm_full=True), qwen_moe, qwen_moe_names),
     "phi3": Family("Phi3ForCausalLM", Arch(), dense, phi3_names),
-    "gemma2": Family("Gemma2ForCausalLM", Arch(), dense, same, Gemma2ForCausalLM),
+    "gemma2": Family("Gemma2ForCausalLM", Arch(offset_norm=True), dense, same, Gemma2ForCausalLM),
+    "gemma3_text": Family("Gemma3ForCausalLM", Arch(qk_norm=True, offset_norm=True), dense, same, Gemma2ForCausalLM),
 }
 
 

@@ -1,9 +1,11 @@
-"""Gemma 2 on the shared layers: its RMSNorm scales by ``1 + weight``, each layer norms around
+"""Gemma 2 and Gemma 3 (text) on the shared layers: their RMSNorm scales by ``1 + weight``, each layer norms around
 both its attention and its MLP ("sandwich" norms), embeddings are scaled by ``sqrt(hidden)``,
 attention scores and final logits are soft-capped (``cap * tanh(x / cap)``), the MLP uses tanh
 GELU, attention alternates sliding-window and global layers (``layer_types``) and scales queries
-by ``query_pre_attn_scalar``. The attention-side pieces are read from the config by the shared
-``Attention``; this file holds what differs in the layer and the model around it.
+by ``query_pre_attn_scalar``. Gemma 3 drops the soft caps, norms q and k per head and rotates
+its local and global layers with different bases (``Rotaries``). The attention-side pieces are
+read from the config by the shared ``Attention``; this file holds what differs in the layer and
+the model around it.
 """
 
 from __future__ import annotations
@@ -11,29 +13,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.runner.models.layers import CausalLM, DecoderLayer
-
-
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+from worker.runner.models.layers import CausalLM, DecoderLayer, OffsetRMSNorm
 
 
 class Gemma2DecoderLayer(DecoderLayer):
     def __init__(self, config, arch, ops, feed_forward: nn.Module, window: int = 0) -> None:
         super().__init__(config, arch, ops, feed_forward, window)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.input_layernorm = OffsetRMSNorm(size, eps)
+        self.post_attention_layernorm = OffsetRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(size, eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(size, eps)
 
     def forward(self, x, cos_sin, meta, kv_cache) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache))
@@ -42,7 +32,7 @@ class Gemma2DecoderLayer(DecoderLayer):
 
 class Gemma2ForCausalLM(CausalLM):
     layer_class = Gemma2DecoderLayer
-    norm_class = GemmaRMSNorm
+    norm_class = OffsetRMSNorm
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from kernels.ops import AttentionOps
 from worker.runner.attention import AttentionMetadata, PagedAttention
-from worker.runner.models.rope import RotaryEmbedding
+from worker.runner.models.rope import Rotaries, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -32,6 +32,7 @@ class Arch:
     qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k (Qwen3)
     qk_norm_full: bool = False  # RMSNorm over the whole q and k projections, before the heads split (OLMoE)
+    offset_norm: bool = False  # norms scale by 1 + weight (Gemma)
 
 
 FeedForward = Callable[[object, int], nn.Module]  # (config, layer index) -> the layer's MLP or MoE block
@@ -67,6 +68,20 @@ def release_window(config) -> int:
     return max(windows) if windows and all(windows) else 0
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by ``1 + weight``, in float32, then back to the input's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config, arch: Arch, ops: AttentionOps, window: int = 0) -> None:
         super().__init__()
@@ -81,8 +96,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bool(getattr(config, "attention_bias", False)))
         if arch.qk_norm or arch.qk_norm_full:
             width = 1 if arch.qk_norm else None  # per head, or the whole projection
-            self.q_norm = RMSNorm(self.head_dim * (width or self.num_heads), config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim * (width or self.num_kv_heads), config.rms_norm_eps)
+            norm = OffsetRMSNorm if arch.offset_norm else RMSNorm
+            self.q_norm = norm(self.head_dim * (width or self.num_heads), config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim * (width or self.num_kv_heads), config.rms_norm_eps)
         self.qk_norm, self.qk_norm_full = arch.qk_norm, arch.qk_norm_full
         self.clip = getattr(config, "clip_qkv", None)  # OLMoE: q, k, v clamped to [-clip, clip]
         scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma 2 scales by this, not by head_dim
@@ -169,7 +185,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         first = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
-        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.rotary = Rotaries(config, self.head_dim)
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -180,9 +196,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` for a flat batch of tokens."""
         x = self.embed(input_ids)
-        cos_sin = self.rotary(positions, x.dtype)
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos_sin, meta, cache)
+        tables = self.rotary(positions, x.dtype)
+        for layer, cache, key in zip(self.model.layers, kv_caches, self.rotary.layer_keys):
+            x = layer(x, tables[key], meta, cache)
         return self.model.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

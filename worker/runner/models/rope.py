@@ -12,9 +12,19 @@ import torch
 from torch import nn
 
 
-def rope_parameters(config) -> dict:
-    """``{"rope_type", "rope_theta", ...}`` from a transformers 5 (``rope_parameters``) or 4 config."""
+def per_layer_type(config) -> bool:
+    """Whether the config gives rope parameters per layer type (Gemma 3: ``{"full_attention": …,
+    "sliding_attention": …}``)."""
     params = getattr(config, "rope_parameters", None)
+    return bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """``{"rope_type", "rope_theta", ...}`` from a transformers 5 (``rope_parameters``) or 4 config;
+    ``layer_type``: that type's, where the config has them per type."""
+    params = getattr(config, "rope_parameters", None)
+    if params and layer_type is not None:
+        return dict(params[layer_type])
     if params:
         return dict(params)
     scaling = dict(getattr(config, "rope_scaling", None) or {})
@@ -23,9 +33,9 @@ def rope_parameters(config) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int) -> None:
+    def __init__(self, config, head_dim: int, layer_type: str | None = None) -> None:
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params["rope_theta"]
@@ -37,7 +47,8 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+            extra = {"layer_type": layer_type} if layer_type is not None else {}
+            inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, **extra)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.factor = float(factor)
 
@@ -56,6 +67,22 @@ class RotaryEmbedding(nn.Module):
             q_rot, k_rot = RotaryEmbedding.apply(q[..., :dim], k[..., :dim], cos_sin)
             return torch.cat((q_rot, q[..., dim:]), dim=-1), torch.cat((k_rot, k[..., dim:]), dim=-1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class Rotaries(nn.Module):
+    """The model's rotary tables: one, or one per layer type (Gemma 3's local and global layers
+    rotate with different bases); ``forward`` computes each once per step, keyed by layer type
+    (``"default"`` where there is one table)."""
+
+    def __init__(self, config, head_dim: int) -> None:
+        super().__init__()
+        types = sorted(config.rope_parameters) if per_layer_type(config) else []
+        self.by_type = nn.ModuleDict({t: RotaryEmbedding(config, head_dim, t) for t in types} or
+                                     {"default": RotaryEmbedding(config, head_dim)})
+        self.layer_keys = [config.layer_types[i] if types else "default" for i in range(config.num_hidden_layers)]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {key: rotary(positions, dtype) for key, rotary in self.by_type.items()}
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
