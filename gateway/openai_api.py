@@ -165,8 +165,9 @@ async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, eve
                 choice = index * n + delta.index
                 calls, reason = [], delta.finish_reason
                 if renderer.tools is not None:  # text that may be a tool call is held back
-                    streams = tool_streams.setdefault(choice, ToolStream(renderer.tools, renderer.tool_parser))
-                    text, calls = streams.feed(delta.text, reason is not None)
+                    if choice not in tool_streams:
+                        tool_streams[choice] = ToolStream(renderer.tools, renderer.tool_parser)
+                    text, calls = tool_streams[choice].feed(delta.text, reason is not None)
                     delta = replace(delta, text=text, finish_reason=None if calls else reason)
                 chunk = renderer.chunk(choice, delta, choice not in first_sent, parsed.include_usage, offsets.get(choice, 0))
                 first_sent.add(choice)

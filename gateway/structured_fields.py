@@ -22,7 +22,7 @@ FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
 def structured_outputs(body: dict, error) -> StructuredOutputs | None:
     """``error(message, param)`` builds the exception to raise (the gateway's ApiError)."""
     asked = {name: body[name] for name in FIELDS if body.get(name) is not None}
-    if asked.get("response_format") in ({"type": "text"},):
+    if asked.get("response_format") == {"type": "text"}:
         asked.pop("response_format")
     if len(asked) > 1:
         raise error(f"ask for structured output once: got {', '.join(sorted(asked))}", sorted(asked)[1])

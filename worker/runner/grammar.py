@@ -5,8 +5,8 @@ each step's token masks applied in one vectorised operation on the logits' devic
 small thread pool (llguidance drops the GIL while it builds) and cached by the constraint's key,
 so a repeated schema costs nothing; the scheduler keeps the request waiting until it is done.
 ``mask_logits`` asks every constrained row's matcher for its allowed tokens (a bitmask, one bit per
-token, filled on the host by llguidance's parallel executor), moves the masks to the device once,
-unpacks them there and sets every other token's logit to -inf before sampling.
+token, filled on the host in the calling thread), moves the masks to the device once, unpacks them
+there and sets every other token's logit to -inf before sampling.
 """
 
 from __future__ import annotations
@@ -59,21 +59,20 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class MaskFiller:
-    """Fills the host bitmask of a step's constrained rows, in the calling thread: llguidance's
-    parallel executor keeps worker threads that spin after each call and steal the cores the next
-    forward pass needs (``bench.structured`` on 2 cores: 25% of throughput with it, 6% without)."""
+def host_bitmask(states: Sequence, vocab: int) -> torch.Tensor:
+    """``[len(states), ceil(vocab / 32)]`` int32 allowed-token bits, filled in the calling thread:
+    llguidance's parallel executor keeps worker threads that spin after each call and steal the
+    cores the next forward pass needs (``bench.structured`` on 2 cores: 25% of throughput with it,
+    6% without)."""
+    words = (vocab + 31) // 32
+    bits = torch.full((len(states), words), -1, dtype=torch.int32, device="cpu")
+    base, row_bytes = bits.data_ptr(), words * 4
+    for i, state in enumerate(states):
+        state.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
+    return bits
 
-    def bitmask(self, states: Sequence, vocab: int) -> torch.Tensor:
-        words = (vocab + 31) // 32
-        bits = torch.full((len(states), words), -1, dtype=torch.int32, device="cpu")
-        base, row_bytes = bits.data_ptr(), words * 4
-        for i, state in enumerate(states):
-            state.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
-        return bits
 
-
-def mask_logits(logits: torch.Tensor, states: Sequence, filler: MaskFiller) -> torch.Tensor:
+def mask_logits(logits: torch.Tensor, states: Sequence) -> torch.Tensor:
     """``logits`` ``[rows, vocab]`` with the tokens each row's grammar forbids at -inf (rows whose
     state is None untouched)."""
     rows = [i for i, s in enumerate(states) if s is not None]
@@ -82,7 +81,7 @@ def mask_logits(logits: torch.Tensor, states: Sequence, filler: MaskFiller) -> t
     dev, vocab = logits.device, logits.shape[1]
     distinct = list({id(states[i]): states[i] for i in rows}.values())  # a fork's rows share one state
     position = {id(s): k for k, s in enumerate(distinct)}
-    bits = filler.bitmask(distinct, vocab)[[position[id(states[i])] for i in rows]].to(dev, non_blocking=True)
+    bits = host_bitmask(distinct, vocab)[[position[id(states[i])] for i in rows]].to(dev, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=dev)
     allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
     index = torch.tensor(rows, dtype=torch.int64, device=dev)

@@ -23,7 +23,7 @@ import torch
 
 from shared.sampling import SamplingParams
 from worker.core.plan import SampledToken
-from worker.runner.grammar import MaskFiller, mask_logits
+from worker.runner.grammar import mask_logits
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,6 @@ class Sampler:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.masks = MaskFiller()
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[list[SampledToken]]:
         """``logits`` ``[len(rows), vocab]`` -> ``num_samples`` tokens per row."""
@@ -55,7 +54,7 @@ class Sampler:
         params = [r.params for r, _ in flat]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = apply_penalties(logits.clone(), [r for r, _ in flat], self.eos_token_ids)
-        processed = mask_logits(processed, [r.grammar for r, _ in flat], self.masks)
+        processed = mask_logits(processed, [r.grammar for r, _ in flat])
         tokens = self._draw(processed, flat)
         picked = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         tops = _top_logprobs(raw_logprobs, params)
