@@ -1,6 +1,7 @@
-"""The attention-ops contract and the choice of backend: Triton kernels or their torch references.
+"""The kernel-ops contract and the choice of backend: Triton kernels or their torch references.
 
-``AttentionOps`` is what a model layer calls; ``select_ops`` returns the Triton kernels on CUDA
+``AttentionOps`` is what a model layer calls (paged attention, K/V stores, block copies and the
+mixture-of-experts feed-forward); ``select_ops`` returns the Triton kernels on CUDA
 (or wherever ``backend="triton"`` is asked, e.g. under ``TRITON_INTERPRET=1`` in tests), the C
 kernels compiled for this CPU elsewhere (``native``), and the torch references where those cannot
 be built. Nothing above this file knows which one runs.
@@ -18,6 +19,7 @@ import structlog
 import torch
 
 from kernels import reference
+from kernels.moe_reference import grouped_moe
 from kernels.native_attention import NativeAttention
 from kernels.native_build import NativeKernelUnavailable
 
@@ -32,6 +34,7 @@ class AttentionOps:
     prefill: Callable
     copy_blocks: Callable
     swap_blocks: Callable
+    moe: Callable = grouped_moe  # (x, gate_up, down, top_index, top_weight) -> [T, H]
     backend: str = "torch"  # "triton" kernels can be captured in CUDA graphs; the reference cannot
 
 
@@ -71,17 +74,19 @@ def reference_ops() -> AttentionOps:
 
 def native_ops(kernel_cache: Path) -> AttentionOps:
     """The C attention kernels for this CPU (built into ``kernel_cache`` on first use); K/V stores
-    and block copies stay the torch ones, which are single index copies already."""
+    and block copies stay the torch ones, which are single index copies already, and the
+    mixture-of-experts block the grouped torch loop."""
     attention = NativeAttention(kernel_cache)
     return AttentionOps(reference.store_kv, attention.decode, attention.prefill, reference.copy_blocks,
-                        reference.swap_blocks, "native")
+                        reference.swap_blocks, backend="native")
 
 
 def triton_ops() -> AttentionOps:
     """The Triton kernels, imported here: triton is absent on many CPU machines."""
     from kernels.copy_blocks import copy_blocks, swap_blocks
+    from kernels.fused_moe import fused_moe
     from kernels.paged_attention import paged_attention_decode
     from kernels.prefill_attention import prefill_attention
     from kernels.store_kv import store_kv
 
-    return AttentionOps(store_kv, paged_attention_decode, prefill_attention, copy_blocks, swap_blocks, "triton")
+    return AttentionOps(store_kv, paged_attention_decode, prefill_attention, copy_blocks, swap_blocks, fused_moe, "triton")

@@ -20,7 +20,7 @@ MODEL_SPECS = {
     "mistral": dict(family="mistral", num_heads=4, num_kv_heads=2),
     "qwen2": dict(family="qwen2", num_heads=4, num_kv_heads=2),
     "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
-    "mixtral": dict(family="mixtral", num_heads=4, num_kv_heads=2),
+    "mixtral": dict(family="mixtral", num_heads=4, num_kv_heads=2, initializer_range=0.2),  # experts that move the logits
     "phi3": dict(family="phi3", num_heads=4, num_kv_heads=2),
     "gemma3": dict(family="gemma3", num_heads=4, num_kv_heads=2, num_layers=6, tie_word_embeddings=True,
                    initializer_range=0.2),

@@ -16,6 +16,8 @@ triton = pytest.importorskip("triton")
 
 from kernels import reference as ref  # noqa: E402
 from kernels.copy_blocks import copy_blocks  # noqa: E402
+from kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
+from kernels.moe_reference import grouped_moe  # noqa: E402
 from kernels.paged_attention import paged_attention_decode  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.store_kv import store_kv  # noqa: E402
@@ -122,19 +124,46 @@ def test_launchers_reject_bad_arguments():
         store_kv(torch.randn(3, 2, 64), torch.randn(3, 2, 64), case.k_cache, case.v_cache, torch.tensor([1, 2]))
 
 
+def test_expert_alignment_pads_each_run_to_whole_blocks():
+    top_index = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 2]])  # expert 3 gets nothing
+    pairs, experts = align_by_expert(top_index, 4, block_m=4)
+    assert pairs.numel() == 8 + 4 * 3 and experts.tolist() == [0, 1, 2, 2, -1]
+    assert pairs[:4].tolist() == [1, 4, 8, 8] and pairs[4:8].tolist() == [3, 8, 8, 8]
+    assert pairs[8:16].tolist() == [0, 2, 5, 6, 7, 8, 8, 8] and set(pairs[16:].tolist()) == {8}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_engine_on_the_triton_backend_matches_transformers(zoo, device):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,top_k,hidden,inter", [(1, 4, 2, 32, 48), (37, 8, 2, 64, 32), (20, 3, 3, 48, 80)])
+def test_fused_moe_matches_the_grouped_loop(device, dtype, tokens, experts, top_k, hidden, inter):
+    """Widths that are not multiples of the tiles, an expert with no tokens, top-k = every expert."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    down = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, -1] = -1e9 if top_k < experts else logits[:, -1]  # the last expert unused unless every one is picked
+    top_weight, top_index = logits.softmax(-1).topk(top_k, dim=-1)
+    args = (x, gate_up, down, top_index, top_weight.to(dtype))
+    expected = grouped_moe(*args)
+    out = fused_moe(*(a.to(device) for a in args))
+    close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model", ["llama-gqa", "mixtral"])  # mixtral: the fused MoE kernel in the model
+def test_engine_on_the_triton_backend_matches_transformers(zoo, device, model):
     from shared.sampling import SamplingParams
     from tests.conftest import random_prompts
     from pagedserve import LLM
 
     cases = random_prompts(seed=7, count=4, max_len=40, vocab=512, max_new=6)
-    llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
+    llm = LLM(zoo.path(model), dtype="float32", device=device, attention_backend="triton", block_size=8,
               num_gpu_blocks=64, max_num_batched_tokens=24)  # chunked prefill over a cached prefix
     outs = llm.generate([p for p, _ in cases], [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases],
                         use_tqdm=False)
     for (prompt, n), out in zip(cases, outs):
-        assert out.outputs[0].token_ids == zoo.hf_greedy("llama-gqa", prompt, n)
+        assert out.outputs[0].token_ids == zoo.hf_greedy(model, prompt, n)
 
 
 @pytest.mark.parametrize("device", DEVICES)

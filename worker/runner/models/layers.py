@@ -35,7 +35,7 @@ class Arch:
     offset_norm: bool = False  # norms scale by 1 + weight (Gemma)
 
 
-FeedForward = Callable[[object, int], nn.Module]  # (config, layer index) -> the layer's MLP or MoE block
+FeedForward = Callable[[object, int, AttentionOps], nn.Module]  # (config, layer index, ops) -> its MLP or MoE block
 
 
 class RMSNorm(nn.Module):
@@ -146,7 +146,7 @@ def activation(config):
     return ACTIVATIONS[name]
 
 
-def dense(config, index: int) -> nn.Module:
+def dense(config, index: int, ops: AttentionOps) -> nn.Module:
     return MLP(config)
 
 
@@ -168,7 +168,7 @@ class Backbone(nn.Module):
                  layer_class: type = DecoderLayer, norm_class: type = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layer_class(config, arch, ops, feed_forward(config, i), layer_window(config, i))
+        self.layers = nn.ModuleList(layer_class(config, arch, ops, feed_forward(config, i, ops), layer_window(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = norm_class(config.hidden_size, config.rms_norm_eps)
 
