@@ -8,15 +8,13 @@ from pathlib import Path
 
 
 def max_model_len(config) -> int:
-    """The longest sequence served: ``max_position_embeddings``, capped for long-rope (Phi-3) at
-    ``original_max_position_embeddings`` (past it transformers switches to the long factors as the
-    sequence grows; the rotary table here is computed once, with the short ones). Sliding-window
-    layers attend within their window at any length."""
+    """The longest sequence served: ``max_position_embeddings``; with dynamic NTK rope scaling,
+    which stretches the positions past it, that times the scaling factor (as vLLM derives it).
+    Sliding-window layers attend within their window at any length."""
     length = int(config.max_position_embeddings)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    original = getattr(config, "original_max_position_embeddings", None)
-    if rope.get("rope_type", rope.get("type")) == "longrope" and original:
-        length = min(length, int(original))
+    if rope.get("rope_type", rope.get("type")) == "dynamic":
+        length = int(length * float(rope.get("factor") or 1.0))
     return length
 
 

@@ -18,6 +18,16 @@ MODEL_SPECS = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
     ),
     "mistral": dict(family="mistral", num_heads=4, num_kv_heads=2),
+    # rope that changes with the sequence's length, in contexts that cross the length where it changes
+    "llama-dynamic": dict(family="llama", num_heads=4, num_kv_heads=2, max_position_embeddings=48, initializer_range=0.2,
+                          rope_scaling={"rope_type": "dynamic", "factor": 3.0}),
+    "llama-linear": dict(family="llama", num_heads=4, num_kv_heads=2, initializer_range=0.2,
+                         rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "qwen2-yarn": dict(family="qwen2", num_heads=4, num_kv_heads=2, max_position_embeddings=256, initializer_range=0.2,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "phi3-longrope": dict(family="phi3", num_heads=4, num_kv_heads=2, max_position_embeddings=192, initializer_range=0.2,
+                          original_max_position_embeddings=48, rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
+                                        "long_factor": [1.0, 3.0, 9.0, 27.0], "original_max_position_embeddings": 48}),
     "qwen2": dict(family="qwen2", num_heads=4, num_kv_heads=2),
     "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
     "mixtral": dict(family="mixtral", num_heads=4, num_kv_heads=2, initializer_range=0.2),  # experts that move the logits
@@ -62,6 +72,7 @@ class ModelZoo:
             if name not in self._hf:
                 self._hf[name] = AutoModelForCausalLM.from_pretrained(self.path(name), dtype=torch.float32).eval()
             model = self._hf[name]
+            _forget_dynamic_rope(model)
             ids = torch.tensor([prompt])
             with torch.inference_mode():
                 out = model.generate(
@@ -70,6 +81,15 @@ class ModelZoo:
                 )
             self._refs[key] = out[0, len(prompt):].tolist()
         return self._refs[key]
+
+
+def _forget_dynamic_rope(model) -> None:
+    """transformers' dynamic NTK rope keeps the longest length it has seen across ``generate``
+    calls; each reference starts as a fresh model would."""
+    for module in model.modules():
+        if getattr(module, "rope_type", None) == "dynamic" and hasattr(module, "original_inv_freq"):
+            module.inv_freq = module.original_inv_freq.clone()
+            module.max_seq_len_cached = module.original_max_seq_len
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,7 @@ from worker.runner.loader import inspect_model, load_weights
 from worker.runner.memory_profile import peak_step_bytes
 from worker.runner.model_runner import ModelRunner, kv_block_bytes
 from worker.runner.models.layers import release_window
+from worker.runner.models.rope import rope_switch
 from worker.runner.sampler import Sampler
 
 log = structlog.get_logger("pagedserve.engine")
@@ -67,6 +68,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode, sliding_window=release_window(info.config),
+                rope_switch=rope_switch(info.config),
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer),
         )

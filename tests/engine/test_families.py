@@ -89,18 +89,52 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path, zoo):
         LLM(tmp_path)
 
 
-def test_long_rope_serves_up_to_its_original_length():
-    """Past ``original_max_position_embeddings`` transformers switches Phi-3's rope to the long
-    factors mid-sequence; the rotary table here is computed once, so the context stops there."""
-    from transformers import Phi3Config
+@pytest.mark.parametrize("name", ["llama-linear", "qwen2-yarn"])
+def test_scaled_rope_parity(zoo, name):
+    """Linear and YaRN scaling (YaRN's attention factor on cos/sin too), weights large enough that
+    positions move the logits."""
+    cases = random_prompts(seed=31, count=8, max_len=120, vocab=VOCAB, max_new=40)
+    llm = assert_parity(zoo, name, cases, block_size=8, num_gpu_blocks=2048)
+    assert llm.engine.runner.model.rotary.by_type["default"].rope_type == name.split("-")[1]
+
+
+@pytest.mark.parametrize("name, changes_at", [("llama-dynamic", 48), ("phi3-longrope", 48)])
+def test_length_dependent_rope_parity_across_the_switch(zoo, name, changes_at):
+    """Dynamic NTK (Llama, past max_position_embeddings = 48 the base grows with the length) and
+    long-rope (Phi-3, past original_max_position_embeddings = 48 the long factors): prompts that
+    end before and after the switch, sequences that cross it while decoding, all in one batch,
+    each token rotated for its own sequence's length."""
+    cases = random_prompts(seed=29, count=12, max_len=90, vocab=VOCAB, max_new=50)
+    assert any(len(p) < changes_at < len(p) + n for p, n in cases) and any(len(p) > changes_at for p, _ in cases)
+    llm = assert_parity(zoo, name, cases, block_size=8, num_gpu_blocks=2048, max_num_batched_tokens=32)
+    assert llm.engine.runner.model.rotary.needs_seq_lens  # and prompts past 32 tokens were prefilled in chunks
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_long_rope_recomputes_a_sequence_growing_past_the_switch(zoo, mode):
+    """transformers recomputes a Phi-3 sequence's cache with the long factors when it grows past
+    original_max_position_embeddings; so does the scheduler. A 40-token system prompt shared by
+    prompts that end before the switch and after it: its cached blocks serve only sequences
+    rotated like them (short or long), under preemption too."""
+    system = [11 + (i * 7) % 400 for i in range(40)]
+    cases = [(system + p, n) for p, n in random_prompts(seed=30, count=14, max_len=30, vocab=VOCAB, max_new=40)]
+    llm = assert_parity(zoo, "phi3-longrope", cases, block_size=8, num_gpu_blocks=24, num_cpu_blocks=400,
+                        preemption_mode=mode, max_num_batched_tokens=64)
+    stats = llm.engine.scheduler.stats
+    assert stats.rope_recomputes > 0 and stats.prefix_hit_tokens > 0 and stats.num_preemptions > 0, stats
+
+
+def test_dynamic_rope_serves_past_the_trained_length_by_its_factor():
+    from transformers import LlamaConfig, Phi3Config
 
     from shared.model_source import max_model_len
 
-    short = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    dynamic = LlamaConfig(max_position_embeddings=4096, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert max_model_len(dynamic) == 8192
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=131072,
-                        original_max_position_embeddings=4096, rope_scaling=short)
-    assert max_model_len(config) == 4096
-    assert max_model_len(Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=8192)) == 8192
+                        original_max_position_embeddings=4096, rope_scaling=longrope)
+    assert max_model_len(config) == 131072
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -4,7 +4,8 @@ Each sequence owns a block table (logical block i -> physical block) that covers
 token slots it has been given (``num_slots``). A block is written only while its reference
 count is 1; growing a sequence into a shared partial block first copies it (``(src, dst)``).
 
-Prefix cache: a full block is keyed by ``hash((parent_hash, tokens, extra_key))``, chained from
+Prefix cache: a full block is keyed by ``block_hash(parent_hash, tokens, extra_key)``
+(``shared/block_hash.py``: the same in every process, so the gateway can route on it), chained from
 the first block, and verified against the stored key on a hit. Lookups cap the hit at
 ``(len(prompt) - 1) // block_size`` blocks so that a fully cached prompt still recomputes its
 last token (its logits are needed to sample).
@@ -27,6 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+from shared.block_hash import block_hash
 from worker.core.block_pool import BlockPool
 
 NO_BLOCK = -1  # a table entry whose block was released: wholly outside every layer's sliding window
@@ -106,7 +108,7 @@ class BlockManager:
             bs = self.block_size
             for i in range((len(token_ids) - 1) // bs):
                 key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
-                parent = hash(key)
+                parent = block_hash(*key)
                 block = self.gpu.lookup(parent, key)
                 if block is None:
                     break
@@ -124,7 +126,7 @@ class BlockManager:
         chain, table, bs = self._hashes[seq_id], self._tables[seq_id], self.block_size
         for i in range(len(chain), min(num_computed // bs, len(table))):
             key = self.block_key(chain[-1] if chain else None, token_ids[i * bs : (i + 1) * bs], extra_key)
-            chain.append(hash(key))
+            chain.append(block_hash(*key))
             self.gpu.register(table[i], chain[-1], key)
 
     # ------------------------------------------------------------------ allocation

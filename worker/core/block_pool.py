@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from worker.core.errors import OutOfBlocksError
+from worker.core.kv_events import KvEvents
 
 
 class BlockPool:
@@ -33,6 +34,7 @@ class BlockPool:
         self._hash_of: dict[int, int] = {}
         self._key_of: dict[int, tuple] = {}
         self._block_of_hash: dict[int, int] = {}
+        self.events: KvEvents | None = None  # set by the worker: hashes published and dropped, for routing
 
     # ------------------------------------------------------------------ queries
     @property
@@ -101,6 +103,8 @@ class BlockPool:
         self._hash_of[block] = block_hash
         self._key_of[block] = key
         self._block_of_hash[block_hash] = block
+        if self.events is not None:
+            self.events.published(block_hash)
         return True
 
     def forget_cached(self) -> int:
@@ -117,6 +121,8 @@ class BlockPool:
         block_hash = self._hash_of.pop(block)
         del self._key_of[block]
         del self._block_of_hash[block_hash]
+        if self.events is not None:
+            self.events.dropped(block_hash)
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self, table_refs: dict[int, int]) -> None:

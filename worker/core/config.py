@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.block_hash import cache_salt
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 
@@ -22,6 +23,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = "recompute"
     sliding_window: int = 0  # > 0: every layer sees only its last W positions, so older blocks are released
+    rope_switch: int = 0  # > 0 (long-rope): a sequence growing past this length has its KV recomputed
 
     def __post_init__(self) -> None:
         positive = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -33,6 +35,11 @@ class SchedulerConfig:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+
+    def prefix_key(self, extra_key, num_tokens: int):
+        """A prefix-cache block's salt: the request's, and under long-rope which factors its KV
+        was rotated with (short up to ``rope_switch`` tokens, long past it)."""
+        return cache_salt(extra_key, num_tokens, self.rope_switch)
 
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
         """Raise InvalidRequestError for a request this configuration could never serve."""

@@ -32,6 +32,7 @@ class ScheduledSeq:
     output_ids: tuple[int, ...] = ()
     beam_group: tuple[int, ...] = ()  # beam search: the request's live beams (seq ids), in order
     grammar: object = None  # the sequence's GrammarState when its output is constrained (sampling rows only)
+    seq_len: int = 0  # the sequence's length now, computed or not (rope that changes with length reads it)
 
     @property
     def num_tokens(self) -> int:

@@ -43,6 +43,7 @@ class SchedulerStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     cow_copies: int = 0  # copy-on-write block copies (a shared block written by one of its sequences)
+    rope_recomputes: int = 0  # long-rope sequences recomputed as they grew past the switch length
 
 
 class Scheduler:
@@ -64,7 +65,7 @@ class Scheduler:
         self.requests, self.waiting = self.table.requests, self.table.waiting
         self.running, self.swapped = self.table.running, self.table.swapped
         self.stats = SchedulerStats()
-        self.applier = StepApplier(self.table, self.eos_token_ids, config.sliding_window)
+        self.applier = StepApplier(self.table, self.eos_token_ids, config)
         self.outputs = OutputBuilder(self.table, detokenizer)
         self._orders = itertools.count()
 
@@ -157,6 +158,8 @@ class Scheduler:
         queue = list(self.running)
         while queue and step.budget > 0:
             req = queue.pop(0)
+            if self._crossed_rope_switch(req):
+                continue
             sizes = self._chunk_sizes(req, step.budget)
             while self.blocks.cost_to_grow(sizes) > self.blocks.num_free_blocks:
                 victim = queue.pop() if queue else req
@@ -165,6 +168,18 @@ class Scheduler:
                     break
             else:
                 self._emit(req, sizes, step)
+
+    def _crossed_rope_switch(self, req: Request) -> bool:
+        """Long-rope: a sequence that grew past ``rope_switch`` holds KV rotated with the short
+        factors, which transformers recomputes with the long ones at that point; so is the
+        request here (back to the waiting queue, as a recompute preemption, without counting one)."""
+        switch = self.config.rope_switch
+        if not switch or not any(0 < s.num_computed <= switch < s.num_tokens for s in req.live_seqs):
+            return False
+        self.running.remove(req)
+        self._recompute(req)
+        self.stats.rope_recomputes += 1
+        return True
 
     def _schedule_swapped(self, step: StepBuilder) -> None:
         self.swapped.sort(key=lambda r: r.sort_key)
@@ -188,7 +203,8 @@ class Scheduler:
                 return
             if not self._start_grammar(req):
                 continue
-            hits = {s.seq_id: self.blocks.match_prefix(s.token_ids, req.extra_key) for s in req.live_seqs}
+            hits = {s.seq_id: self.blocks.match_prefix(s.token_ids, self.config.prefix_key(req.extra_key, s.num_tokens))
+                    for s in req.live_seqs}
             reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
             sizes, budget, new_blocks = [], step.budget, 0
             for seq in req.live_seqs:
@@ -253,7 +269,7 @@ class Scheduler:
             self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
-            seq.grammar if samples else None,
+            seq.grammar if samples else None, seq.num_tokens,
         )
 
     def _preempt(self, req: Request, step: StepBuilder) -> None:
@@ -266,6 +282,10 @@ class Scheduler:
             req.status = RequestStatus.SWAPPED
             self.swapped.append(req)
             return
+        self._recompute(req)
+
+    def _recompute(self, req: Request) -> None:
+        """Drop the request's KV; it waits to be prefilled again (prefix-cache hits included)."""
         for seq in req.live_seqs:
             self.blocks.free(seq.seq_id)
             seq.num_computed = 0

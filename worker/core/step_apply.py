@@ -10,16 +10,18 @@ dropped with their blocks. A finished search replaces the beams by its best hypo
 
 from __future__ import annotations
 
+from worker.core.config import SchedulerConfig
 from worker.core.plan import BeamStep, SampledToken, StepPlan, StepResult
 from worker.core.request import FinishReason, Request, Sequence
 from worker.core.request_table import RequestTable
 
 
 class StepApplier:
-    def __init__(self, table: RequestTable, eos_token_ids: frozenset[int], sliding_window: int = 0) -> None:
+    def __init__(self, table: RequestTable, eos_token_ids: frozenset[int], config: SchedulerConfig) -> None:
         self.table = table
         self.eos_token_ids = eos_token_ids
-        self.sliding_window = sliding_window
+        self.config = config
+        self.sliding_window = config.sliding_window
 
     def apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """The requests that got tokens or ended, in plan order (those ended outside ``update`` first)."""
@@ -31,7 +33,8 @@ class StepApplier:
                 continue  # aborted after it was scheduled
             req = self.table.owner(item.seq_id)
             seq.num_computed += item.num_tokens
-            self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, req.extra_key)
+            key = self.config.prefix_key(req.extra_key, seq.num_tokens)  # before this step's token is appended
+            self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key)
             if self.sliding_window:  # the next query is at num_computed and sees positions > it - W
                 self.table.blocks.release_before(seq.seq_id, seq.num_computed - self.sliding_window + 1)
             if item.num_samples == 0 or req.params.use_beam_search:

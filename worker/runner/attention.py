@@ -27,6 +27,9 @@ class AttentionMetadata:
     decode_max_seq_len: int = 0
     prefill_max_query_len: int = 0
     prefill_max_seq_len: int = 0
+    # int32 [num_tokens]: each token's sequence length (tokens known, computed or not), for the
+    # rotary variants that change with it (dynamic NTK, long-rope); None where the model has none.
+    token_seq_lens: torch.Tensor | None = None
 
 
 class PagedAttention:

@@ -87,6 +87,7 @@ class DecodeGraphs:
             prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
             prefill_query_start=torch.zeros(1, dtype=torch.int32, device=dev),
             decode_max_seq_len=self.max_model_len,
+            token_seq_lens=bucket.lens,  # a decode's sequence is as long as its context
         )
 
     def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> torch.Tensor:

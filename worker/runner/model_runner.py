@@ -151,6 +151,8 @@ class ModelRunner:
             decode_max_seq_len=max((s.context_len for s in decodes), default=0),
             prefill_max_query_len=max((s.num_tokens for s in prefills), default=0),
             prefill_max_seq_len=max((s.context_len for s in prefills), default=0),
+            token_seq_lens=torch.tensor([max(s.seq_len, s.context_len) for s in items for _ in s.token_ids],
+                                        dtype=torch.int32, device=dev) if self.model.rotary.needs_seq_lens else None,
         )
 
     def _tables(self, items: list[ScheduledSeq]) -> torch.Tensor:

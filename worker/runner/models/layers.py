@@ -196,7 +196,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` for a flat batch of tokens."""
         x = self.embed(input_ids)
-        tables = self.rotary(positions, x.dtype)
+        tables = self.rotary(positions, x.dtype, meta.token_seq_lens if self.rotary.needs_seq_lens else None)
         for layer, cache, key in zip(self.model.layers, kv_caches, self.rotary.layer_keys):
             x = layer(x, tables[key], meta, cache)
         return self.model.norm(x)

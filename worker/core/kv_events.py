@@ -1,0 +1,28 @@
+"""What the prefix cache gained and lost since it was last asked: the hashes of full blocks
+published (a later prompt with that prefix can hit them) and dropped (evicted, or forgotten).
+
+The worker turns each ``take`` into one KV event on Redis, from which gateways know which worker
+holds which prefix (``gateway/kv_index.py``). Recording is off unless a ``KvEvents`` is attached
+to the GPU pool (``BlockPool.events``); the offline ``LLM`` never attaches one.
+"""
+
+from __future__ import annotations
+
+
+class KvEvents:
+    def __init__(self) -> None:
+        self._changes: dict[int, bool] = {}  # hash -> True: published, False: dropped (net, in order)
+
+    def published(self, block_hash: int) -> None:
+        self._changes[block_hash] = True
+
+    def dropped(self, block_hash: int) -> None:
+        if self._changes.get(block_hash) is True:
+            del self._changes[block_hash]  # published and dropped since the last take: nobody needs to know
+        else:
+            self._changes[block_hash] = False
+
+    def take(self) -> tuple[list[int], list[int]]:
+        """``(published, dropped)`` since the last call."""
+        changes, self._changes = self._changes, {}
+        return [h for h, kept in changes.items() if kept], [h for h, kept in changes.items() if not kept]
