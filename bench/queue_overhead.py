@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from bench.stats import percentiles
+from shared.keys import Keys
 from shared.sampling import SamplingParams
 from shared.model_source import model_or_demo
 
@@ -67,7 +68,7 @@ async def through_redis(url: str, model: Path, work) -> dict:
     worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         async with QueueClient(url) as client:
-            while not await client.redis.exists(f"pagedserve:alive:{MODEL_NAME}:bench-worker"):
+            while not await client.redis.exists(Keys().alive(MODEL_NAME, "bench-worker")):
                 await asyncio.sleep(0.1)
             gaps: list[float] = []
 

@@ -27,6 +27,8 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(V + "prompt_tokens", "prompt tokens", labels, registry=self.registry)
         self.generation_tokens = Counter(V + "generation_tokens", "generated tokens", labels, registry=self.registry)
         self.requests = Counter(V + "request_success", "finished requests by reason", labels + ["finished_reason"], registry=self.registry)
+        self.routed = Counter("pagedserve:routed_requests", "requests by where they were queued: a worker's own stream "
+                              "(prefix routing) or the model's shared stream", labels + ["route"], registry=self.registry)
         self.workers = SnapshotCollector(model)
         self.registry.register(self.workers)
 

@@ -64,7 +64,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))
     state.metrics.prompt_tokens.labels(parsed.model).inc(tally.prompt_tokens)
     try:
-        await state.dispatcher.send(boxes)  # subscribed before anything is queued
+        await state.dispatcher.send(boxes, await state.routes([b.request for b in boxes]))  # subscribed first
         events = _merged(boxes, deadline)
         if parsed.stream:
             return await _stream(request, state, parsed, renderer, events, tally, [len(p) for p in prompts])

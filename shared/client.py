@@ -18,9 +18,8 @@ import time
 import uuid
 from typing import AsyncIterator
 
-import redis.asyncio as aioredis
-
 from shared.mailbox import Mailbox
+from shared.redis_client import connect
 from shared.replies import ReplyDispatcher
 from shared.keys import Keys
 from shared.producer import Producer
@@ -31,7 +30,7 @@ from shared.sampling import SamplingParams
 
 class QueueClient:
     def __init__(self, redis_url: str, keys: Keys | None = None, client_id: str | None = None) -> None:
-        self.redis = aioredis.from_url(redis_url)
+        self.redis = connect(redis_url)
         self.keys = keys or Keys()
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.producer = Producer(self.redis, self.keys)

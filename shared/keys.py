@@ -1,4 +1,11 @@
-"""Every Redis name the system uses, in one place. Change the prefix to run two deployments on one Redis."""
+"""Every Redis name the system uses, in one place. Change the prefix to run two deployments on one Redis.
+
+Every key of one model carries the model as a hash tag (``pagedserve:{model}:…``), so on a Redis
+Cluster its streams, their group, dead letters, KV events, liveness and metrics keys live in one
+slot: the multi-key commands (a worker's read of its own and the model's stream, the Lua scripts,
+the hand-back transaction) stay legal, and models spread over the cluster's slots. Pub/sub
+channels belong to no slot. Keys of one request or client (``streamed``, ``results``) stand alone.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +16,26 @@ from dataclasses import dataclass
 class Keys:
     prefix: str = "pagedserve"
 
+    def model_space(self, model: str) -> str:
+        """Where one model's keys live: ``{prefix}:{{model}}`` (a Redis Cluster hash tag)."""
+        return f"{self.prefix}:{{{model}}}"
+
     def requests(self, model: str) -> str:
         """The request stream of one model (XADD by gateways and producers)."""
-        return f"{self.prefix}:requests:{model}"
+        return f"{self.model_space(model)}:requests"
+
+    def routed(self, model: str, consumer: str) -> str:
+        """One worker's own request stream: requests the gateway routed to it (its prefix cache
+        holds their prefix). The worker reads it before the model's stream; when the worker dies,
+        another moves what is left onto the model's stream."""
+        return f"{self.model_space(model)}:routed:{consumer}"
+
+    def routed_pattern(self, model: str) -> str:
+        return f"{self.model_space(model)}:routed:*"
+
+    def kv_events(self, model: str) -> str:
+        """Stream of the model's workers' KV events: prefix-cache blocks published and dropped."""
+        return f"{self.model_space(model)}:kv"
 
     def group(self, model: str) -> str:
         """The consumer group of the workers serving one model."""
@@ -19,7 +43,7 @@ class Keys:
 
     def dead_letter(self, model: str) -> str:
         """Entries that could not be served, with the reason."""
-        return f"{self.prefix}:dead:{model}"
+        return f"{self.model_space(model)}:dead"
 
     def cancel(self, model: str) -> str:
         """Pub/sub channel for cancel messages (client gone, deadline) to the model's workers."""
@@ -45,11 +69,15 @@ class Keys:
 
     def alive(self, model: str, consumer: str) -> str:
         """Worker heartbeat (expires when the worker stops beating)."""
-        return f"{self.prefix}:alive:{model}:{consumer}"
+        return f"{self.model_space(model)}:alive:{consumer}"
 
     def alive_pattern(self, model: str = "*") -> str:
-        return f"{self.prefix}:alive:{model}:*"
+        return f"{self.model_space(model)}:alive:*"
+
+    def model_of(self, key: str) -> str:
+        """The model a per-model key belongs to (the hash tag)."""
+        return key[len(self.prefix) + 2 : key.index("}:", len(self.prefix) + 2)]
 
     def metrics(self, model: str, consumer: str) -> str:
         """Hash of a worker's latest metrics, read by the gateway's /metrics."""
-        return f"{self.prefix}:metrics:{model}:{consumer}"
+        return f"{self.model_space(model)}:metrics:{consumer}"

@@ -45,6 +45,7 @@ class Mailbox:
         self.request_id = request_id
         self.request = request  # the current attempt, kept to send again; None: this mailbox only reads
         self.entry_id: str | None = None  # the request's current stream entry, once pushed
+        self.stream: str | None = None  # the stream it was pushed onto, when not the model's (routed)
         self.heard_at = time.monotonic()  # when an event (or the request) last went through
         self.missing_checks = 0  # consecutive checks that found the entry gone (the dispatcher's)
         self.done = False
@@ -111,6 +112,7 @@ class Mailbox:
         self._resends += 1
         try:
             self.entry_id = await self._resend(self.request, old.id)
+            self.stream = None  # a new attempt goes onto the model's stream
         except REDIS_DOWN as err:
             log.warning("could not send the request again", request_id=self.request_id, error=str(err))
             return False

@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from shared.keys import Keys
 from shared.protocol import WireCancel, WireRequest
+from shared.redis_client import pipelines_publish
 
 
 class Producer:
@@ -16,18 +17,25 @@ class Producer:
         self.redis = redis
         self.keys = keys
 
-    async def enqueue(self, requests: Sequence[WireRequest]) -> list[str]:
-        """Push each request onto its model's stream, in one round trip; their entry ids."""
+    async def enqueue(self, requests: Sequence[WireRequest], streams: Sequence[str | None] = ()) -> list[str]:
+        """Push each request onto its model's stream (or the stream ``streams`` names for it: a
+        worker's own, when the gateway routed it there), in one round trip; their entry ids."""
         pipe = self.redis.pipeline(transaction=False)
-        for request in requests:
-            pipe.xadd(self.keys.requests(request.model), {"data": request.encode()})
+        for i, request in enumerate(requests):
+            stream = streams[i] if i < len(streams) else None
+            pipe.xadd(stream or self.keys.requests(request.model), {"data": request.encode()})
         return [e.decode() if isinstance(e, bytes) else str(e) for e in await pipe.execute()]
 
     async def cancel(self, model: str, request_ids: Sequence[str], reason: str) -> None:
         """Ask the model's workers to abort these requests (a worker not holding one ignores it)."""
         if not request_ids:
             return
+        messages = [WireCancel(request_id, reason).encode() for request_id in request_ids]
+        if not pipelines_publish(self.redis):  # a cluster client keeps PUBLISH out of pipelines
+            for message in messages:
+                await self.redis.publish(self.keys.cancel(model), message)
+            return
         pipe = self.redis.pipeline(transaction=False)
-        for request_id in request_ids:
-            pipe.publish(self.keys.cancel(model), WireCancel(request_id, reason).encode())
+        for message in messages:
+            pipe.publish(self.keys.cancel(model), message)
         await pipe.execute()

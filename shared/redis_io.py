@@ -18,17 +18,25 @@ REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 async def listen_forever(
     client: aioredis.Redis, channel: str, on_message: Callable[[bytes], None],
     on_subscribed: Callable[[], None] | None = None, on_lost: Callable[[], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> None:
     """Call ``on_message`` for every message on ``channel``, resubscribing after a lost connection
-    (messages published meanwhile are gone: pub/sub keeps nothing). Runs until cancelled.
+    (messages published meanwhile are gone: pub/sub keeps nothing). Runs until ``stop`` is set.
     ``on_subscribed`` / ``on_lost`` tell when the subscription holds and when it broke. Retries back
-    off from 0.2 s to 5 s, so an outage costs a few log lines, not one every 0.2 s."""
+    off from 0.2 s to 5 s, so an outage costs a few log lines, not one every 0.2 s. Returns within a
+    quarter of a second of ``stop`` being set: cancelling a task that waits in redis-py's read can be lost
+    when it meets the read's own timeout (the retry layer then reads on), so owners stop it by flag."""
     delay = 0.2
-    while True:
+    stopped = stop.is_set if stop is not None else (lambda: False)
+    while not stopped():
         try:
+            await client.initialize()  # a cluster client learns the slots here (its pub/sub needs them)
             async with client.pubsub() as pubsub:
                 await pubsub.subscribe(channel)
-                async for msg in pubsub.listen():
+                while not stopped():
+                    msg = await pubsub.get_message(timeout=0.25)
+                    if msg is None:
+                        continue
                     if msg["type"] == "subscribe":
                         delay = 0.2
                         if on_subscribed is not None:
@@ -41,3 +49,14 @@ async def listen_forever(
             log.warning("subscription lost; resubscribing", channel=channel, error=str(err), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+async def stop_tasks(tasks: list[asyncio.Task], stop: asyncio.Event, grace_s: float = 2.0) -> None:
+    """Set ``stop``, give the tasks ``grace_s`` to return (their Redis reads time out often),
+    then cancel what is left and wait for all of them."""
+    stop.set()
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace_s)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

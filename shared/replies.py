@@ -22,7 +22,7 @@ from shared.errors import InvalidRequestError
 from shared.mailbox import Mailbox, failure
 from shared.producer import Producer
 from shared.protocol import WireRequest, decode_events
-from shared.redis_io import REDIS_DOWN, listen_forever
+from shared.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 
 log = structlog.get_logger("pagedserve.dispatch")
 VANISHED = "the request's queue entry vanished (did Redis restart without persistence?)"
@@ -39,6 +39,7 @@ class ReplyDispatcher:
         self._boxes: dict[str, Mailbox] = {}
         self._tasks: list[asyncio.Task] = []
         self._subscribed = asyncio.Event()
+        self._stop = asyncio.Event()
 
     async def start(self, wait: bool = True) -> None:
         """Start reading; with ``wait``, return once subscribed (a service starts without waiting,
@@ -57,9 +58,7 @@ class ReplyDispatcher:
             raise RedisConnectionError(f"not subscribed to {self.channel} (Redis unreachable?)") from None
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(self._tasks, self._stop)
         self._tasks = []
 
     def open(self, request: WireRequest | str) -> Mailbox:
@@ -71,12 +70,14 @@ class ReplyDispatcher:
         self._boxes[box.request_id] = box
         return box
 
-    async def send(self, boxes: list[Mailbox], subscribe_timeout: float = 5.0) -> None:
-        """Push the requests of ``boxes`` (one round trip) once the channel is subscribed."""
+    async def send(self, boxes: list[Mailbox], streams: list[str | None] = (), subscribe_timeout: float = 5.0) -> None:
+        """Push the requests of ``boxes`` (one round trip) once the channel is subscribed; onto
+        ``streams`` where given (routed), else the model's stream."""
         await self.ready(subscribe_timeout)
-        entry_ids = await self.producer.enqueue([box.request for box in boxes])
-        for box, entry_id in zip(boxes, entry_ids):
+        entry_ids = await self.producer.enqueue([box.request for box in boxes], streams)
+        for i, (box, entry_id) in enumerate(zip(boxes, entry_ids)):
             box.entry_id, box.heard_at = entry_id, time.monotonic()
+            box.stream = streams[i] if i < len(streams) else None
 
     async def _push(self, request: WireRequest, old_id: str) -> str:
         """A new attempt of a request: its mailbox answers to the new id, the old attempt is cancelled."""
@@ -95,7 +96,8 @@ class ReplyDispatcher:
         self._boxes.pop(box.wire_id, None)
 
     async def _read(self) -> None:
-        await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set, self._subscribed.clear)
+        await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set, self._subscribed.clear,
+                             self._stop)
 
     def _deliver(self, data: bytes) -> None:
         try:
@@ -127,7 +129,7 @@ class ReplyDispatcher:
             return
         pipe = self.client.pipeline(transaction=False)
         for box in quiet:
-            pipe.xrange(self.producer.keys.requests(box.request.model), box.entry_id, box.entry_id)
+            pipe.xrange(box.stream or self.producer.keys.requests(box.request.model), box.entry_id, box.entry_id)
         for box, found in zip(quiet, await pipe.execute()):
             box.missing_checks = 0 if found else box.missing_checks + 1
             if box.missing_checks >= 2:

@@ -56,6 +56,8 @@ class WorkerSettings:
     read_ahead: int = 16  # requests read but not yet started (no event sent) at most
     log_stats_interval_s: float = 10.0  # a stats log line this often while busy; 0: none
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
+    kv_events_interval_s: float = 0.05  # KV events (prefix-cache changes) go out at most this often
+    kv_resync_s: float = 30.0  # and all the cache holds, this often (a reader that missed entries catches up)
 
 
 def checked(kind, ok, rule: str):
@@ -79,6 +81,17 @@ def _non_negative(kind):
 
 
 _fraction = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
+
+
+def _is_step_cost(text: str) -> bool:
+    parts = text.split(",")
+    try:
+        return len(parts) == 3 and all(float(p) >= 0 for p in parts)
+    except ValueError:
+        return False
+
+
+_step_cost = checked(str, _is_step_cost, "three seconds >= 0, BASE,PER_SEQ,PER_TOKEN")
 
 
 def boolean(text: str) -> bool:
@@ -116,6 +129,9 @@ def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str])
                         default=e("enable_prefix_caching", True, boolean), help="share KV blocks of identical prompt prefixes")
     add("--swap-space", type=_non_negative(float), default=e("swap_space", 1.0, float),
                         help="GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)")
+    add("--simulate", type=_step_cost, default=e("simulate", None), metavar="BASE,PER_SEQ,PER_TOKEN",
+                        help="no model forward: each step sleeps BASE + PER_SEQ x sequences + PER_TOKEN x tokens seconds "
+                             "(scale measurements, bench/scale.py; calibrate with bench/scale.py --calibrate)")
     for action in actions:
         action.help = f"{action.help or ''} (default: %(default)s; env PAGEDSERVE_{action.dest.upper()})".lstrip()
     return actions
@@ -147,6 +163,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "preemption_mode": args.preemption_mode, "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager, "attention_backend": args.attention_backend,
         "enable_prefix_caching": args.enable_prefix_caching, "swap_space": int(args.swap_space * (1 << 30)),
+        "simulate": args.simulate,
     }
 
 
@@ -213,6 +230,10 @@ class GatewaySettings:
     key_prefix: str
     generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset fields; "vllm": ignore it
     tool_call_parser: str = "hermes"  # how tool calls are found in a model's text (gateway/tool_calls.py)
+    routing: str = "prefix"  # "prefix": to the worker holding the prompt's prefix (gateway/router.py); "shared"
+    routing_load_weight: float = 1.0
+    routing_busy_waiting: int = 8
+    routing_imbalance: int = 16
 
 
 def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -239,6 +260,15 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
                         "vllm: ignore it")
     p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=e("tool_call_parser", "hermes"),
                    help="the model's tool-call format, for tool_choice auto: hermes (Hermes, Qwen) or llama3_json")
+    p.add_argument("--routing", choices=["prefix", "shared"], default=e("routing", "prefix"),
+                   help="prefix: each request to the worker whose prefix cache holds most of its prompt, unless it is busy; "
+                        "shared: every request on the model's shared stream (whichever worker reads first)")
+    p.add_argument("--routing-load-weight", type=_non_negative(float), default=e("routing_load_weight", 1.0, float),
+                   help="how much a worker's load (running + waiting, over max_num_seqs) counts against its cached prefix")
+    p.add_argument("--routing-busy-waiting", type=_positive(int), default=e("routing_busy_waiting", 8, int),
+                   help="a worker with this many requests waiting gets no routed requests (they go to the shared stream)")
+    p.add_argument("--routing-imbalance", type=_positive(int), default=e("routing_imbalance", 16, int),
+                   help="nor does one holding this many more requests than the least loaded worker")
     return p
 
 
@@ -252,5 +282,6 @@ def gateway_settings(argv: list[str] | None = None, environ: Mapping[str, str] |
         max_body_bytes=args.max_body_bytes, max_queue_depth=args.max_queue_depth, request_timeout_s=args.request_timeout,
         max_n=args.max_n, max_tokens=args.max_tokens, default_chat_max_tokens=args.default_chat_max_tokens,
         cors_origins=tuple(args.cors_origin or ()), key_prefix=args.key_prefix, generation_config=args.generation_config,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=args.tool_call_parser, routing=args.routing, routing_load_weight=args.routing_load_weight,
+        routing_busy_waiting=args.routing_busy_waiting, routing_imbalance=args.routing_imbalance,
     )

@@ -38,6 +38,7 @@ from worker.runner.model_runner import ModelRunner, kv_block_bytes
 from worker.runner.models.layers import release_window
 from worker.runner.models.rope import rope_switch
 from worker.runner.sampler import Sampler
+from worker.runner.simulated import SimulatedRunner, StepCost
 
 log = structlog.get_logger("pagedserve.engine")
 
@@ -50,18 +51,23 @@ class Engine:
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         info = self.info = inspect_model(config.model, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(info.path)
-        ops = select_ops(device, config.attention_backend, cache_dir() / "kernels")
-        model = load_weights(info, ops, device)
-        block_bytes = kv_block_bytes(model, config.block_size, info.dtype)
         max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
         eos = frozenset(info.eos_token_ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
+        if config.simulate:  # no weights: the pool is bookkeeping only
+            block_bytes, num_gpu, num_cpu = 0, config.num_gpu_blocks or 4096, config.num_cpu_blocks or 0
+            self.runner = SimulatedRunner(StepCost.parse(config.simulate), info.config.vocab_size, eos)
+        else:
+            ops = select_ops(device, config.attention_backend, cache_dir() / "kernels")
+            model = load_weights(info, ops, device)
+            block_bytes = kv_block_bytes(model, config.block_size, info.dtype)
 
-        def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
-            return ModelRunner(model, ops, device, info.dtype, config.block_size, num_gpu, num_cpu,
-                               Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs)
+            def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
+                return ModelRunner(model, ops, device, info.dtype, config.block_size, num_gpu, num_cpu,
+                                   Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs)
 
-        num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
-        num_cpu = config.cpu_blocks(block_bytes)
+            num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
+            num_cpu = config.cpu_blocks(block_bytes)
+            self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_gpu_blocks=num_gpu, block_size=config.block_size, num_cpu_blocks=num_cpu,
@@ -72,8 +78,6 @@ class Engine:
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer),
         )
-        graphs = None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs)
-        self.runner = make_runner(num_gpu, num_cpu, graphs)
         self.sampling_defaults = generation_defaults(info.path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, info.config.vocab_size, eos)
         log.info(

@@ -195,9 +195,9 @@ def test_auth_backpressure_and_missing_workers(stack):
         import redis.asyncio as aioredis
 
         r = aioredis.from_url(stack.redis.url)
-        await r.set("pagedserve:alive:crowded:ghost", "x", ex=30)
+        await r.set("pagedserve:{crowded}:alive:ghost", "x", ex=30)
         for _ in range(3):
-            await r.xadd("pagedserve:requests:crowded", {"data": b"x"})
+            await r.xadd("pagedserve:{crowded}:requests", {"data": b"x"})
         await r.aclose()
 
     stack.run(fill())

@@ -53,6 +53,10 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 
+    def published_hashes(self) -> list[int]:
+        """Every hash in the prefix cache (blocks in use and cached free ones)."""
+        return list(self._block_of_hash)
+
     def is_cached_free(self, block: int) -> bool:
         return block in self._cached
 

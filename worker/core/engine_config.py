@@ -31,6 +31,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the device's memory this engine may fill (weights, KV, steps)
     generation_config: str = "auto"  # "auto": the model's generation_config.json gives the default SamplingParams; "vllm": not
+    simulate: str | None = None  # "BASE,PER_SEQ,PER_TOKEN" seconds: no model, steps sleep that long (worker/runner/simulated.py)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "num_gpu_blocks", "num_cpu_blocks", "max_model_len"):

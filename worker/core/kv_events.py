@@ -12,6 +12,12 @@ from __future__ import annotations
 class KvEvents:
     def __init__(self) -> None:
         self._changes: dict[int, bool] = {}  # hash -> True: published, False: dropped (net, in order)
+        self._reset = False
+
+    def reset(self, published: list[int]) -> None:
+        """Forget what was recorded: the cache holds exactly ``published`` (a resync)."""
+        self._changes = dict.fromkeys(published, True)
+        self._reset = True
 
     def published(self, block_hash: int) -> None:
         self._changes[block_hash] = True
@@ -22,7 +28,11 @@ class KvEvents:
         else:
             self._changes[block_hash] = False
 
-    def take(self) -> tuple[list[int], list[int]]:
-        """``(published, dropped)`` since the last call."""
-        changes, self._changes = self._changes, {}
-        return [h for h, kept in changes.items() if kept], [h for h, kept in changes.items() if not kept]
+    def __bool__(self) -> bool:
+        return bool(self._changes) or self._reset
+
+    def take(self) -> tuple[list[int], list[int], bool]:
+        """``(published, dropped, reset)`` since the last call; ``reset``: the published ones are
+        all the cache holds."""
+        changes, reset, self._changes, self._reset = self._changes, self._reset, {}, False
+        return [h for h, kept in changes.items() if kept], [h for h, kept in changes.items() if not kept], reset

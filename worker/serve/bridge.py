@@ -1,6 +1,13 @@
 """The worker's Redis I/O: read and reclaim stream entries, publish event batches, acknowledge.
 
 Typed helpers only; the decisions (what to read, when to give up on an entry) are the service's.
+
+A worker reads two streams with one consumer group name: its own (``Keys.routed``: requests the
+gateway routed to it for its cached prefixes), first, then the model's shared stream. Entry ids
+from its own stream carry the prefix ``r:`` so the rest of the worker handles ids alike; every
+acknowledgement goes to the stream the id names. A dead worker's own stream is moved onto the
+shared stream by whichever worker notices (``adopt_dead_routed``), entries it had been handed
+marked with their delivery count, so they are treated as reclaimed.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from redis.exceptions import ResponseError
 
 from shared.keys import Keys
 from shared.protocol import ReplyTarget, WireEvent, encode_events
+from shared.redis_client import pipelines_publish
 
 STREAMED_TTL_S = 24 * 3600
 
@@ -41,6 +49,35 @@ return keep
 """
 
 
+# Move the entries of a worker's own stream onto the shared stream (delivered ones with their
+# delivery count), in one atomic step, so no entry is served twice or lost. ARGV[2] "all": every
+# entry, then the stream is deleted (its worker is dead or gone); "unread": only those never
+# delivered (its worker is draining and still serves the others).
+MOVE_ROUTED = """
+local delivered = {}
+local ok, pending = pcall(redis.call, 'XPENDING', KEYS[1], ARGV[1], '-', '+', 1000000)
+if ok then
+  for _, e in ipairs(pending) do delivered[e[1]] = e[4] end
+end
+local moved = 0
+for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do
+  if ARGV[2] == 'all' or not delivered[e[1]] then
+    local data = ''
+    for i = 1, #e[2], 2 do
+      if e[2][i] == 'data' then data = e[2][i + 1] end
+    end
+    redis.call('XADD', KEYS[2], '*', 'data', data, 'deliveries', delivered[e[1]] or 0)
+    redis.call('XDEL', KEYS[1], e[1])
+    moved = moved + 1
+  end
+end
+if ARGV[2] == 'all' then redis.call('DEL', KEYS[1]) end
+return moved
+"""
+
+OWN = "r:"  # prefix of entry ids from the worker's own stream
+
+
 class ConsumerNameTaken(RuntimeError):
     pass
 
@@ -49,7 +86,7 @@ class ConsumerNameTaken(RuntimeError):
 class Entry:
     entry_id: str
     data: bytes | None  # None when the entry was deleted before it was read
-    deliveries: int = 1
+    deliveries: int = 1  # > 1: delivered before (reclaimed, or moved from a dead worker's own stream)
 
 
 @dataclass(frozen=True)
@@ -66,17 +103,30 @@ class RedisBridge:
         self.r = client
         self.keys = keys
         self.stream = keys.requests(model)
+        self.own = keys.routed(model, consumer)
         self.group = keys.group(model)
         self.model = model
         self.consumer = consumer
         self.token = uuid.uuid4().hex  # tells this process's liveness key from another's with the same name
 
     async def ensure_group(self) -> None:
-        try:
-            await self.r.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except ResponseError as err:
-            if "BUSYGROUP" not in str(err):
-                raise
+        for stream in (self.stream, self.own):
+            try:
+                await self.r.xgroup_create(stream, self.group, id="0", mkstream=True)
+            except ResponseError as err:
+                if "BUSYGROUP" not in str(err):
+                    raise
+
+    def _stream_of(self, entry_id: str) -> tuple[str, str]:
+        """(stream, Redis id) of an entry id as this worker hands it around."""
+        return (self.own, entry_id[len(OWN):]) if entry_id.startswith(OWN) else (self.stream, entry_id)
+
+    def _by_stream(self, entry_ids: list[str]) -> dict[str, list[str]]:
+        grouped: dict[str, list[str]] = {}
+        for entry_id in entry_ids:
+            stream, eid = self._stream_of(entry_id)
+            grouped.setdefault(stream, []).append(eid)
+        return grouped
 
     async def wait_for_name(self, ttl_s: float, patience_s: float) -> None:
         """Take the consumer name, waiting up to ``patience_s`` for another holder's key to expire."""
@@ -91,11 +141,21 @@ class RedisBridge:
             await asyncio.sleep(0.25)
 
     async def read(self, count: int, block_ms: int | None, own_pending: bool = False) -> list[Entry]:
-        """New entries (``>``), or with ``own_pending`` the ones this consumer holds unacknowledged."""
-        reply = await self.r.xreadgroup(
-            self.group, self.consumer, {self.stream: "0" if own_pending else ">"}, count=count, block=block_ms
-        )
-        return [Entry(_text(eid), fields.get(b"data") if fields else None) for _, items in reply or [] for eid, fields in items]
+        """New entries (``>``), or with ``own_pending`` the ones this consumer holds unacknowledged;
+        its own stream's first. Redis counts per stream: new entries past ``count`` (the shared
+        stream's tail) go back to that stream for another worker."""
+        start = "0" if own_pending else ">"
+        reply = await self.r.xreadgroup(self.group, self.consumer, {self.own: start, self.stream: start},
+                                        count=count, block=block_ms)
+        entries = []
+        for stream, items in reply or []:
+            prefix = OWN if _text(stream) == self.own else ""
+            entries.extend(_entry(prefix + _text(eid), fields) for eid, fields in items)
+        entries.sort(key=lambda e: not e.entry_id.startswith(OWN))
+        if len(entries) > count and not own_pending:
+            await self.hand_back(entries[count:])
+            del entries[count:]
+        return entries
 
     async def reclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
         """Entries of dead consumers idle past ``min_idle_ms``, now ours, with their delivery counts."""
@@ -103,8 +163,7 @@ class RedisBridge:
         claimed, deleted = reply[1], (reply[2] if len(reply) > 2 else [])  # Redis 7 adds the deleted ids
         for eid in deleted:
             await self.ack([_text(eid)])
-        return [await self.with_deliveries(Entry(_text(eid), fields.get(b"data") if fields else None))
-                for eid, fields in claimed]
+        return [await self.with_deliveries(_entry(_text(eid), fields)) for eid, fields in claimed]
 
     async def reclaim_from_dead(self, count: int) -> list[Entry]:
         """Entries held by consumers whose liveness key has expired (they stopped beating), now
@@ -119,62 +178,92 @@ class RedisBridge:
             ids = [_text(e["message_id"]) for e in held]
             if ids:
                 for eid, fields in await self.r.xclaim(self.stream, self.group, self.consumer, 0, ids):
-                    claimed.append(await self.with_deliveries(Entry(_text(eid), fields.get(b"data") if fields else None)))
+                    claimed.append(await self.with_deliveries(_entry(_text(eid), fields)))
         return claimed
 
+    async def adopt_dead_routed(self) -> int:
+        """Move the own streams of workers that stopped beating onto the shared stream; how many
+        entries moved (the gateway routes only to live workers, but one may die holding some)."""
+        moved = 0
+        async for key in self.r.scan_iter(match=self.keys.routed_pattern(self.model), count=100):
+            name = _text(key)[len(self.keys.routed(self.model, "")):]
+            if name != self.consumer and not await self.r.exists(self.keys.alive(self.model, name)):
+                moved += int(await self.r.eval(MOVE_ROUTED, 2, _text(key), self.stream, self.group, "all"))
+        return moved
+
+    async def give_back_unread(self) -> int:
+        """Move what was routed to this worker and never read onto the shared stream (draining)."""
+        return int(await self.r.eval(MOVE_ROUTED, 2, self.own, self.stream, self.group, "unread"))
+
     async def with_deliveries(self, entry: Entry) -> Entry:
-        info = await self.r.xpending_range(self.stream, self.group, entry.entry_id, entry.entry_id, 1)
-        return Entry(entry.entry_id, entry.data, info[0]["times_delivered"] if info else entry.deliveries)
+        stream, eid = self._stream_of(entry.entry_id)
+        info = await self.r.xpending_range(stream, self.group, eid, eid, 1)
+        return Entry(entry.entry_id, entry.data, max(entry.deliveries, info[0]["times_delivered"]) if info else entry.deliveries)
 
     async def heartbeat(self, entry_ids: list[str], ttl_s: float, metrics: dict) -> set[str]:
         """Reset the idle time of those in-flight entries this consumer still holds and renew the
         liveness key; returns the ids still held (an entry Redis lost, or that another worker
         claimed, is not touched: taking it back would run it twice)."""
         pipe = self.r.pipeline(transaction=False)
-        for start in range(0, len(entry_ids), 500):
-            pipe.eval(KEEP_HELD, 1, self.stream, self.group, self.consumer, *entry_ids[start : start + 500])
+        calls = []  # the prefix of each script call's ids
+        for stream, ids in self._by_stream(entry_ids).items():
+            for start in range(0, len(ids), 500):
+                pipe.eval(KEEP_HELD, 1, stream, self.group, self.consumer, *ids[start : start + 500])
+                calls.append(OWN if stream == self.own else "")
         pipe.set(self.keys.alive(self.model, self.consumer), self.token, px=int(ttl_s * 1000))
         if metrics:
             pipe.hset(self.keys.metrics(self.model, self.consumer), mapping=metrics)
             pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))
         results = await pipe.execute()
-        return {_text(eid) for kept in results[: -(-len(entry_ids) // 500)] for eid in kept}
+        return {prefix + _text(eid) for prefix, kept in zip(calls, results) for eid in kept}
 
     async def publish(self, batch: list[Outgoing]) -> list[tuple[ReplyTarget, Exception]]:
         """One PUBLISH (or XADD) per reply target for the whole batch, in order; then the acks.
 
         A target Redis refuses (a key of the wrong type, say) fails its own requests only: it comes
         back in the result and the rest of the batch, acks included, goes through. A lost
-        connection raises, and the caller sends the batch again."""
+        connection raises, and the caller sends the batch again. On one server it all goes in one
+        pipeline; on a cluster, which keeps PUBLISH out of pipelines, the replies go one by one first."""
         by_target: OrderedDict[ReplyTarget, list[WireEvent]] = OrderedDict()
         for item in batch:
             by_target.setdefault(item.target, []).append(item.event)
+        payloads = {target: encode_events(events) for target, events in by_target.items()}
         pipe = self.r.pipeline(transaction=False)
-        for target, events in by_target.items():
-            payload = encode_events(events)
-            if target.kind == "channel":
-                pipe.publish(target.name, payload)
-            else:
-                pipe.xadd(target.name, {"data": payload})
+        together = pipelines_publish(self.r)
+        sent = [] if together else [await self._send_one(target, payload) for target, payload in payloads.items()]
+        if together:
+            for target, payload in payloads.items():
+                _send(pipe, target, payload)
         for item in batch:
             if item.event.seq == 0 and not item.event.done:
                 pipe.set(self.keys.streamed(item.event.id), 1, ex=STREAMED_TTL_S)
             if item.entry_id is not None:
-                pipe.xack(self.stream, self.group, item.entry_id)
-                pipe.xdel(self.stream, item.entry_id)
+                stream, eid = self._stream_of(item.entry_id)
+                pipe.xack(stream, self.group, eid)
+                pipe.xdel(stream, eid)
                 pipe.delete(self.keys.streamed(item.event.id))
         results = await pipe.execute(raise_on_error=False)
-        failed = [(target, r) for target, r in zip(by_target, results) if isinstance(r, Exception)]
-        others = [r for r in results[len(by_target):] if isinstance(r, Exception)]
+        if together:
+            sent, results = results[: len(payloads)], results[len(payloads):]
+        failed = [(target, r) for target, r in zip(payloads, sent) if isinstance(r, Exception)]
+        others = [r for r in results if isinstance(r, Exception)]
         if others:
             raise others[0]
         return failed
 
+    async def _send_one(self, target: ReplyTarget, payload: bytes):
+        """One reply on its own: Redis's answer, or the error it refused it with."""
+        try:
+            return await _send(self.r, target, payload)
+        except ResponseError as err:
+            return err
+
     async def ack(self, entry_ids: list[str]) -> None:
         if entry_ids:
             pipe = self.r.pipeline(transaction=False)
-            pipe.xack(self.stream, self.group, *entry_ids)
-            pipe.xdel(self.stream, *entry_ids)
+            for stream, ids in self._by_stream(entry_ids).items():
+                pipe.xack(stream, self.group, *ids)
+                pipe.xdel(stream, *ids)
             await pipe.execute()
 
     async def hand_back(self, entries: list[Entry]) -> None:
@@ -184,9 +273,9 @@ class RedisBridge:
             pipe = self.r.pipeline(transaction=True)
             for entry in entries:
                 pipe.xadd(self.stream, {"data": entry.data or b""})
-            ids = [entry.entry_id for entry in entries]
-            pipe.xack(self.stream, self.group, *ids)
-            pipe.xdel(self.stream, *ids)
+            for stream, ids in self._by_stream([entry.entry_id for entry in entries]).items():
+                pipe.xack(stream, self.group, *ids)
+                pipe.xdel(stream, *ids)
             await pipe.execute()
 
     async def dead_letter(self, entry: Entry, reason: str) -> None:
@@ -201,7 +290,28 @@ class RedisBridge:
         return bool(await self.r.exists(self.keys.streamed(request_id)))
 
     async def leave(self) -> None:
+        """Give what is left on this worker's own stream to the others, and stop beating."""
+        await self.r.eval(MOVE_ROUTED, 2, self.own, self.stream, self.group, "all")
         await self.r.delete(self.keys.alive(self.model, self.consumer), self.keys.metrics(self.model, self.consumer))
+
+    async def publish_kv(self, event: bytes, max_len: int) -> None:
+        """One KV event onto the model's stream, trimmed to about ``max_len`` entries."""
+        await self.r.xadd(self.keys.kv_events(self.model), {"data": event}, maxlen=max_len, approximate=True)
+
+
+def _send(client, target: ReplyTarget, payload: bytes):
+    """PUBLISH or XADD one batch of events to ``target`` (on a client or a pipeline)."""
+    if target.kind == "channel":
+        return client.publish(target.name, payload)
+    return client.xadd(target.name, {"data": payload})
+
+
+def _entry(entry_id: str, fields) -> Entry:
+    """An entry as read; one moved from a dead worker's own stream counts its earlier deliveries."""
+    if not fields:
+        return Entry(entry_id, None)
+    moved = fields.get(b"deliveries")
+    return Entry(entry_id, fields.get(b"data"), int(moved) + 1 if moved is not None else 1)
 
 
 def _text(value) -> str:

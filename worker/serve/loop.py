@@ -18,15 +18,22 @@ from shared.errors import InvalidRequestError
 from shared.protocol import WireRequest
 from worker.engine import Engine
 from worker.serve.metrics import engine_state
+from worker.core.kv_events import KvEvents
 from worker.core.outputs import RequestOutput
 
 OnOutputs = Callable[[list[RequestOutput], list[tuple[str, str]]], None]
+OnKv = Callable[[list[int], list[int], bool], None]  # (published, dropped, reset): prefix-cache hashes
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, on_outputs: OnOutputs, snapshot_every_s: float = 0.25) -> None:
+    def __init__(self, engine: Engine, on_outputs: OnOutputs, snapshot_every_s: float = 0.25,
+                 on_kv: OnKv | None = None) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
+        self.on_kv = on_kv
+        self.kv_events = KvEvents() if on_kv else None  # what the prefix cache gains and loses, for routing
+        engine.scheduler.blocks.gpu.events = self.kv_events
+        self._kv_resync = threading.Event()
         self.snapshot = engine_state(engine)  # replaced, never mutated: safe to read from another thread
         self._snapshot_every_s = snapshot_every_s
         self._snapshot_at = time.monotonic()
@@ -47,12 +54,19 @@ class EngineLoop:
         self._finish.set()
         self._ready.set()
 
+    def resync_kv(self) -> None:
+        """Send every hash the prefix cache holds, as a reset (after Redis lost the KV stream, and
+        now and then so a reader that missed entries catches up)."""
+        self._kv_resync.set()
+        self._ready.set()
+
     @property
     def queued(self) -> int:
         return len(self._inbox)
 
     def run(self) -> None:
         while True:
+            self._send_kv()
             work = []
             while self._inbox:
                 work.append(self._inbox.popleft())
@@ -66,6 +80,16 @@ class EngineLoop:
             if outputs or errors:
                 self.on_outputs(outputs, errors)
             self._take_snapshot()
+
+    def _send_kv(self) -> None:
+        if self.kv_events is None:
+            return
+        published, dropped, _ = self.kv_events.take()
+        if self._kv_resync.is_set():
+            self._kv_resync.clear()
+            self.on_kv(self.engine.scheduler.blocks.gpu.published_hashes(), [], True)
+        elif published or dropped:
+            self.on_kv(published, dropped, False)
 
     def _take_snapshot(self) -> None:
         now = time.monotonic()

@@ -1,7 +1,7 @@
 """The worker's own Prometheus endpoint (``--metrics-port``), with vLLM's names and types
 (``shared.metric_names``).
 
-The same numbers go to Redis (``pagedserve:metrics:{model}:{consumer}``) for the gateway.
+The same numbers go to Redis (``pagedserve:{model}:metrics:{consumer}``) for the gateway.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def engine_state(engine) -> dict[str, float]:
         "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "cow_copies_total": sched.stats.cow_copies,
         "kv_blocks_saved_by_sharing": usage.logical - usage.used,
         "max_model_len": sched.config.max_model_len,  # the gateway checks prompts against it
+        # what the gateway's router needs: how to hash a prompt's blocks as this worker does, and its capacity
+        "block_size": sched.config.block_size, "rope_switch": sched.config.rope_switch,
+        "max_num_seqs": sched.config.max_num_seqs,
     }
 
 

@@ -18,7 +18,15 @@ with backoff, the worker exits 1 when one keeps failing):
   publishes metrics, and reclaims entries of dead workers (re-run from the prompt; if tokens were
   already sent, an error marked ``resumable`` so the client re-sends it with ``resume``; the
   dead-letter stream after ``max_deliveries``);
-- cancels: aborts requests named on the model's cancel channel.
+- cancels: aborts requests named on the model's cancel channel;
+- kv events: what the prefix cache published and dropped (block hashes, taken on the engine
+  thread after each step) goes out on the model's KV stream, merged, at most every
+  ``kv_events_interval_s``; a reset with every hash it holds at start, after Redis was lost, and
+  every ``kv_resync_s``; an empty reset when it stops. Gateways route on them
+  (``gateway/kv_index.py``).
+
+Besides the model's stream the reader reads the worker's own (requests routed to it, first);
+maintenance moves the own streams of dead workers onto the model's stream.
 
 SIGTERM: stop reading, finish in-flight work (aborting what is left after ``drain_timeout``),
 flush events, exit 0. Engine numbers for metrics come from the engine thread's snapshot.
@@ -38,9 +46,12 @@ from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.prompts import encode_chat
 from shared.protocol import WireCancel, WireRequest
-from shared.redis_io import REDIS_DOWN, listen_forever
+from shared.redis_client import connect
+from shared.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 from shared.supervision import supervise
 from shared.settings import WorkerSettings
+from shared.kv_wire import KvEvent
+from worker.core.kv_events import KvEvents
 from worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
 from worker.serve.intake import Rejected, admit, salvage_reply
 from worker.engine import Engine
@@ -51,6 +62,7 @@ from worker.serve.metrics import WorkerMetrics, worker_metrics
 from worker.serve.stats_log import StatsLine
 
 log = structlog.get_logger("pagedserve.worker")
+KV_STREAM_LEN = 10_000  # KV events kept (about): a gateway starting later also gets resyncs
 
 
 class WorkerService:
@@ -60,15 +72,17 @@ class WorkerService:
         self.model = settings.served_model_name
         self.keys = Keys(settings.key_prefix)
         self.inflight = InFlightTable(settings.max_inflight, settings.read_ahead)
-        self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread)
+        self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread, on_kv=self._kv_from_engine_thread)
+        self.kv_out = KvEvents()  # merged until the next flush (I/O thread)
         self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
         self.stopping = asyncio.Event()
+        self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rate_mark = (time.monotonic(), 0)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.redis = aioredis.from_url(settings.redis_url)
+        self.redis = connect(settings.redis_url)
         self.prometheus = WorkerMetrics(settings.metrics_port, self.model, settings.metrics_host) if settings.metrics_port else None
         self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
         self.stats_line = StatsLine(settings.log_stats_interval_s)
@@ -102,19 +116,23 @@ class WorkerService:
             await self.redis.aclose()
             raise
         log.info("worker ready", model=self.model, consumer=self.settings.consumer, stream=self.bridge.stream)
+        self.engine_loop.resync_kv()  # the first KV event: a reset (the index forgets a predecessor's blocks)
         side = [asyncio.create_task(supervise(name, run, self._give_up))
-                for name, run in (("reader", self._reader), ("maintenance", self._maintenance), ("cancels", self._cancels))]
+                for name, run in (("reader", self._reader), ("maintenance", self._maintenance), ("kv events", self._kv_publisher))]
+        cancels = asyncio.create_task(supervise("cancels", self._cancels, self._give_up))
         publisher = asyncio.create_task(supervise("publisher", self._publisher, self._give_up))
         try:
             await engine_finished()
         finally:
             self.engine_loop.finish()
+            await stop_tasks([cancels], self._io_stop)  # a subscription stops by flag (redis_io.listen_forever)
             for task in side:
                 task.cancel()
             await asyncio.gather(*side, return_exceptions=True)
             self.outbox.put_nowait(None)
             await publisher
             try:
+                await self.bridge.publish_kv(KvEvent(self.settings.consumer, reset=True).encode(), KV_STREAM_LEN)
                 await self.bridge.leave()
             except REDIS_DOWN:
                 pass
@@ -173,9 +191,11 @@ class WorkerService:
             entries = await self._retrying("read", lambda: self.bridge.read(count, block))
             if self.stopping.is_set():  # the stop came while the read was blocked: these are for another worker
                 await self._retrying("hand back", lambda: self.bridge.hand_back(entries))
-                return
-            for entry in entries:
-                await self._accept(entry)
+                break
+            for entry in entries:  # one moved from a dead worker's own stream was delivered before
+                await (self._reclaimed(entry) if entry.deliveries > 1 else self._accept(entry))
+        # Draining: what was routed here and not read yet goes to the others now, not after the drain.
+        await self._retrying("give back routed", self.bridge.give_back_unread)
 
     async def _reclaimed(self, entry: Entry) -> None:
         if entry.deliveries > self.settings.max_deliveries:
@@ -233,6 +253,36 @@ class WorkerService:
             self.outbox.put_nowait(batch)
         self._finish_if_drained()
 
+    def _kv_from_engine_thread(self, published: list[int], dropped: list[int], reset: bool) -> None:
+        self._loop.call_soon_threadsafe(self._kv_merge, published, dropped, reset)
+
+    def _kv_merge(self, published: list[int], dropped: list[int], reset: bool) -> None:
+        if reset:
+            self.kv_out.reset(published)
+            return
+        for block_hash in published:
+            self.kv_out.published(block_hash)
+        for block_hash in dropped:
+            self.kv_out.dropped(block_hash)
+
+    async def _kv_publisher(self) -> None:
+        resync_at = time.monotonic() + self.settings.kv_resync_s
+        while True:
+            await asyncio.sleep(self.settings.kv_events_interval_s)
+            if time.monotonic() >= resync_at:
+                resync_at = time.monotonic() + self.settings.kv_resync_s
+                self.engine_loop.resync_kv()
+            if not self.kv_out:
+                continue
+            published, dropped, reset = self.kv_out.take()
+            event = KvEvent(self.settings.consumer, published, dropped, reset).encode()
+            try:
+                await self.bridge.publish_kv(event, KV_STREAM_LEN)
+            except REDIS_DOWN as err:  # the stream may be gone with Redis: send everything once it is back
+                log.warning("redis unavailable", during="kv events", error=str(err))
+                await self._retrying("kv events", self.redis.ping)
+                self.engine_loop.resync_kv()
+
     # ------------------------------------------------------------------ output and upkeep
     async def _publisher(self) -> None:
         while (batch := await self.outbox.get()) is not None:
@@ -254,6 +304,7 @@ class WorkerService:
         metrics = self._metrics()
         metrics["queue_depth"] = await self.redis.xlen(self.bridge.stream)
         metrics["dead_letters"] = await self.redis.xlen(self.keys.dead_letter(self.model))
+        metrics["draining"] = int(self.stopping.is_set())  # the router sends a draining worker nothing
         stats = self.stats_line.due(metrics)
         if stats:
             log.info("stats", **stats)
@@ -270,6 +321,10 @@ class WorkerService:
             for entry in dead + idle:
                 log.info("reclaimed", entry_id=entry.entry_id, deliveries=entry.deliveries)
                 await self._reclaimed(entry)
+        if not self.stopping.is_set():
+            moved = await self.bridge.adopt_dead_routed()
+            if moved:
+                log.info("moved a dead worker's routed entries to the model's stream", entries=moved)
 
     def _metrics(self) -> dict:
         now = time.monotonic()
@@ -279,7 +334,7 @@ class WorkerService:
         return worker_metrics(self.engine_loop.snapshot, len(self.inflight), self.engine_loop.queued, sent, rate)
 
     async def _cancels(self) -> None:
-        await listen_forever(self.redis, self.keys.cancel(self.model), self._cancel)
+        await listen_forever(self.redis, self.keys.cancel(self.model), self._cancel, stop=self._io_stop)
 
     def _cancel(self, data: bytes) -> None:
         try:

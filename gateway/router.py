@@ -1,0 +1,117 @@
+"""Prefix-aware routing: send a request to the worker whose prefix cache holds the most of its
+prompt, unless that worker is busy; else to the model's shared stream, as without routing.
+
+For each live worker ``w`` (one that beats and is not draining, with its load from the metrics it
+reports):
+
+    score(w) = matched_tokens(w) / prompt_tokens  -  load_weight * (running(w) + waiting(w)) / max_num_seqs(w)
+
+``matched_tokens`` comes from the KV index (the prompt's block-hash chain, computed here as the
+worker computes it: ``shared/block_hash.py``, salted with the tenant). The best-scoring worker
+gets the request on its own stream when it holds at least ``min_match_blocks`` blocks of the
+prompt, has fewer than ``busy_waiting`` requests waiting, and holds fewer than ``imbalance`` more
+requests (running + waiting) than the least loaded live worker; otherwise the shared stream, so
+nothing waits on one worker while another is idle (a hot prefix then gets cached by a second
+worker too). Between load reports the router counts what it sent each worker as waiting there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from gateway.kv_index import KvIndex
+from shared.block_hash import cache_salt, prefix_hashes
+from shared.keys import Keys
+
+LOAD_TTL_S = 0.5  # how long the workers' reported loads are used before they are read again
+FORGET_AFTER_S = 60.0  # a worker that has not beaten for this long leaves the index
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    mode: str = "prefix"  # "prefix": as above; "shared": every request on the shared stream
+    load_weight: float = 1.0
+    min_match_blocks: int = 1
+    busy_waiting: int = 8
+    imbalance: int = 16
+
+
+@dataclass
+class WorkerLoad:
+    running: float = 0.0
+    waiting: float = 0.0
+    max_num_seqs: float = 1.0
+    block_size: int = 16
+    rope_switch: int = 0
+    sent: int = 0  # routed here since the last report
+
+
+@dataclass
+class Route:
+    stream: str | None  # None: the model's shared stream
+    worker: str | None = None
+    matched_tokens: int = 0
+
+
+@dataclass
+class Router:
+    redis: aioredis.Redis
+    keys: Keys
+    model: str
+    policy: RoutingPolicy = RoutingPolicy()
+    index: KvIndex = field(default_factory=KvIndex)
+    loads: dict[str, WorkerLoad] = field(default_factory=dict)
+    _read_at: float = -LOAD_TTL_S
+    _last_seen: dict[str, float] = field(default_factory=dict)
+
+    async def route(self, prompt_ids: list[int], tenant: str | None) -> Route:
+        if self.policy.mode != "prefix" or len(prompt_ids) < 2:
+            return Route(None)
+        await self._refresh_loads()
+        best, best_score, best_tokens = None, float("-inf"), 0
+        held = {w: load.running + load.waiting + load.sent for w, load in self.loads.items()}
+        least = min(held.values(), default=0.0)
+        hashes_by_layout: dict[tuple[int, int], list[int]] = {}
+        for worker, load in self.loads.items():
+            layout = (load.block_size, load.rope_switch)
+            if layout not in hashes_by_layout:
+                salt = cache_salt(tenant, len(prompt_ids), load.rope_switch)
+                hashes_by_layout[layout] = prefix_hashes(prompt_ids, load.block_size, salt)
+            blocks = self.index.matched(worker, hashes_by_layout[layout])
+            if (blocks < self.policy.min_match_blocks or load.waiting + load.sent >= self.policy.busy_waiting
+                    or held[worker] - least >= self.policy.imbalance):
+                continue
+            busy = held[worker] / max(1.0, load.max_num_seqs)
+            score = blocks * load.block_size / len(prompt_ids) - self.policy.load_weight * busy
+            if score > best_score:
+                best, best_score, best_tokens = worker, score, blocks * load.block_size
+        if best is None:
+            return Route(None)
+        self.loads[best].sent += 1
+        return Route(self.keys.routed(self.model, best), best, best_tokens)
+
+    async def _refresh_loads(self) -> None:
+        """The live workers' loads (their metrics hashes expire with their heartbeats); the index
+        forgets workers gone for a minute (one only starting may publish KV events before its metrics)."""
+        now = time.monotonic()
+        if now - self._read_at < LOAD_TTL_S:
+            return
+        self._read_at = now
+        prefix = self.keys.metrics(self.model, "")
+        loads: dict[str, WorkerLoad] = {}
+        async for key in self.redis.scan_iter(match=self.keys.metrics(self.model, "*"), count=100):
+            name = key.decode()[len(prefix):]
+            raw = await self.redis.hmget(key, "num_requests_running", "num_requests_waiting", "max_num_seqs",
+                                         "block_size", "rope_switch", "draining")
+            if raw[3] is None or float(raw[5] or 0):
+                continue  # a worker from before routing, one whose hash expired meanwhile, or one draining
+            running, waiting, seqs, block_size, switch, _ = (float(v or 0) for v in raw)
+            loads[name] = WorkerLoad(running, waiting, seqs or 1.0, int(block_size), int(switch))
+        self._last_seen.update(dict.fromkeys(loads, now))
+        for gone in [w for w in self.index.blocks if now - self._last_seen.setdefault(w, now) > FORGET_AFTER_S]:
+            self.index.forget(gone)
+            del self._last_seen[gone]
+        self.loads = loads

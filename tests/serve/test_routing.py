@@ -1,0 +1,251 @@
+"""Prefix-aware routing: block hashes equal across processes, KV events from the engine thread to
+the gateway's index, requests routed to the worker holding their prefix (real Redis, two real
+workers, a real gateway over HTTP), and a dead worker's own stream taken over; the service tests
+run on one redis-server and on a real three-master Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.kv_index import KvIndex
+from shared.block_hash import block_hash, cache_salt, prefix_hashes
+from shared.errors import InvalidRequestError
+from shared.keys import Keys
+from shared.kv_wire import KvEvent
+from shared.protocol import ReplyTarget, WireRequest
+from shared.sampling import SamplingParams
+from tests.gateway_stack import gateway_settings
+from pagedserve.embedded_redis import RedisClusterServers
+from shared.redis_client import connect
+from tests.service_helpers import MODEL_NAME, apoll, settings_for
+from worker.core.engine_config import EngineConfig
+from worker.core.kv_events import KvEvents
+from worker.engine import Engine
+
+KEYS = Keys()
+
+
+@pytest.fixture(params=["server", "cluster"])
+def redis_url(request, tmp_path):
+    """A redis-server, or a Redis Cluster of three masters (``redis+cluster://``), on free ports."""
+    if request.param == "server":
+        yield request.getfixturevalue("redis_server").url
+        return
+    cluster = RedisClusterServers(tmp_path / "cluster").start()
+    yield cluster.url
+    cluster.stop()
+
+
+def test_block_hashes_agree_across_processes_whatever_the_hash_seed():
+    tokens = list(range(100, 180))
+    code = ("from shared.block_hash import prefix_hashes, cache_salt; "
+            "print(prefix_hashes(list(range(100, 180)), 16, cache_salt('tenant-a', 80, 64)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    assert eval(out) == prefix_hashes(tokens, 16, cache_salt("tenant-a", 80, 64))
+    hashes = prefix_hashes(tokens, 16)
+    assert len(hashes) == 4  # 80 tokens: 5 full blocks, the last token always computed
+    assert hashes[1] == block_hash(hashes[0], tokens[16:32]) != block_hash(None, tokens[16:32])
+    assert prefix_hashes(tokens, 16, "tenant-a") != hashes and prefix_hashes(tokens, 16, cache_salt(None, 80, 79)) != hashes
+
+
+def test_kv_events_merge_to_net_changes_and_the_index_follows_them():
+    events = KvEvents()
+    for h in (1, 2, 3):
+        events.published(h)
+    events.dropped(2)  # published and dropped since the last take: never heard of
+    events.dropped(9)
+    assert events.take() == ([1, 3], [9], False) and not events
+    events.published(5)
+    events.reset([7, 8])
+    assert events.take() == ([7, 8], [], True)
+
+    index = KvIndex()
+    index.apply(KvEvent("w1", [10, 11, 12]))
+    index.apply(KvEvent("w2", [10]))
+    index.apply(KvEvent("w1", [], [11]))
+    assert index.matched("w1", [10, 11, 12]) == 1 and index.matched("w2", [10, 11]) == 1
+    index.apply(KvEvent("w1", [20], reset=True))
+    assert index.blocks["w1"] == {20} and index.matched("nobody", [10]) == 0
+    for junk in (b"", b"\x93\x01\x02\x03", KvEvent("w", [1]).encode()[:-1]):
+        with pytest.raises(InvalidRequestError):
+            KvEvent.decode(junk)
+    with pytest.raises(InvalidRequestError):
+        KvEvent.decode(KvEvent("w", ["not a hash"]).encode())  # type: ignore[list-item]
+
+
+@contextlib.asynccontextmanager
+async def cluster_of_workers(url: str, model_path, names: list[str], **gateway_overrides):
+    """Workers with their own engines and a gateway, all on this loop; yields (gateway url, gateway state, workers)."""
+    from worker.serve.service import WorkerService
+
+    workers, tasks = [], []
+    for name in names:
+        engine = Engine(EngineConfig(model=str(model_path), device="cpu", dtype="float32", num_gpu_blocks=256,
+                                     max_num_seqs=16))
+        service = WorkerService(settings_for(url, model_path, consumer=name, heartbeat_s=0.3), engine)
+        workers.append(service)
+        tasks.append(asyncio.create_task(service.run()))
+    r = connect(url)
+    for name in names:
+        await apoll(lambda n=name: r.exists(KEYS.metrics(MODEL_NAME, n)), 60, f"worker {name}")
+    settings = gateway_settings(url, model_path, **gateway_overrides)
+    app = create_app(settings)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, settings.host, settings.port).start()
+    try:
+        yield f"http://127.0.0.1:{settings.port}", app, workers
+    finally:
+        await runner.cleanup()
+        for service in workers:
+            service.request_stop()
+        assert await asyncio.gather(*tasks) == [0] * len(names)
+        await r.aclose()
+
+
+async def hit_tokens(r, names: list[str]) -> int:
+    values = [await r.hget(KEYS.metrics(MODEL_NAME, n), "prefix_cache_hits_total") for n in names]
+    return sum(int(float(v or 0)) for v in values)
+
+
+def shared_prompt_workload(rounds: int = 4, prompts: int = 5) -> list[list[int]]:
+    """``prompts`` system prompts of 64 tokens (4 blocks), each followed by a different question
+    ``rounds`` times, round-robin."""
+    systems = [[20 + (7 * i + 13 * k) % 400 for i in range(64)] for k in range(prompts)]
+    return [systems[k] + [30 + (r * 31 + k * 5 + j) % 400 for j in range(8)] for r in range(rounds) for k in range(prompts)]
+
+
+@pytest.mark.parametrize("routing", ["prefix", "shared"])
+def test_requests_go_to_the_worker_holding_their_prefix(redis_url, zoo, routing):
+    """Five 64-token system prompts, each asked four times in turn, on two workers. Prefix routing:
+    every repeat lands where its system prompt is cached (3 x 5 x 64 hit tokens, the most there can
+    be); shared routing lands each on whichever worker reads first (Redis hands sequential entries
+    to the two blocked readers in turn, so a prompt alternates between them)."""
+    from gateway.app import STATE
+
+    async def scenario():
+        names = ["w1", "w2"]
+        async with cluster_of_workers(redis_url, zoo.path("llama-gqa"), names, routing=routing) as (url, app, _):
+            r = connect(redis_url)
+            async with aiohttp.ClientSession() as http:
+                for prompt in shared_prompt_workload():
+                    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
+                    async with http.post(url + "/v1/completions", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                    await asyncio.sleep(0.12)  # the KV events of this request reach the index
+                await asyncio.sleep(0.7)  # the last heartbeats carry the final counts
+                hits = await hit_tokens(r, names)
+                async with http.get(url + "/metrics") as resp:
+                    metrics = await resp.text()
+            state = app[STATE]
+            await r.aclose()
+            return hits, metrics, state.router.index.blocks
+
+    hits, metrics, index = asyncio.run(scenario())
+    routed = next((float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("pagedserve:routed_requests_total") and 'route="prefix"' in line), 0.0)
+    if routing == "prefix":
+        assert hits == 3 * 5 * 64, hits
+        assert routed == 15 and any(index.values())
+    else:
+        assert routed == 0 and hits < 3 * 5 * 64
+
+
+def test_a_dead_workers_routed_entries_are_served_by_another(redis_url, zoo):
+    """Entries on the own stream of a worker that stopped beating, one never read and one it had
+    been handed, are moved to the shared stream and served by a live worker."""
+    from shared.replies import ReplyDispatcher
+    from shared.producer import Producer
+
+    async def scenario():
+        r = connect(redis_url)
+        ghost = KEYS.routed(MODEL_NAME, "ghost")
+        dispatcher = ReplyDispatcher(r, KEYS.replies("gw-test"), Producer(r, KEYS))
+        await dispatcher.start()
+        requests = [WireRequest(id=f"req-{i}", model=MODEL_NAME, params=SamplingParams(temperature=0.0, max_tokens=5),
+                                reply=ReplyTarget("channel", dispatcher.channel), prompt_token_ids=[40 + i, 41, 42])
+                    for i in range(2)]
+        boxes = [dispatcher.open(req) for req in requests]
+        await r.xgroup_create(ghost, KEYS.group(MODEL_NAME), id="0", mkstream=True)
+        await dispatcher.send(boxes[:1], [ghost])
+        await r.xreadgroup(KEYS.group(MODEL_NAME), "ghost", {ghost: ">"}, count=1)  # handed to the ghost, never served
+        await dispatcher.send(boxes[1:], [ghost])
+        async with cluster_of_workers(redis_url, zoo.path("llama-gqa"), ["w1"]):
+            done = [await asyncio.wait_for(_tokens(box), 30) for box in boxes]
+            assert not await r.exists(ghost)
+        await dispatcher.stop()
+        await r.aclose()
+        return done
+
+    done = asyncio.run(scenario())
+    want = [zoo.hf_greedy("llama-gqa", [40 + i, 41, 42], 5) for i in range(2)]
+    assert done == want
+
+
+async def _tokens(box) -> list[int]:
+    out = []
+    async for event in box.events():
+        assert event.error is None, event.error
+        out.extend(t for o in event.outputs for t in o.token_ids)
+    return out
+
+
+def test_a_simulated_worker_runs_the_real_scheduler_with_calibrated_step_times(zoo):
+    """``--simulate``: no weights, steps sleep ``base + per_seq x seqs + per_token x tokens``; the
+    prefix cache and its KV events work as with the model."""
+    import time
+
+    from shared.settings import worker_settings
+
+    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), simulate="0.01,0.001,0.0001", num_gpu_blocks=64))
+    engine.scheduler.blocks.gpu.events = events = KvEvents()
+    system = list(range(20, 84))
+    for i in range(3):
+        engine.add_request(str(i), system + [100 + i], SamplingParams(temperature=0.0, max_tokens=4))
+    started, steps = time.monotonic(), 0
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        steps += 1
+    elapsed = time.monotonic() - started
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outputs.values())
+    prefill = 0.01 + 0.003 + 0.0001 * 3 * 65
+    assert elapsed >= prefill + 3 * (0.01 + 0.003 + 0.0003) * 0.95
+    published, _, _ = events.take()
+    assert published[:4] == prefix_hashes(system + [100], 16)[:4]
+    with pytest.raises(SystemExit):
+        worker_settings(["--simulate", "0.01,fast,0"])
+
+
+def test_a_draining_worker_gives_back_only_what_it_never_read(redis_server):
+    from worker.serve.bridge import RedisBridge
+
+    async def scenario():
+        r = aioredis.from_url(redis_server.url)
+        bridge = RedisBridge(r, KEYS, MODEL_NAME, "w1")
+        await bridge.ensure_group()
+        for i in range(3):
+            await r.xadd(bridge.own, {"data": b"entry-%d" % i})
+        held = await bridge.read(1, None)
+        assert [e.data for e in held] == [b"entry-0"] and held[0].entry_id.startswith("r:")
+        assert await bridge.give_back_unread() == 2
+        shared = await r.xrange(bridge.stream)
+        assert [f[b"data"] for _, f in shared] == [b"entry-1", b"entry-2"] and all(f[b"deliveries"] == b"0" for _, f in shared)
+        assert await r.xlen(bridge.own) == 1  # the one being served stays, and is acknowledged there
+        await bridge.ack([held[0].entry_id])
+        assert await r.xlen(bridge.own) == 0 and not (await r.xpending(bridge.own, bridge.group))["pending"]
+        await r.aclose()
+
+    asyncio.run(scenario())

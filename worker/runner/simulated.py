@@ -1,0 +1,58 @@
+"""A stand-in for the model runner, for measuring the service at scale on machines without the
+GPUs: each step takes the time the real model would (a sleep from a calibrated cost model) and
+every sampling row gets a token made from its sequence, so the scheduler, block manager, prefix
+cache, KV events and Redis I/O all run for real while the forward pass costs no CPU.
+
+``StepCost``: ``base + per_seq * sequences + per_token * tokens`` seconds per step, fitted to the
+real model by ``bench/scale.py --calibrate``. Beam search is not simulated (its requests fail).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from worker.core.plan import SampledToken, StepPlan, StepResult
+
+FIRST_TOKEN = 10  # simulated tokens stay clear of the special ids at the start of the vocabulary
+
+
+@dataclass(frozen=True)
+class StepCost:
+    base_s: float
+    per_seq_s: float
+    per_token_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> "StepCost":
+        """``"BASE,PER_SEQ,PER_TOKEN"`` in seconds."""
+        try:
+            base, per_seq, per_token = (float(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(f"a step cost is BASE,PER_SEQ,PER_TOKEN in seconds, got {text!r}") from None
+        if min(base, per_seq, per_token) < 0:
+            raise ValueError(f"step cost terms must be >= 0, got {text!r}")
+        return cls(base, per_seq, per_token)
+
+    def seconds(self, seqs: int, tokens: int) -> float:
+        return self.base_s + self.per_seq_s * seqs + self.per_token_s * tokens
+
+
+class SimulatedRunner:
+    def __init__(self, cost: StepCost, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.cost = cost
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if any(s.params.use_beam_search for s in plan.seqs):
+            raise ValueError("beam search is not simulated")
+        if plan.seqs:
+            time.sleep(self.cost.seconds(len(plan.seqs), plan.num_tokens))
+        return StepResult({s.seq_id: tuple(SampledToken(self._token(s.token_ids[-1], s.context_len + i))
+                                           for i in range(s.num_samples))
+                           for s in plan.seqs if s.num_samples})
+
+    def _token(self, last: int, position: int) -> int:
+        token = FIRST_TOKEN + (last * 31 + position * 7) % (self.vocab_size - FIRST_TOKEN)
+        return token if token not in self.eos_token_ids else FIRST_TOKEN
