@@ -11,8 +11,9 @@ times ``--slowdown``, so that 32 workers' Python stays a small part of two cores
 as the gateway sends them (``gateway/router.py`` with the KV index, the reply dispatcher), without
 HTTP: the gateway's HTTP cost is not what is measured. Closed loop, ``--clients-per-worker``
 concurrent clients per worker. Per run: output tokens/s, TTFT p50/p99, the prefix hit rate (hit
-over looked-up prompt tokens, from the workers' metrics) and Redis CPU (its own counters). Prints
-a JSON line and a table.
+over looked-up prompt tokens, from the workers' metrics) and Redis CPU (its own counters: all
+nodes, and the busiest). ``--cluster``: the same on a three-master Redis Cluster. Prints a JSON
+line and a table.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ import redis.asyncio as aioredis
 
 from bench.table import print_table
 from gateway.router import Router, RoutingPolicy
-from pagedserve.embedded_redis import RedisServer
+from pagedserve.embedded_redis import RedisClusterServers, RedisServer
 from shared.keys import Keys
 from shared.model_source import model_or_demo
 from shared.producer import Producer
 from shared.protocol import ReplyTarget, WireRequest
+from shared.redis_client import connect, is_cluster
 from shared.replies import ReplyDispatcher
 from shared.sampling import SamplingParams
 
@@ -59,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clients-per-worker", type=int, default=6)
     p.add_argument("--workloads", default="shared-prompt,multi-turn")
     p.add_argument("--routings", default="shared,prefix")
+    p.add_argument("--cluster", action="store_true", help="a three-master Redis Cluster instead of one redis-server")
     p.add_argument("--imbalance", type=int, default=RoutingPolicy.imbalance, help="the router's --routing-imbalance")
     return p.parse_args(argv)
 
@@ -161,17 +164,24 @@ async def worker_totals(r: aioredis.Redis) -> tuple[float, float]:
     return hits, queries
 
 
-async def redis_cpu(r: aioredis.Redis) -> float:
-    info = await r.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+async def redis_cpu(ports: list[int]) -> list[float]:
+    """CPU seconds each Redis node has used (a cluster's nodes one by one)."""
+    used = []
+    for port in ports:
+        node = aioredis.Redis(port=port)
+        info = await node.info("cpu")
+        used.append(float(info["used_cpu_sys"]) + float(info["used_cpu_user"]))
+        await node.aclose()
+    return used
 
 
-async def run_one(url: str, workers: int, workload_name: str, routing: str, warmup: float, seconds: float,
-                  clients_per_worker: int, seed: int, imbalance: int) -> dict:
-    r = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30))
+async def run_one(url: str, ports: list[int], workers: int, workload_name: str, routing: str, warmup: float,
+                  seconds: float, clients_per_worker: int, seed: int, imbalance: int) -> dict:
+    r = connect(url) if is_cluster(url) else aioredis.Redis(
+        connection_pool=aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30))
     router = Router(r, KEYS, MODEL, RoutingPolicy(routing, imbalance=imbalance))
     stop_index = asyncio.Event()
-    index_task = asyncio.create_task(router.index.follow(aioredis.from_url(url), KEYS.kv_events(MODEL), stop_index))
+    index_task = asyncio.create_task(router.index.follow(connect(url), KEYS.kv_events(MODEL), stop_index))
     dispatcher = ReplyDispatcher(r, KEYS.replies(f"bench-{seed}"), Producer(r, KEYS))
     await dispatcher.start()
     rng = random.Random(seed)
@@ -184,12 +194,12 @@ async def run_one(url: str, workers: int, workload_name: str, routing: str, warm
     await asyncio.sleep(warmup - 1.0)
     hits0, queries0 = await worker_totals(r)  # as of the last heartbeat, about a second before the measured time
     await asyncio.sleep(max(0.0, measure_from - time.monotonic()))
-    cpu0, wall0 = await redis_cpu(r), time.monotonic()
+    cpu0, wall0 = await redis_cpu(ports), time.monotonic()
     await asyncio.sleep(seconds - 1.0)
     hits1, queries1 = await worker_totals(r)
     await asyncio.sleep(max(0.0, stop_at - time.monotonic()))
     wall = time.monotonic() - wall0
-    cpu = await redis_cpu(r) - cpu0
+    cpu = [b - a for a, b in zip(cpu0, await redis_cpu(ports))]
     await clients
     stop_index.set()
     await asyncio.gather(index_task, return_exceptions=True)
@@ -200,7 +210,8 @@ async def run_one(url: str, workers: int, workload_name: str, routing: str, warm
         "workers": workers, "workload": workload_name, "routing": routing, "requests": result.requests,
         "errors": result.errors, "tokens_per_s": round(result.tokens / wall, 1),
         "ttft_p50_ms": round(1000 * ttft[len(ttft) // 2], 1), "ttft_p99_ms": round(1000 * ttft[int(len(ttft) * 0.99)], 1),
-        "hit_rate": round((hits1 - hits0) / max(1.0, queries1 - queries0), 3), "redis_cpu": round(cpu / wall, 3),
+        "hit_rate": round((hits1 - hits0) / max(1.0, queries1 - queries0), 3), "redis_cpu": round(sum(cpu) / wall, 3),
+        "busiest_node_cpu": round(max(cpu) / wall, 3),
     }
 
 
@@ -216,7 +227,7 @@ def start_workers(url: str, count: int, cost: str) -> list[subprocess.Popen]:
 
 
 async def wait_for_workers(url: str, count: int, timeout: float = 300) -> None:
-    r = aioredis.from_url(url)
+    r = connect(url)
     deadline = time.monotonic() + timeout
     while len([k async for k in r.scan_iter(match=KEYS.metrics(MODEL, "*"))]) < count:
         if time.monotonic() > deadline:
@@ -237,7 +248,8 @@ def main(argv=None) -> None:
     cost = scaled(args.cost or calibrate(), args.slowdown)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(Path(tmp)).start()
+        server = (RedisClusterServers(Path(tmp)) if args.cluster else RedisServer(Path(tmp))).start()
+        ports = [node.port for node in server.nodes] if args.cluster else [server.port]
         try:
             for count in (int(n) for n in args.workers.split(",")):
                 procs = start_workers(server.url, count, cost)
@@ -245,7 +257,7 @@ def main(argv=None) -> None:
                     asyncio.run(wait_for_workers(server.url, count))
                     for workload in args.workloads.split(","):
                         for routing in args.routings.split(","):
-                            row = asyncio.run(run_one(server.url, count, workload, routing, args.warmup, args.seconds,
+                            row = asyncio.run(run_one(server.url, ports, count, workload, routing, args.warmup, args.seconds,
                                                       args.clients_per_worker, len(rows) + 1, args.imbalance))
                             rows.append(row)
                             print(json.dumps(row), file=sys.stderr)
@@ -257,13 +269,14 @@ def main(argv=None) -> None:
         finally:
             server.stop()
     print(json.dumps({"bench": "scale", "step_cost": cost, "slowdown": args.slowdown, "seconds": args.seconds,
-                      "warmup": args.warmup, "imbalance": args.imbalance,
+                      "warmup": args.warmup, "imbalance": args.imbalance, "cluster": args.cluster,
                       "clients_per_worker": args.clients_per_worker, "results": rows}))
     print_table(rows, [("workers", lambda r: r["workers"]), ("workload", lambda r: r["workload"]),
                        ("routing", lambda r: r["routing"]), ("req", lambda r: r["requests"]),
                        ("tok/s", lambda r: r["tokens_per_s"]), ("ttft p50 ms", lambda r: r["ttft_p50_ms"]),
                        ("ttft p99 ms", lambda r: r["ttft_p99_ms"]), ("hit rate", lambda r: r["hit_rate"]),
-                       ("redis cpu", lambda r: r["redis_cpu"]), ("errors", lambda r: r["errors"])])
+                       ("redis cpu", lambda r: r["redis_cpu"]), ("busiest node", lambda r: r["busiest_node_cpu"]),
+                       ("errors", lambda r: r["errors"])])
     print(f"step cost (x{args.slowdown:g}): {cost}; {statistics.fmean(r['redis_cpu'] for r in rows):.3f} Redis cores on average")
 
 

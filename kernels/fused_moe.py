@@ -57,18 +57,23 @@ def align_by_expert(top_index: torch.Tensor, num_experts: int, block_m: int = BL
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, num_pairs, top_k, hidden, inter,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+def _tile(expert_ptr, pairs_ptr, num_pairs, width, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's row block (its expert, -1 past the last run; its pair ids, and which are
+    real) and column tile (of ``width`` columns)."""
     block = tl.program_id(0)
     expert = tl.load(expert_ptr + block).to(tl.int64)
+    pair = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, pair, pair < num_pairs, cols, cols < width
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, num_pairs, top_k, hidden, inter,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
+    expert, pair, valid, cols, col_ok = _tile(expert_ptr, pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + rows).to(tl.int64)
-    valid = pair < num_pairs
     token = pair // top_k
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + expert * 2 * inter * hidden
@@ -89,15 +94,9 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, expert_ptr, num_pairs, top
 @triton.jit
 def _down_kernel(a_ptr, w_ptr, weight_ptr, out_ptr, pairs_ptr, expert_ptr, num_pairs, hidden, inter,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP32: tl.constexpr):
-    block = tl.program_id(0)
-    expert = tl.load(expert_ptr + block).to(tl.int64)
+    expert, pair, valid, cols, col_ok = _tile(expert_ptr, pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + rows).to(tl.int64)
-    valid = pair < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_base = w_ptr + expert * hidden * inter
     for k0 in range(0, inter, BLOCK_K):

@@ -14,6 +14,7 @@
     pagedserve bench chaos [args]                worker SIGKILL and Redis restart under load
     pagedserve bench client-tools [args]         guidellm and aiperf against a gateway: zero errors
     pagedserve bench structured [args]           structured outputs: throughput cost, compile time
+    pagedserve bench scale [args]                1-32 simulated workers: shared vs prefix routing
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ BENCHES = {
     "chaos": "bench.chaos",
     "client-tools": "bench.client_tools",
     "structured": "bench.structured",
+    "scale": "bench.scale",
 }
 
 
