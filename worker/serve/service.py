@@ -19,11 +19,8 @@ with backoff, the worker exits 1 when one keeps failing):
   already sent, an error marked ``resumable`` so the client re-sends it with ``resume``; the
   dead-letter stream after ``max_deliveries``);
 - cancels: aborts requests named on the model's cancel channel;
-- kv events: what the prefix cache published and dropped (block hashes, taken on the engine
-  thread after each step) goes out on the model's KV stream, merged, at most every
-  ``kv_events_interval_s``; a reset with every hash it holds at start, after Redis was lost, and
-  every ``kv_resync_s``; an empty reset when it stops. Gateways route on them
-  (``gateway/kv_index.py``).
+- kv events: what the prefix cache published and dropped, for the gateways' routing
+  (``worker/serve/kv_publisher.py``).
 
 Besides the model's stream the reader reads the worker's own (requests routed to it, first);
 maintenance moves the own streams of dead workers onto the model's stream.
@@ -35,6 +32,7 @@ flush events, exit 0. Engine numbers for metrics come from the engine thread's s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,11 +48,10 @@ from shared.redis_client import connect
 from shared.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 from shared.supervision import supervise
 from shared.settings import WorkerSettings
-from shared.kv_wire import KvEvent
-from worker.core.kv_events import KvEvents
 from worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
 from worker.serve.intake import Rejected, admit, salvage_reply
 from worker.engine import Engine
+from worker.serve.kv_publisher import KvPublisher
 from worker.serve.loop import EngineLoop
 from worker.serve.events import InFlight, error_event, lost_event
 from worker.serve.inflight import InFlightTable
@@ -62,7 +59,6 @@ from worker.serve.metrics import WorkerMetrics, worker_metrics
 from worker.serve.stats_log import StatsLine
 
 log = structlog.get_logger("pagedserve.worker")
-KV_STREAM_LEN = 10_000  # KV events kept (about): a gateway starting later also gets resyncs
 
 
 class WorkerService:
@@ -72,8 +68,11 @@ class WorkerService:
         self.model = settings.served_model_name
         self.keys = Keys(settings.key_prefix)
         self.inflight = InFlightTable(settings.max_inflight, settings.read_ahead)
-        self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread, on_kv=self._kv_from_engine_thread)
-        self.kv_out = KvEvents()  # merged until the next flush (I/O thread)
+        self.redis = connect(settings.redis_url)
+        self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
+        self.kv = KvPublisher(self.bridge, settings.consumer, settings.kv_events_interval_s, settings.kv_resync_s,
+                              lambda: self.engine_loop.resync_kv(), lambda: self._retrying("kv events", self.redis.ping))
+        self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread, on_kv=self.kv.from_engine_thread)
         self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
         self.stopping = asyncio.Event()
         self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
@@ -82,9 +81,7 @@ class WorkerService:
         self._rate_mark = (time.monotonic(), 0)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.redis = connect(settings.redis_url)
         self.prometheus = WorkerMetrics(settings.metrics_port, self.model, settings.metrics_host) if settings.metrics_port else None
-        self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
         self.stats_line = StatsLine(settings.log_stats_interval_s)
 
     # ------------------------------------------------------------------ lifecycle
@@ -104,7 +101,7 @@ class WorkerService:
 
     async def serve_io(self, engine_finished) -> int:
         """The Redis side until the engine loop returns (``engine_finished`` awaits that)."""
-        self._loop = asyncio.get_running_loop()
+        self._loop = self.kv.loop = asyncio.get_running_loop()
         try:
             await self._retrying("create group", self.bridge.ensure_group)
             # Names are stable (a restarted worker takes its pending entries back): two live workers
@@ -118,21 +115,20 @@ class WorkerService:
         log.info("worker ready", model=self.model, consumer=self.settings.consumer, stream=self.bridge.stream)
         self.engine_loop.resync_kv()  # the first KV event: a reset (the index forgets a predecessor's blocks)
         side = [asyncio.create_task(supervise(name, run, self._give_up))
-                for name, run in (("reader", self._reader), ("maintenance", self._maintenance), ("kv events", self._kv_publisher))]
+                for name, run in (("reader", self._reader), ("maintenance", self._maintenance), ("kv events", lambda: self.kv.run(self._io_stop)))]
         cancels = asyncio.create_task(supervise("cancels", self._cancels, self._give_up))
         publisher = asyncio.create_task(supervise("publisher", self._publisher, self._give_up))
         try:
             await engine_finished()
         finally:
             self.engine_loop.finish()
-            await stop_tasks([cancels], self._io_stop)  # a subscription stops by flag (redis_io.listen_forever)
-            for task in side:
-                task.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            # The side tasks stop by flag, then by cancel: a cancel that meets redis-py's own read
+            # timeout can be lost (the task reads on), a flag is not.
+            await stop_tasks([*side, cancels], self._io_stop, grace_s=3.0)
             self.outbox.put_nowait(None)
             await publisher
             try:
-                await self.bridge.publish_kv(KvEvent(self.settings.consumer, reset=True).encode(), KV_STREAM_LEN)
+                await self.kv.goodbye()
                 await self.bridge.leave()
             except REDIS_DOWN:
                 pass
@@ -181,7 +177,7 @@ class WorkerService:
         own = await self._retrying("read own pending", lambda: self.bridge.read(100_000, None, own_pending=True))
         for entry in own:
             await self._reclaimed(await self.bridge.with_deliveries(entry))
-        while not self.stopping.is_set():
+        while not self.stopping.is_set() and not self._io_stop.is_set():
             count = self.inflight.readable()
             if count <= 0:
                 self.inflight.room.clear()
@@ -253,36 +249,6 @@ class WorkerService:
             self.outbox.put_nowait(batch)
         self._finish_if_drained()
 
-    def _kv_from_engine_thread(self, published: list[int], dropped: list[int], reset: bool) -> None:
-        self._loop.call_soon_threadsafe(self._kv_merge, published, dropped, reset)
-
-    def _kv_merge(self, published: list[int], dropped: list[int], reset: bool) -> None:
-        if reset:
-            self.kv_out.reset(published)
-            return
-        for block_hash in published:
-            self.kv_out.published(block_hash)
-        for block_hash in dropped:
-            self.kv_out.dropped(block_hash)
-
-    async def _kv_publisher(self) -> None:
-        resync_at = time.monotonic() + self.settings.kv_resync_s
-        while True:
-            await asyncio.sleep(self.settings.kv_events_interval_s)
-            if time.monotonic() >= resync_at:
-                resync_at = time.monotonic() + self.settings.kv_resync_s
-                self.engine_loop.resync_kv()
-            if not self.kv_out:
-                continue
-            published, dropped, reset = self.kv_out.take()
-            event = KvEvent(self.settings.consumer, published, dropped, reset).encode()
-            try:
-                await self.bridge.publish_kv(event, KV_STREAM_LEN)
-            except REDIS_DOWN as err:  # the stream may be gone with Redis: send everything once it is back
-                log.warning("redis unavailable", during="kv events", error=str(err))
-                await self._retrying("kv events", self.redis.ping)
-                self.engine_loop.resync_kv()
-
     # ------------------------------------------------------------------ output and upkeep
     async def _publisher(self) -> None:
         while (batch := await self.outbox.get()) is not None:
@@ -295,9 +261,10 @@ class WorkerService:
                         self.engine_loop.abort(request_id)
 
     async def _maintenance(self) -> None:
-        while True:
+        while not self._io_stop.is_set():
             await self._retrying("maintenance", self._upkeep)
-            await asyncio.sleep(self.settings.heartbeat_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._io_stop.wait(), self.settings.heartbeat_s)
 
     async def _upkeep(self) -> None:
         """Heartbeat and metrics; then take over entries of dead workers while there is room."""
