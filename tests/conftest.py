@@ -117,6 +117,20 @@ def redis_server(tmp_path):
     server.stop()
 
 
+@pytest.fixture(params=["server", "cluster"])
+def redis_url(request, tmp_path):
+    """A redis-server, or a Redis Cluster of three masters (``redis+cluster://``), on free ports:
+    the service tests that take it run on both."""
+    from pagedserve.embedded_redis import RedisClusterServers
+
+    if request.param == "server":
+        yield request.getfixturevalue("redis_server").url
+        return
+    cluster = RedisClusterServers(tmp_path / "cluster").start()
+    yield cluster.url
+    cluster.stop()
+
+
 def examples(count: int) -> int:
     """Hypothesis examples for a property test: a tenth under mutation testing (mutmut sets
     MUTANT_UNDER_TEST), where each of a thousand mutants reruns the test."""

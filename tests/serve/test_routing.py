@@ -25,7 +25,6 @@ from shared.kv_wire import KvEvent
 from shared.protocol import ReplyTarget, WireRequest
 from shared.sampling import SamplingParams
 from tests.gateway_stack import gateway_settings
-from pagedserve.embedded_redis import RedisClusterServers
 from shared.redis_client import connect
 from tests.service_helpers import MODEL_NAME, apoll, settings_for
 from worker.core.engine_config import EngineConfig
@@ -33,17 +32,6 @@ from worker.core.kv_events import KvEvents
 from worker.engine import Engine
 
 KEYS = Keys()
-
-
-@pytest.fixture(params=["server", "cluster"])
-def redis_url(request, tmp_path):
-    """A redis-server, or a Redis Cluster of three masters (``redis+cluster://``), on free ports."""
-    if request.param == "server":
-        yield request.getfixturevalue("redis_server").url
-        return
-    cluster = RedisClusterServers(tmp_path / "cluster").start()
-    yield cluster.url
-    cluster.stop()
 
 
 def test_block_hashes_agree_across_processes_whatever_the_hash_seed():

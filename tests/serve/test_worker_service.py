@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from shared.client import QueueClient
 from shared.keys import Keys
+from shared.redis_client import connect
 from shared.protocol import VERSION, pack
 from shared.sampling import SamplingParams
 from tests.conftest import random_prompts
@@ -32,13 +33,13 @@ def offline(zoo, cases):
     return [o.outputs[0] for o in outs]
 
 
-def test_fifty_concurrent_requests_arrive_complete_in_order_and_match_offline(redis_server, zoo, engine):
+def test_fifty_concurrent_requests_arrive_complete_in_order_and_match_offline(redis_url, zoo, engine):
     cases = random_prompts(seed=11, count=50, max_len=60, vocab=512, max_new=30)
     expected = offline(zoo, cases)
 
     async def main():
-        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
-            async with QueueClient(redis_server.url) as client:
+        async with running_worker(settings_for(redis_url, zoo.path("llama-gqa")), engine):
+            async with QueueClient(redis_url) as client:
                 streams = [await client.submit(MODEL_NAME, prompt_token_ids=p, params=SamplingParams(temperature=0.0, max_tokens=n))
                            for p, n in cases]
                 return await asyncio.gather(*(collect(s) for s in streams))
@@ -53,13 +54,13 @@ def test_fifty_concurrent_requests_arrive_complete_in_order_and_match_offline(re
     assert engine.scheduler.blocks.usage().used == 0
 
 
-def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_server, zoo, engine):
+def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_url, zoo, engine):
     keys = Keys()
 
     async def main():
-        r = aioredis.from_url(redis_server.url)
-        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
-            async with QueueClient(redis_server.url) as client:
+        r = connect(redis_url)
+        async with running_worker(settings_for(redis_url, zoo.path("llama-gqa")), engine):
+            async with QueueClient(redis_url) as client:
                 channel = client.dispatcher.channel
                 box = client.dispatcher.open("bad-params")
                 stream = keys.requests(MODEL_NAME)
@@ -91,10 +92,10 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_
     assert pending["pending"] == 0
 
 
-def test_cancel_storm_frees_every_block(redis_server, zoo, engine):
+def test_cancel_storm_frees_every_block(redis_url, zoo, engine):
     async def main():
-        async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
-            async with QueueClient(redis_server.url) as client:
+        async with running_worker(settings_for(redis_url, zoo.path("llama-gqa")), engine):
+            async with QueueClient(redis_url) as client:
                 params = SamplingParams(max_tokens=400, ignore_eos=True)
                 ids = [f"storm-{i}" for i in range(20)]
                 streams = [await client.submit(MODEL_NAME, prompt_token_ids=[20 + i] * 30, params=params, request_id=rid)
