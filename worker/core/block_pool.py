@@ -53,6 +53,14 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 
+    def ref_counts(self) -> list[int]:
+        """Each block's reference count (a copy)."""
+        return list(self._ref)
+
+    def cached_blocks(self) -> list[int]:
+        """Blocks free but in the prefix cache, least recently released first."""
+        return list(self._cached)
+
     def published_hashes(self) -> list[int]:
         """Every hash in the prefix cache (blocks in use and cached free ones)."""
         return list(self._block_of_hash)
