@@ -39,7 +39,7 @@ from shared.keys import Keys
 from shared.model_source import model_or_demo
 from shared.producer import Producer
 from shared.protocol import ReplyTarget, WireRequest
-from shared.redis_client import connect, is_cluster
+from shared.redis_client import connect
 from shared.replies import ReplyDispatcher
 from shared.sampling import SamplingParams
 
@@ -135,9 +135,9 @@ async def client(workload: Workload, router: Router, dispatcher: ReplyDispatcher
         request = WireRequest(id=f"r{random.getrandbits(64):x}", model=MODEL, params=params,
                               reply=ReplyTarget("channel", dispatcher.channel), prompt_token_ids=prompt)
         box = dispatcher.open(request)
-        route = await router.route(prompt, None)
+        stream = await router.route(prompt, None)
         sent = time.monotonic()
-        await dispatcher.send([box], [route.stream])
+        await dispatcher.send([box], [stream])
         first, last = None, []
         async for event in box.events():
             if event.error:
@@ -177,8 +177,7 @@ async def redis_cpu(ports: list[int]) -> list[float]:
 
 async def run_one(url: str, ports: list[int], workers: int, workload_name: str, routing: str, warmup: float,
                   seconds: float, clients_per_worker: int, seed: int, imbalance: int) -> dict:
-    r = connect(url) if is_cluster(url) else aioredis.Redis(
-        connection_pool=aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30))
+    r = connect(url, blocking_pool=True, max_connections=64, timeout=30)
     router = Router(r, KEYS, MODEL, RoutingPolicy(routing, imbalance=imbalance))
     stop_index = asyncio.Event()
     index_task = asyncio.create_task(router.index.follow(connect(url), KEYS.kv_events(MODEL), stop_index))

@@ -50,13 +50,6 @@ class WorkerLoad:
 
 
 @dataclass
-class Route:
-    stream: str | None  # None: the model's shared stream
-    worker: str | None = None
-    matched_tokens: int = 0
-
-
-@dataclass
 class Router:
     redis: aioredis.Redis
     keys: Keys
@@ -67,11 +60,12 @@ class Router:
     _read_at: float = -LOAD_TTL_S
     _last_seen: dict[str, float] = field(default_factory=dict)
 
-    async def route(self, prompt_ids: list[int], tenant: str | None) -> Route:
+    async def route(self, prompt_ids: list[int], tenant: str | None) -> str | None:
+        """The stream for this prompt: the chosen worker's own, or None (the model's shared stream)."""
         if self.policy.mode != "prefix" or len(prompt_ids) < 2:
-            return Route(None)
+            return None
         await self._refresh_loads()
-        best, best_score, best_tokens = None, float("-inf"), 0
+        best, best_score = None, float("-inf")
         held = {w: load.running + load.waiting + load.sent for w, load in self.loads.items()}
         least = min(held.values(), default=0.0)
         hashes_by_layout: dict[tuple[int, int], list[int]] = {}
@@ -87,11 +81,11 @@ class Router:
             busy = held[worker] / max(1.0, load.max_num_seqs)
             score = blocks * load.block_size / len(prompt_ids) - self.policy.load_weight * busy
             if score > best_score:
-                best, best_score, best_tokens = worker, score, blocks * load.block_size
+                best, best_score = worker, score
         if best is None:
-            return Route(None)
+            return None
         self.loads[best].sent += 1
-        return Route(self.keys.routed(self.model, best), best, best_tokens)
+        return self.keys.routed(self.model, best)
 
     async def _refresh_loads(self) -> None:
         """The live workers' loads (their metrics hashes expire with their heartbeats); the index

@@ -12,7 +12,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -28,7 +27,7 @@ from shared.model_source import generation_defaults, max_model_len, model_or_dem
 from shared.errors import InvalidRequestError
 from shared.prompts import check_token_ids, encode_chat
 from shared.producer import Producer
-from shared.redis_client import connect, is_cluster
+from shared.redis_client import connect
 from shared.redis_io import stop_tasks
 from shared.protocol import ReplyTarget, WireRequest
 from shared.settings import GatewaySettings
@@ -54,10 +53,9 @@ class GatewayService:
         self.openapi = openapi_spec(len(self.tokenizer), self.limits, self.settings.served_model_name)
         # Blocking pool: a burst of requests waits for a connection instead of failing. Pooled
         # connections that died with a Redis restart are retried on a fresh one, not turned into 503s.
-        self.redis = connect(settings.redis_url) if is_cluster(settings.redis_url) else aioredis.Redis(
-            connection_pool=aioredis.BlockingConnectionPool.from_url(
-                settings.redis_url, max_connections=64, timeout=30, health_check_interval=10,
-                retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3), retry_on_error=[RedisConnectionError]))
+        self.redis = connect(settings.redis_url, blocking_pool=True, max_connections=64, timeout=30,
+                             health_check_interval=10, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                             retry_on_error=[RedisConnectionError])
         self.producer = Producer(self.redis, self.keys)
         self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id), self.producer)
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
@@ -174,9 +172,9 @@ class GatewayService:
     async def routes(self, requests: list[WireRequest]) -> list[str | None]:
         """The stream each request goes to: a worker's own (prefix routing), or None (the model's)."""
         routes = [await self.router.route(list(r.prompt_token_ids), r.tenant) for r in requests]
-        for route in routes:
-            self.metrics.routed.labels(self.settings.served_model_name, "prefix" if route.stream else "shared").inc()
-        return [route.stream for route in routes]
+        for stream in routes:
+            self.metrics.routed.labels(self.settings.served_model_name, "prefix" if stream else "shared").inc()
+        return routes
 
     async def cancel(self, request_ids: list[str], reason: str) -> None:
         await self.producer.cancel(self.settings.served_model_name, request_ids, reason)

@@ -3,6 +3,7 @@ PUBLISH on its cancel channel. Used by the gateway and by queue producers (``sha
 
 from __future__ import annotations
 
+from itertools import zip_longest
 from typing import Sequence
 
 import redis.asyncio as aioredis
@@ -21,8 +22,7 @@ class Producer:
         """Push each request onto its model's stream (or the stream ``streams`` names for it: a
         worker's own, when the gateway routed it there), in one round trip; their entry ids."""
         pipe = self.redis.pipeline(transaction=False)
-        for i, request in enumerate(requests):
-            stream = streams[i] if i < len(streams) else None
+        for request, stream in zip_longest(requests, streams):
             pipe.xadd(stream or self.keys.requests(request.model), {"data": request.encode()})
         return [e.decode() if isinstance(e, bytes) else str(e) for e in await pipe.execute()]
 

@@ -18,12 +18,15 @@ def is_cluster(url: str) -> bool:
     return url.split("://", 1)[0] in CLUSTER_SCHEMES
 
 
-def connect(url: str, **options) -> aioredis.Redis:
-    """A client for ``url``; ``options`` go to the single-server client (a cluster client keeps its
-    own per-node pools and retries)."""
+def connect(url: str, blocking_pool: bool = False, **options) -> aioredis.Redis:
+    """A client for ``url``; ``options`` go to the single-server client's pool (a cluster client
+    keeps its own per-node pools and retries). ``blocking_pool``: a burst waits for a free
+    connection (``max_connections``, ``timeout``) instead of failing."""
     scheme, _, rest = url.partition("://")
     if scheme in CLUSTER_SCHEMES:
         return RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}")
+    if blocking_pool:
+        return aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(url, **options))
     return aioredis.from_url(url, **options)
 
 

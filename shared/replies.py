@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from itertools import zip_longest
 
 import redis.asyncio as aioredis
 import structlog
@@ -75,9 +76,8 @@ class ReplyDispatcher:
         ``streams`` where given (routed), else the model's stream."""
         await self.ready(subscribe_timeout)
         entry_ids = await self.producer.enqueue([box.request for box in boxes], streams)
-        for i, (box, entry_id) in enumerate(zip(boxes, entry_ids)):
-            box.entry_id, box.heard_at = entry_id, time.monotonic()
-            box.stream = streams[i] if i < len(streams) else None
+        for box, entry_id, stream in zip_longest(boxes, entry_ids, streams):
+            box.entry_id, box.heard_at, box.stream = entry_id, time.monotonic(), stream
 
     async def _push(self, request: WireRequest, old_id: str) -> str:
         """A new attempt of a request: its mailbox answers to the new id, the old attempt is cancelled."""

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 from shared.model_source import served_name
+from shared.step_cost import StepCost
 
 
 def env_default(environ: Mapping[str, str], name: str, default, kind=str):
@@ -84,11 +85,11 @@ _fraction = checked(float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def _is_step_cost(text: str) -> bool:
-    parts = text.split(",")
     try:
-        return len(parts) == 3 and all(float(p) >= 0 for p in parts)
+        StepCost.parse(text)
     except ValueError:
         return False
+    return True
 
 
 _step_cost = checked(str, _is_step_cost, "three seconds >= 0, BASE,PER_SEQ,PER_TOKEN")

@@ -22,6 +22,7 @@ from shared.model_source import generation_defaults
 from shared.settings import cache_dir
 from shared.prompts import check_token_ids
 from shared.sampling import SamplingParams
+from shared.step_cost import StepCost
 from worker.core.config import SchedulerConfig
 from worker.core.detokenizer import Detokenizer
 from worker.core.engine_config import EngineConfig, available_ram
@@ -38,7 +39,7 @@ from worker.runner.model_runner import ModelRunner, kv_block_bytes
 from worker.runner.models.layers import release_window
 from worker.runner.models.rope import rope_switch
 from worker.runner.sampler import Sampler
-from worker.runner.simulated import SimulatedRunner, StepCost
+from worker.runner.simulated import SimulatedRunner
 
 log = structlog.get_logger("pagedserve.engine")
 

@@ -28,6 +28,16 @@ class KvEvents:
         else:
             self._changes[block_hash] = False
 
+    def add(self, published: list[int], dropped: list[int], reset: bool) -> None:
+        """Fold in another recorder's ``take`` (the worker merges the engine thread's between sends)."""
+        if reset:
+            self.reset(published)
+            return
+        for block_hash in published:
+            self.published(block_hash)
+        for block_hash in dropped:
+            self.dropped(block_hash)
+
     def __bool__(self) -> bool:
         return bool(self._changes) or self._reset
 

@@ -3,39 +3,18 @@ GPUs: each step takes the time the real model would (a sleep from a calibrated c
 every sampling row gets a token made from its sequence, so the scheduler, block manager, prefix
 cache, KV events and Redis I/O all run for real while the forward pass costs no CPU.
 
-``StepCost``: ``base + per_seq * sequences + per_token * tokens`` seconds per step, fitted to the
-real model by ``bench/scale.py --calibrate``. Beam search is not simulated (its requests fail).
+``StepCost`` (``shared/step_cost.py``): ``base + per_seq * sequences + per_token * tokens``
+seconds per step, fitted to the real model by ``bench/scale.py --calibrate``. Beam search is not simulated (its requests fail).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
+from shared.step_cost import StepCost
 from worker.core.plan import SampledToken, StepPlan, StepResult
 
 FIRST_TOKEN = 10  # simulated tokens stay clear of the special ids at the start of the vocabulary
-
-
-@dataclass(frozen=True)
-class StepCost:
-    base_s: float
-    per_seq_s: float
-    per_token_s: float
-
-    @classmethod
-    def parse(cls, text: str) -> "StepCost":
-        """``"BASE,PER_SEQ,PER_TOKEN"`` in seconds."""
-        try:
-            base, per_seq, per_token = (float(part) for part in text.split(","))
-        except ValueError:
-            raise ValueError(f"a step cost is BASE,PER_SEQ,PER_TOKEN in seconds, got {text!r}") from None
-        if min(base, per_seq, per_token) < 0:
-            raise ValueError(f"step cost terms must be >= 0, got {text!r}")
-        return cls(base, per_seq, per_token)
-
-    def seconds(self, seqs: int, tokens: int) -> float:
-        return self.base_s + self.per_seq_s * seqs + self.per_token_s * tokens
 
 
 class SimulatedRunner:

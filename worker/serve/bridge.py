@@ -121,12 +121,22 @@ class RedisBridge:
         """(stream, Redis id) of an entry id as this worker hands it around."""
         return (self.own, entry_id[len(OWN):]) if entry_id.startswith(OWN) else (self.stream, entry_id)
 
+    def _handed_id(self, stream: str, eid) -> str:
+        """The entry id this worker hands around for Redis id ``eid`` of ``stream`` (``_stream_of`` reversed)."""
+        return (OWN if stream == self.own else "") + _text(eid)
+
     def _by_stream(self, entry_ids: list[str]) -> dict[str, list[str]]:
         grouped: dict[str, list[str]] = {}
         for entry_id in entry_ids:
             stream, eid = self._stream_of(entry_id)
             grouped.setdefault(stream, []).append(eid)
         return grouped
+
+    def _queue_acks(self, pipe, entry_ids: list[str]) -> None:
+        """XACK and XDEL of these entries, each on its own stream, added to ``pipe``."""
+        for stream, ids in self._by_stream(entry_ids).items():
+            pipe.xack(stream, self.group, *ids)
+            pipe.xdel(stream, *ids)
 
     async def wait_for_name(self, ttl_s: float, patience_s: float) -> None:
         """Take the consumer name, waiting up to ``patience_s`` for another holder's key to expire."""
@@ -149,8 +159,7 @@ class RedisBridge:
                                         count=count, block=block_ms)
         entries = []
         for stream, items in reply or []:
-            prefix = OWN if _text(stream) == self.own else ""
-            entries.extend(_entry(prefix + _text(eid), fields) for eid, fields in items)
+            entries.extend(_entry(self._handed_id(_text(stream), eid), fields) for eid, fields in items)
         entries.sort(key=lambda e: not e.entry_id.startswith(OWN))
         if len(entries) > count and not own_pending:
             await self.hand_back(entries[count:])
@@ -205,17 +214,17 @@ class RedisBridge:
         liveness key; returns the ids still held (an entry Redis lost, or that another worker
         claimed, is not touched: taking it back would run it twice)."""
         pipe = self.r.pipeline(transaction=False)
-        calls = []  # the prefix of each script call's ids
+        calls = []  # the stream of each script call
         for stream, ids in self._by_stream(entry_ids).items():
             for start in range(0, len(ids), 500):
                 pipe.eval(KEEP_HELD, 1, stream, self.group, self.consumer, *ids[start : start + 500])
-                calls.append(OWN if stream == self.own else "")
+                calls.append(stream)
         pipe.set(self.keys.alive(self.model, self.consumer), self.token, px=int(ttl_s * 1000))
         if metrics:
             pipe.hset(self.keys.metrics(self.model, self.consumer), mapping=metrics)
             pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))
         results = await pipe.execute()
-        return {prefix + _text(eid) for prefix, kept in zip(calls, results) for eid in kept}
+        return {self._handed_id(stream, eid) for stream, kept in zip(calls, results) for eid in kept}
 
     async def publish(self, batch: list[Outgoing]) -> list[tuple[ReplyTarget, Exception]]:
         """One PUBLISH (or XADD) per reply target for the whole batch, in order; then the acks.
@@ -238,9 +247,7 @@ class RedisBridge:
             if item.event.seq == 0 and not item.event.done:
                 pipe.set(self.keys.streamed(item.event.id), 1, ex=STREAMED_TTL_S)
             if item.entry_id is not None:
-                stream, eid = self._stream_of(item.entry_id)
-                pipe.xack(stream, self.group, eid)
-                pipe.xdel(stream, eid)
+                self._queue_acks(pipe, [item.entry_id])
                 pipe.delete(self.keys.streamed(item.event.id))
         results = await pipe.execute(raise_on_error=False)
         if together:
@@ -261,9 +268,7 @@ class RedisBridge:
     async def ack(self, entry_ids: list[str]) -> None:
         if entry_ids:
             pipe = self.r.pipeline(transaction=False)
-            for stream, ids in self._by_stream(entry_ids).items():
-                pipe.xack(stream, self.group, *ids)
-                pipe.xdel(stream, *ids)
+            self._queue_acks(pipe, entry_ids)
             await pipe.execute()
 
     async def hand_back(self, entries: list[Entry]) -> None:
@@ -273,9 +278,7 @@ class RedisBridge:
             pipe = self.r.pipeline(transaction=True)
             for entry in entries:
                 pipe.xadd(self.stream, {"data": entry.data or b""})
-            for stream, ids in self._by_stream([entry.entry_id for entry in entries]).items():
-                pipe.xack(stream, self.group, *ids)
-                pipe.xdel(stream, *ids)
+            self._queue_acks(pipe, [entry.entry_id for entry in entries])
             await pipe.execute()
 
     async def dead_letter(self, entry: Entry, reason: str) -> None:

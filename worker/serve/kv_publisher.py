@@ -33,16 +33,7 @@ class KvPublisher:
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def from_engine_thread(self, published: list[int], dropped: list[int], reset: bool) -> None:
-        self.loop.call_soon_threadsafe(self._merge, published, dropped, reset)
-
-    def _merge(self, published: list[int], dropped: list[int], reset: bool) -> None:
-        if reset:
-            self.pending.reset(published)
-            return
-        for block_hash in published:
-            self.pending.published(block_hash)
-        for block_hash in dropped:
-            self.pending.dropped(block_hash)
+        self.loop.call_soon_threadsafe(self.pending.add, published, dropped, reset)
 
     async def run(self, stop: asyncio.Event) -> None:
         resync_at = time.monotonic() + self.resync_s

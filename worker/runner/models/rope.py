@@ -35,9 +35,12 @@ def per_layer_type(config) -> bool:
 def rope_switch(config) -> int:
     """The length past which a long-rope model rotates with its long factors (0: no such length)."""
     params = rope_parameters(config)
-    if params.get("rope_type") != "longrope":
-        return 0
-    return int(params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings"))
+    return _original_length(params, config) if params.get("rope_type") == "longrope" else 0
+
+
+def _original_length(params: dict, config) -> int:
+    """``original_max_position_embeddings``: from the rope parameters, else the config (0: none)."""
+    return int(params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None) or 0)
 
 
 def rope_parameters(config, layer_type: str | None = None) -> dict:
@@ -62,8 +65,7 @@ class RotaryEmbedding(nn.Module):
         self.base = float(params["rope_theta"])
         self.scale_factor = float(params.get("factor") or 1.0)
         self.max_position = int(config.max_position_embeddings)
-        self.switch_after = int(params.get("original_max_position_embeddings") or
-                                getattr(config, "original_max_position_embeddings", None) or 0)
+        self.switch_after = _original_length(params, config)
         if rope_type in ("default", "dynamic"):  # dynamic: at most max_position_embeddings, the plain base
             inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float) / self.dim))
             factor = 1.0
