@@ -11,6 +11,7 @@ from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from gateway.dashboard_api import ASSETS, dashboard_asset, dashboard_events
 from gateway.openai_api import STATE, TALLY, chat_completions, completions
 from gateway.schemas import ApiError
 from gateway.service import GatewayService
@@ -18,7 +19,7 @@ from gateway.utility_api import detokenize, docs, models, tokenize, version
 from shared.settings import GatewaySettings
 
 log = structlog.get_logger("pagedserve.gateway")
-OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs"}
+OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs", *ASSETS}  # /dashboard/events: keyed
 QUIET_PATHS = {"/health", "/ready", "/metrics"}
 REFUSAL = web.RequestKey("refusal", str)  # why the request was answered with an error
 
@@ -28,6 +29,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
                           middlewares=[_access_log, _errors, _cors(settings), _auth(settings)])
     app[STATE] = GatewayService(settings)
     app.on_startup.append(_start)
+    app.on_shutdown.append(_end_feeds)
     app.on_cleanup.append(_stop)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -40,11 +42,19 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    for path in ASSETS:
+        app.router.add_get(path, dashboard_asset)
+    app.router.add_get("/dashboard/events", dashboard_events)
     return app
 
 
 async def _start(app: web.Application) -> None:
     await app[STATE].start()
+
+
+async def _end_feeds(app: web.Application) -> None:
+    """Before connections close: long-lived dashboard feeds end, so shutdown does not wait on them."""
+    await app[STATE].dashboard.close()
 
 
 async def _stop(app: web.Application) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from gateway.recent_latencies import RecentLatencies
 from shared.keys import Keys
 from shared.metric_names import WORKER_SERIES, SnapshotCollector
 
@@ -29,8 +30,17 @@ class GatewayMetrics:
         self.requests = Counter(V + "request_success", "finished requests by reason", labels + ["finished_reason"], registry=self.registry)
         self.routed = Counter("pagedserve:routed_requests", "requests by where they were queued: a worker's own stream "
                               "(prefix routing) or the model's shared stream", labels + ["route"], registry=self.registry)
+        self.recent = RecentLatencies()  # the dashboard's latency charts
         self.workers = SnapshotCollector(model)
         self.registry.register(self.workers)
+
+    def first_token(self, model: str, seconds: float) -> None:
+        self.ttft.labels(model).observe(seconds)
+        self.recent.add("ttft", seconds)
+
+    def next_token(self, model: str, seconds: float) -> None:
+        self.itl.labels(model).observe(seconds)
+        self.recent.add("itl", seconds)
 
     async def render(self) -> bytes:
         values: dict[str, list[float]] = {name: [] for name in WORKER_SERIES}

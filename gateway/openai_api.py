@@ -121,9 +121,9 @@ def _account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tal
         tally.completion_tokens += tokens
         state.metrics.generation_tokens.labels(model).inc(tokens)
         if event.id in last:
-            state.metrics.itl.labels(model).observe(now - last[event.id])
+            state.metrics.next_token(model, now - last[event.id])
         elif not last:
-            state.metrics.ttft.labels(model).observe(now - tally.started)
+            state.metrics.first_token(model, now - tally.started)
         last[event.id] = now
     if event.done:
         state.metrics.requests.labels(parsed.model, event.finish_reason or "unknown").inc()

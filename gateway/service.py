@@ -17,6 +17,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from gateway.dashboard_hub import DashboardHub
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_spec
 from gateway.router import Router, RoutingPolicy
@@ -62,6 +63,7 @@ class GatewayService:
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
         policy = RoutingPolicy(settings.routing, settings.routing_load_weight, busy_waiting=settings.routing_busy_waiting,
                                imbalance=settings.routing_imbalance)
+        self.dashboard = DashboardHub(self.redis, self.keys, settings.served_model_name, self.metrics.recent)
         self.router = Router(self.redis, self.keys, settings.served_model_name, policy)
         self._index_task: asyncio.Task | None = None
         self._index_stop = asyncio.Event()

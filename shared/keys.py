@@ -37,6 +37,15 @@ class Keys:
         """Stream of the model's workers' KV events: prefix-cache blocks published and dropped."""
         return f"{self.model_space(model)}:kv"
 
+    def dashboard(self, model: str) -> str:
+        """Pub/sub channel of the model's workers' KV dashboard snapshots (``worker/core/kv_snapshot.py``)."""
+        return f"{self.prefix}:dashboard:{model}"
+
+    def dashboard_watched(self, model: str) -> str:
+        """Set (with a short expiry, renewed) by a gateway while a dashboard is open: workers
+        publish snapshots only then."""
+        return f"{self.model_space(model)}:dashboard:watched"
+
     def group(self, model: str) -> str:
         """The consumer group of the workers serving one model."""
         return f"{self.prefix}:workers:{model}"

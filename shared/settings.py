@@ -59,6 +59,7 @@ class WorkerSettings:
     engine: dict = field(default_factory=dict)  # EngineConfig keyword arguments
     kv_events_interval_s: float = 0.05  # KV events (prefix-cache changes) go out at most this often
     kv_resync_s: float = 30.0  # and all the cache holds, this often (a reader that missed entries catches up)
+    dashboard_interval_s: float = 0.25  # a KV dashboard snapshot this often at most, while a dashboard is open
 
 
 def checked(kind, ok, rule: str):

@@ -86,6 +86,13 @@ class BlockManager:
     def block_table(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._tables[seq_id])
 
+    def table_of(self, seq_id: int) -> tuple[str, tuple[int, ...]] | None:
+        """``("gpu" | "cpu", table)`` of a sequence that holds blocks, else None (for the dashboard)."""
+        for device, tables in (("gpu", self._tables), ("cpu", self._cpu_tables)):
+            if seq_id in tables:
+                return device, tuple(tables[seq_id])
+        return None
+
     def num_slots(self, seq_id: int) -> int:
         return self._num_slots[seq_id]
 

@@ -19,21 +19,25 @@ from shared.protocol import WireRequest
 from worker.engine import Engine
 from worker.serve.metrics import engine_state
 from worker.core.kv_events import KvEvents
+from worker.core.kv_snapshot import kv_snapshot
 from worker.core.outputs import RequestOutput
 
 OnOutputs = Callable[[list[RequestOutput], list[tuple[str, str]]], None]
 OnKv = Callable[[list[int], list[int], bool], None]  # (published, dropped, reset): prefix-cache hashes
+OnPicture = Callable[[dict], None]  # a KV dashboard snapshot (worker.core.kv_snapshot)
 
 
 class EngineLoop:
     def __init__(self, engine: Engine, on_outputs: OnOutputs, snapshot_every_s: float = 0.25,
-                 on_kv: OnKv | None = None) -> None:
+                 on_kv: OnKv | None = None, on_picture: OnPicture | None = None) -> None:
         self.engine = engine
         self.on_outputs = on_outputs
         self.on_kv = on_kv
         self.kv_events = KvEvents() if on_kv else None  # what the prefix cache gains and loses, for routing
         engine.scheduler.blocks.gpu.events = self.kv_events
         self._kv_resync = threading.Event()
+        self.on_picture = on_picture
+        self._picture_wanted = threading.Event()
         self.snapshot = engine_state(engine)  # replaced, never mutated: safe to read from another thread
         self._snapshot_every_s = snapshot_every_s
         self._snapshot_at = time.monotonic()
@@ -60,6 +64,11 @@ class EngineLoop:
         self._kv_resync.set()
         self._ready.set()
 
+    def want_picture(self) -> None:
+        """Take a dashboard snapshot between two steps (or now, when idle) and hand it to ``on_picture``."""
+        self._picture_wanted.set()
+        self._ready.set()
+
     @property
     def queued(self) -> int:
         return len(self._inbox)
@@ -67,6 +76,7 @@ class EngineLoop:
     def run(self) -> None:
         while True:
             self._send_kv()
+            self._send_picture()
             work = []
             while self._inbox:
                 work.append(self._inbox.popleft())
@@ -90,6 +100,14 @@ class EngineLoop:
             self.on_kv(self.engine.scheduler.blocks.gpu.published_hashes(), [], True)
         elif published or dropped:
             self.on_kv(published, dropped, False)
+
+    def _send_picture(self) -> None:
+        if self._picture_wanted.is_set():
+            self._picture_wanted.clear()
+            started = time.perf_counter()
+            snapshot = kv_snapshot(self.engine.scheduler)
+            snapshot["took_ms"] = round(1000 * (time.perf_counter() - started), 2)
+            self.on_picture(snapshot)
 
     def _take_snapshot(self) -> None:
         now = time.monotonic()

@@ -20,7 +20,8 @@ with backoff, the worker exits 1 when one keeps failing):
   dead-letter stream after ``max_deliveries``);
 - cancels: aborts requests named on the model's cancel channel;
 - kv events: what the prefix cache published and dropped, for the gateways' routing
-  (``worker/serve/kv_publisher.py``).
+  (``worker/serve/kv_publisher.py``);
+- dashboard: the KV dashboard's snapshots while one is open (``worker/serve/dashboard_publisher.py``).
 
 Besides the model's stream the reader reads the worker's own (requests routed to it, first);
 maintenance moves the own streams of dead workers onto the model's stream.
@@ -51,6 +52,7 @@ from shared.settings import WorkerSettings
 from worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
 from worker.serve.intake import Rejected, admit, salvage_reply
 from worker.engine import Engine
+from worker.serve.dashboard_publisher import DashboardPublisher
 from worker.serve.kv_publisher import KvPublisher
 from worker.serve.loop import EngineLoop
 from worker.serve.events import InFlight, error_event, lost_event
@@ -72,7 +74,11 @@ class WorkerService:
         self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
         self.kv = KvPublisher(self.bridge, settings.consumer, settings.kv_events_interval_s, settings.kv_resync_s,
                               lambda: self.engine_loop.resync_kv(), lambda: self._retrying("kv events", self.redis.ping))
-        self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread, on_kv=self.kv.from_engine_thread)
+        self.dashboard = DashboardPublisher(self.redis, self.keys, self.model, settings.consumer, settings.dashboard_interval_s,
+                                            lambda: self.engine_loop.want_picture(), self._dashboard_figures)
+        self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread, on_kv=self.kv.from_engine_thread,
+                                      on_picture=self.dashboard.from_engine_thread)
+        self.queue_depth = 0  # the model's stream, as the last upkeep read it
         self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
         self.stopping = asyncio.Event()
         self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
@@ -101,7 +107,7 @@ class WorkerService:
 
     async def serve_io(self, engine_finished) -> int:
         """The Redis side until the engine loop returns (``engine_finished`` awaits that)."""
-        self._loop = self.kv.loop = asyncio.get_running_loop()
+        self._loop = self.kv.loop = self.dashboard.loop = asyncio.get_running_loop()
         try:
             await self._retrying("create group", self.bridge.ensure_group)
             # Names are stable (a restarted worker takes its pending entries back): two live workers
@@ -115,7 +121,8 @@ class WorkerService:
         log.info("worker ready", model=self.model, consumer=self.settings.consumer, stream=self.bridge.stream)
         self.engine_loop.resync_kv()  # the first KV event: a reset (the index forgets a predecessor's blocks)
         side = [asyncio.create_task(supervise(name, run, self._give_up))
-                for name, run in (("reader", self._reader), ("maintenance", self._maintenance), ("kv events", lambda: self.kv.run(self._io_stop)))]
+                for name, run in (("reader", self._reader), ("maintenance", self._maintenance), ("kv events", lambda: self.kv.run(self._io_stop)),
+                                  ("dashboard", lambda: self.dashboard.run(self._io_stop)))]
         cancels = asyncio.create_task(supervise("cancels", self._cancels, self._give_up))
         publisher = asyncio.create_task(supervise("publisher", self._publisher, self._give_up))
         try:
@@ -269,7 +276,7 @@ class WorkerService:
     async def _upkeep(self) -> None:
         """Heartbeat and metrics; then take over entries of dead workers while there is room."""
         metrics = self._metrics()
-        metrics["queue_depth"] = await self.redis.xlen(self.bridge.stream)
+        metrics["queue_depth"] = self.queue_depth = await self.redis.xlen(self.bridge.stream)
         metrics["dead_letters"] = await self.redis.xlen(self.keys.dead_letter(self.model))
         metrics["draining"] = int(self.stopping.is_set())  # the router sends a draining worker nothing
         stats = self.stats_line.due(metrics)
@@ -299,6 +306,10 @@ class WorkerService:
         (then, count), self._rate_mark = self._rate_mark, (now, sent)
         rate = (sent - count) / max(1e-6, now - then)
         return worker_metrics(self.engine_loop.snapshot, len(self.inflight), self.engine_loop.queued, sent, rate)
+
+    def _dashboard_figures(self) -> dict:
+        return {"tokens_out": self.inflight.tokens_out, "in_flight": len(self.inflight), "queue_depth": self.queue_depth,
+                "draining": self.stopping.is_set()}
 
     async def _cancels(self) -> None:
         await listen_forever(self.redis, self.keys.cancel(self.model), self._cancel, stop=self._io_stop)

@@ -1,0 +1,43 @@
+"""``GET /dashboard``: the KV dashboard page (static files in ``gateway/static``, no build step, no
+CDN), and ``GET /dashboard/events``: its live feed as server-sent events (``gateway/dashboard_hub.py``).
+
+The page and its script are open (they hold no data); the feed follows the API-key rule of the
+API. The page reads the feed with ``fetch`` (not ``EventSource``, which cannot send a header), so
+the key travels as ``Authorization: Bearer``, never in a URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiohttp import web
+
+from gateway.openai_api import STATE
+from gateway.sse import open_stream
+
+STATIC = Path(__file__).parent / "static"
+ASSETS = {"/dashboard": ("dashboard.html", "text/html"), "/dashboard/app.js": ("dashboard.js", "text/javascript"),
+          "/dashboard/app.css": ("dashboard.css", "text/css")}
+KEEPALIVE_S = 15.0  # a comment line this often, so proxies keep an idle feed open
+
+
+async def dashboard_asset(request: web.Request) -> web.Response:
+    name, kind = ASSETS[request.path]
+    return web.Response(body=(STATIC / name).read_bytes(), content_type=kind, charset="utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+
+async def dashboard_events(request: web.Request) -> web.StreamResponse:
+    hub = request.app[STATE].dashboard
+    async with hub.viewer() as frames:
+        response = await open_stream(request)
+        while True:
+            try:
+                frame = await asyncio.wait_for(frames.get(), KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                frame = b": keepalive\n\n"
+            if frame is None:  # the gateway is closing
+                break
+            await response.write(frame)
+    return response

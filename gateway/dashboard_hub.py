@@ -1,0 +1,117 @@
+"""The gateway's side of the KV dashboard: one Redis subscription to the model's dashboard channel,
+fanned out to every open dashboard as ready-made SSE frames.
+
+While at least one dashboard is open the hub renews the model's ``dashboard_watched`` key (workers
+publish snapshots only then), and once a second it sends a ``gateway`` frame: this gateway's
+time-to-first-token and inter-token percentiles over the last ten seconds and the model's queue
+depth. ``worker`` frames are the workers' snapshots as JSON (``worker/core/kv_snapshot.py``); a
+new dashboard gets each live worker's latest at once. A dashboard that reads too slowly loses its
+oldest frames, never holds up the others; a message that does not decode is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import msgpack
+import redis.asyncio as aioredis
+import structlog
+
+from gateway.recent_latencies import RecentLatencies
+from shared.keys import Keys
+from shared.redis_io import REDIS_DOWN, listen_forever, stop_tasks
+
+log = structlog.get_logger("pagedserve.gateway")
+WATCH_TTL_MS = 3000  # a gateway gone without a word stops the snapshots within this
+TICK_S = 1.0
+FRAMES_QUEUED = 16  # per dashboard, before its oldest frames are dropped
+STALE_S = 10.0  # a worker not heard from for this long is not replayed to a new dashboard
+
+
+def sse(event: str, payload: dict) -> bytes:
+    return f"event: {event}\ndata: ".encode() + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class DashboardHub:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, latencies: RecentLatencies) -> None:
+        self.redis, self.keys, self.model, self.latencies = redis, keys, model, latencies
+        self._viewers: set[asyncio.Queue[bytes | None]] = set()
+        self._latest: dict[str, tuple[float, bytes]] = {}  # worker -> (when, frame)
+        self._tasks: list[asyncio.Task] = []
+        self._stop = asyncio.Event()
+        self._bad_seen = False
+
+    @contextlib.asynccontextmanager
+    async def viewer(self):
+        """A queue of SSE frames for one open dashboard; ``None`` in it means the gateway is closing."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(FRAMES_QUEUED)
+        now = time.monotonic()
+        for when, frame in self._latest.values():
+            if now - when < STALE_S:
+                queue.put_nowait(frame)
+        self._viewers.add(queue)
+        if not self._tasks:
+            self._stop.clear()
+            self._tasks = [asyncio.create_task(listen_forever(self.redis, self.keys.dashboard(self.model), self._message,
+                                                              stop=self._stop)),
+                           asyncio.create_task(self._tick())]
+        try:
+            yield queue
+        finally:
+            self._viewers.discard(queue)
+            if not self._viewers:
+                await self._stop_tasks()
+
+    async def close(self) -> None:
+        """The gateway is stopping: every open dashboard's stream ends."""
+        for queue in list(self._viewers):
+            self._send(queue, None)
+        await self._stop_tasks()
+
+    async def _stop_tasks(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        if tasks:
+            await stop_tasks(tasks, self._stop)
+
+    def _message(self, data: bytes) -> None:
+        try:
+            snapshot = msgpack.unpackb(data)
+            worker = str(snapshot["worker"])
+            frame = sse("worker", snapshot)
+        except Exception as err:  # anyone can publish on a channel: a bad message must not end the feed
+            if not self._bad_seen:
+                log.warning("dashboard message skipped (logged once)", error=str(err)[:200])
+                self._bad_seen = True
+            return
+        now = time.monotonic()
+        self._latest = {w: seen for w, seen in self._latest.items() if now - seen[0] < STALE_S}
+        self._latest[worker] = (now, frame)
+        self._fan_out(frame)
+
+    async def _tick(self) -> None:
+        watched, stream = self.keys.dashboard_watched(self.model), self.keys.requests(self.model)
+        while not self._stop.is_set():
+            try:
+                await self.redis.set(watched, b"1", px=WATCH_TTL_MS)
+                depth = await self.redis.xlen(stream)
+            except REDIS_DOWN as err:
+                log.warning("redis unavailable", during="dashboard", error=str(err))
+                depth = None
+            self._fan_out(sse("gateway", {"time": time.time(), "queue_depth": depth,
+                                          "ttft_ms": self.latencies.percentiles("ttft"),
+                                          "itl_ms": self.latencies.percentiles("itl")}))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), TICK_S)
+
+    def _fan_out(self, frame: bytes) -> None:
+        for queue in self._viewers:
+            self._send(queue, frame)
+
+    @staticmethod
+    def _send(queue: asyncio.Queue, frame: bytes | None) -> None:
+        if queue.full():
+            queue.get_nowait()
+        queue.put_nowait(frame)

@@ -1,0 +1,30 @@
+"""The last minute of time-to-first-token and inter-token latencies, for the KV dashboard's charts
+(Prometheus histograms hold buckets since start; a chart wants percentiles of the last seconds).
+Bounded: at most ``max_samples`` of each kind are kept, the oldest dropped first."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+
+class RecentLatencies:
+    def __init__(self, keep_s: float = 60.0, max_samples: int = 20_000) -> None:
+        self.keep_s = keep_s
+        self._samples: dict[str, deque[tuple[float, float]]] = {
+            kind: deque(maxlen=max_samples) for kind in ("ttft", "itl")}
+
+    def add(self, kind: str, seconds: float, now: float | None = None) -> None:
+        self._samples[kind].append((time.monotonic() if now is None else now, seconds))
+
+    def percentiles(self, kind: str, window_s: float = 10.0, now: float | None = None) -> dict[str, float | int]:
+        """``{"count", "p50", "p90", "p99"}`` in milliseconds over the last ``window_s`` (zeros when none)."""
+        now = time.monotonic() if now is None else now
+        samples = self._samples[kind]
+        while samples and samples[0][0] < now - self.keep_s:
+            samples.popleft()
+        recent = sorted(v for t, v in samples if t >= now - window_s)
+        if not recent:
+            return {"count": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        pick = lambda q: round(1000 * recent[min(len(recent) - 1, int(q * len(recent)))], 2)  # noqa: E731
+        return {"count": len(recent), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}

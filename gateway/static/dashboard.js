@@ -1,0 +1,350 @@
+// The KV dashboard: reads /dashboard/events (server-sent events over fetch, so an API key can go in
+// the Authorization header) and draws each worker's block pools, figures, requests and charts.
+// Frames: "worker" (a worker's snapshot, worker/core/kv_snapshot.py) and "gateway" (latencies, queue).
+"use strict";
+
+(() => {
+  const HISTORY_S = 300; // the charts show the last five minutes
+  const COLORS = { free: "#e6e6e6", cached: "#9ecae1", owned: "#41ab5d", swapped: "#756bb1" };
+  const SHARED = ["#fdae6b", "#fd8d3c", "#e6550d", "#d94801", "#a63603", "#7f2704"]; // 2, 3, … sharers
+  const LINES = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2"];
+  const state = { workers: new Map(), gateway: [], selected: null, frames: 0, key: sessionStorage.getItem("pagedserve-key") || "" };
+  window.dashboard = state; // for the browser test and for curious operators
+
+  // ------------------------------------------------------------------ the feed
+  async function connect() {
+    const status = document.getElementById("status");
+    const headers = state.key ? { Authorization: "Bearer " + state.key } : {};
+    let response;
+    try {
+      response = await fetch("/dashboard/events", { headers });
+    } catch (err) {
+      return retry(status, "gateway unreachable");
+    }
+    if (response.status === 401) {
+      status.textContent = state.key ? "wrong API key" : "API key needed";
+      document.getElementById("key-form").hidden = false;
+      return;
+    }
+    if (!response.ok) return retry(status, "feed refused: HTTP " + response.status);
+    status.textContent = "live";
+    status.className = "status live";
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      let chunk;
+      try {
+        chunk = await reader.read();
+      } catch (err) {
+        break;
+      }
+      if (chunk.done) break;
+      buffer += decoder.decode(chunk.value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        handleFrame(buffer.slice(0, end));
+        buffer = buffer.slice(end + 2);
+      }
+    }
+    retry(status, "feed ended");
+  }
+
+  function retry(status, why) {
+    status.textContent = why + "; reconnecting…";
+    status.className = "status";
+    setTimeout(connect, 2000);
+  }
+
+  function handleFrame(text) {
+    let event = "message", data = "";
+    for (const line of text.split("\n")) {
+      if (line.startsWith("event: ")) event = line.slice(7);
+      else if (line.startsWith("data: ")) data += line.slice(6);
+    }
+    if (!data) return; // a keepalive comment
+    state.frames += 1;
+    const payload = JSON.parse(data);
+    if (event === "worker") onWorker(payload);
+    else if (event === "gateway") onGateway(payload);
+  }
+
+  document.getElementById("key-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    state.key = document.getElementById("key").value;
+    sessionStorage.setItem("pagedserve-key", state.key);
+    document.getElementById("key-form").hidden = true;
+    connect();
+  });
+
+  // ------------------------------------------------------------------ data
+  function decodePool(encoded) {
+    const cells = new Uint8Array(encoded[0]);
+    let at = 0;
+    for (let i = 2; i < encoded.length; i += 2) {
+      cells.fill(Math.min(255, encoded[i]), at, at + encoded[i + 1]);
+      at += encoded[i + 1];
+    }
+    return { cells, group: encoded[1] };
+  }
+
+  function onWorker(snap) {
+    let w = state.workers.get(snap.worker);
+    if (!w) {
+      w = { name: snap.worker, history: [], view: makeWorkerView(snap.worker) };
+      state.workers.set(snap.worker, w);
+    }
+    const prev = w.history[w.history.length - 1];
+    const f = snap.figures;
+    const point = { t: snap.time, tokens: snap.tokens_out, cow: f.cow_copies, preemptions: f.preemptions,
+                    hits: f.prefix_hit_tokens, queries: f.prefix_query_tokens, waiting: f.waiting, kv: f.total ? 100 * f.used / f.total : 0 };
+    if (prev && point.t > prev.t) {
+      point.tokensPerS = Math.max(0, (point.tokens - prev.tokens) / (point.t - prev.t));
+      point.cowPerS = Math.max(0, (point.cow - prev.cow) / (point.t - prev.t));
+    }
+    w.history.push(point);
+    while (w.history.length && w.history[0].t < point.t - HISTORY_S) w.history.shift();
+    w.snap = snap;
+    w.gpu = decodePool(snap.gpu);
+    w.cpu = decodePool(snap.cpu);
+    w.holders = holders(snap);
+    w.seen = Date.now();
+    drawWorker(w);
+    drawRequests();
+    drawCharts();
+  }
+
+  function onGateway(g) {
+    state.gateway.push(g);
+    while (state.gateway.length && state.gateway[0].time < g.time - HISTORY_S) state.gateway.shift();
+    for (const [name, w] of state.workers) { // a worker gone quiet leaves the page
+      if (Date.now() - w.seen > 10000) { w.view.root.remove(); state.workers.delete(name); }
+    }
+    drawCharts();
+  }
+
+  function holders(snap) {
+    const held = { gpu: new Map(), cpu: new Map() };
+    for (const row of snap.requests) {
+      row.tables.forEach((table, seq) => table.forEach((block) => {
+        if (block < 0 || !row.device) return;
+        const map = held[row.device];
+        if (!map.has(block)) map.set(block, []);
+        map.get(block).push(row.id + (row.tables.length > 1 ? " #" + seq : ""));
+      }));
+    }
+    return held;
+  }
+
+  // ------------------------------------------------------------------ a worker: pools and figures
+  function makeWorkerView(name) {
+    const empty = document.querySelector("#workers .empty");
+    if (empty) empty.remove();
+    const root = document.createElement("article");
+    root.className = "worker";
+    root.innerHTML = `<h2></h2><div class="pools"><canvas class="gpu"></canvas><p class="gpu-caption"></p>
+      <canvas class="cpu"></canvas><p class="cpu-caption"></p></div><dl class="figures"></dl>`;
+    root.querySelector("h2").textContent = "worker " + name;
+    document.getElementById("workers").appendChild(root);
+    const view = { root, gpu: root.querySelector("canvas.gpu"), cpu: root.querySelector("canvas.cpu"),
+                   figures: root.querySelector(".figures") };
+    view.gpu.addEventListener("mousemove", (e) => hover(e, name, "gpu"));
+    view.cpu.addEventListener("mousemove", (e) => hover(e, name, "cpu"));
+    for (const c of [view.gpu, view.cpu]) c.addEventListener("mouseleave", () => { tooltip().hidden = true; });
+    return view;
+  }
+
+  function cellColor(value, device) {
+    if (value === 0) return COLORS.free;
+    if (device === "cpu") return COLORS.swapped;
+    if (value === 1) return COLORS.cached;
+    if (value === 2) return COLORS.owned;
+    return SHARED[Math.min(SHARED.length - 1, value - 3)];
+  }
+
+  function layout(count, width) {
+    const size = Math.max(3, Math.min(16, Math.floor(Math.sqrt((width * 260) / Math.max(1, count)))));
+    const cols = Math.max(1, Math.floor(width / size));
+    return { size, cols, rows: Math.ceil(count / cols) };
+  }
+
+  function drawPool(canvas, pool, device) {
+    const { size, cols, rows } = layout(pool.cells.length, 520);
+    canvas.width = cols * size;
+    canvas.height = Math.max(1, rows * size);
+    canvas.hidden = pool.cells.length === 0;
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, canvas.width, canvas.height);
+    const gap = size > 4 ? 1 : 0;
+    pool.cells.forEach((value, i) => {
+      ctx.fillStyle = cellColor(value, device);
+      ctx.fillRect((i % cols) * size, Math.floor(i / cols) * size, size - gap, size - gap);
+    });
+    canvas.dataset.cellSize = size;
+    canvas.dataset.cols = cols;
+  }
+
+  function drawWorker(w) {
+    const f = w.snap.figures, last = w.history[w.history.length - 1];
+    drawPool(w.view.gpu, w.gpu, "gpu");
+    drawPool(w.view.cpu, w.cpu, "cpu");
+    const per = (pool) => (pool.group > 1 ? ` (a cell: ${pool.group} blocks, its most shared)` : "");
+    w.view.root.querySelector(".gpu-caption").textContent = `GPU pool: ${f.total} blocks of ${w.snap.block_size} tokens${per(w.gpu)}` +
+      ` · snapshot taken in ${w.snap.took_ms} ms`;
+    w.view.root.querySelector(".cpu-caption").textContent = f.cpu_total ? `CPU pool (swap): ${f.cpu_total} blocks${per(w.cpu)}` : "no CPU swap space";
+    const windowed = w.history.find((p) => p.t >= last.t - 10) || last;
+    const recentQueries = last.queries - windowed.queries;
+    const rows = [
+      ["utilisation", pct(f.used, f.total)],
+      ["saved by sharing", f.logical ? pct(f.logical - f.used, f.logical) : "–"],
+      ["prefix hit rate", pct(f.prefix_hit_tokens, f.prefix_query_tokens)],
+      ["… last 10 s", recentQueries > 0 ? pct(last.hits - windowed.hits, recentQueries) : "–"],
+      ["preemptions", f.preemptions],
+      ["CoW copies/s", (last.cowPerS || 0).toFixed(1)],
+      ["tokens/s", (last.tokensPerS || 0).toFixed(1)],
+      ["running · waiting · swapped", `${f.running} · ${f.waiting} · ${f.swapped}`],
+      ["cached blocks", f.cached],
+      ["queue (model's stream)", w.snap.queue_depth],
+    ];
+    w.view.figures.innerHTML = "";
+    for (const [name, value] of rows) {
+      const dt = document.createElement("dt"), dd = document.createElement("dd");
+      dt.textContent = name;
+      dd.textContent = value;
+      dd.dataset.figure = name;
+      w.view.figures.append(dt, dd);
+    }
+  }
+
+  function pct(part, whole) {
+    return whole ? (100 * part / whole).toFixed(1) + " %" : "–";
+  }
+
+  function tooltip() {
+    return document.getElementById("tooltip");
+  }
+
+  function hover(e, name, device) {
+    const w = state.workers.get(name), canvas = e.target, pool = w[device];
+    const size = +canvas.dataset.cellSize, cols = +canvas.dataset.cols;
+    const cell = Math.floor(e.offsetY / size) * cols + Math.floor(e.offsetX / size);
+    const tip = tooltip();
+    if (cell < 0 || cell >= pool.cells.length || Math.floor(e.offsetX / size) >= cols) { tip.hidden = true; return; }
+    const value = pool.cells[cell], first = cell * pool.group, last = first + pool.group - 1;
+    const what = value === 0 ? "free" : value === 1 ? "cached, evictable" : `refcount ${value - 1}` + (value > 2 ? " (shared)" : "");
+    const who = [];
+    for (let b = first; b <= last; b++) (w.holders[device].get(b) || []).forEach((h) => who.push(h));
+    tip.textContent = `${device.toUpperCase()} block${pool.group > 1 ? `s ${first}–${last}` : " " + first}: ${what}` +
+      (who.length ? ` · held by ${[...new Set(who)].slice(0, 8).join(", ")}${who.length > 8 ? " …" : ""}` : "");
+    tip.style.left = e.clientX + 14 + "px";
+    tip.style.top = e.clientY + 14 + "px";
+    tip.hidden = false;
+  }
+
+  // ------------------------------------------------------------------ requests and a block table
+  function drawRequests() {
+    const body = document.querySelector("#requests tbody");
+    body.innerHTML = "";
+    let unlisted = 0;
+    for (const w of state.workers.values()) {
+      unlisted += w.snap.unlisted;
+      for (const row of w.snap.requests) {
+        const tr = document.createElement("tr");
+        const seqs = row.tables.length || 1;
+        for (const v of [row.id, w.name, row.state, seqs, row.blocks, row.prompt, row.generated, row.age.toFixed(1)]) {
+          const td = document.createElement("td");
+          td.textContent = v;
+          tr.appendChild(td);
+        }
+        if (state.selected && state.selected.id === row.id) tr.className = "selected";
+        tr.addEventListener("click", () => { state.selected = { id: row.id, worker: w.name }; drawRequests(); });
+        body.appendChild(tr);
+      }
+    }
+    document.getElementById("unlisted").textContent = unlisted ? `(${unlisted} more not listed)` : "";
+    drawBlockTable();
+  }
+
+  function drawBlockTable() {
+    const box = document.getElementById("block-table");
+    const w = state.selected && state.workers.get(state.selected.worker);
+    const row = w && w.snap.requests.find((r) => r.id === state.selected.id);
+    if (!row) return;
+    box.innerHTML = "";
+    const title = document.createElement("p");
+    title.textContent = `${row.id}: ${row.state}, ${row.blocks} blocks` + (row.device ? ` on the ${row.device.toUpperCase()}` : ", none held") +
+      (row.cut ? " (tables cut short)" : "");
+    box.appendChild(title);
+    const pool = row.device && w[row.device];
+    row.tables.forEach((table, seq) => {
+      const line = document.createElement("div");
+      line.className = "seq";
+      line.innerHTML = `<b>seq ${seq}</b>`;
+      for (const block of table) {
+        const cell = document.createElement("span");
+        const value = block >= 0 && pool ? pool.cells[Math.floor(block / pool.group)] : 0;
+        cell.className = "blk" + (block < 0 ? " released" : value > 2 ? " shared" : "") + (row.device === "cpu" ? " cpu" : "");
+        cell.textContent = block < 0 ? "–" : block;
+        cell.title = block < 0 ? "released (outside the sliding window)" : `block ${block}` + (value > 2 ? `, shared by ${value - 1}` : "");
+        line.appendChild(cell);
+      }
+      box.appendChild(line);
+    });
+  }
+
+  // ------------------------------------------------------------------ charts
+  function drawCharts() {
+    const workers = [...state.workers.values()];
+    const g = state.gateway;
+    chart("chart-throughput", workers.map((w) => ({ name: w.name, points: w.history.filter((p) => p.tokensPerS !== undefined).map((p) => [p.t, p.tokensPerS]) })));
+    chart("chart-kv", workers.map((w) => ({ name: w.name, points: w.history.map((p) => [p.t, p.kv]) })));
+    for (const [id, key] of [["chart-ttft", "ttft_ms"], ["chart-itl", "itl_ms"]]) {
+      chart(id, ["p50", "p90", "p99"].map((q) => ({ name: q, points: g.filter((x) => x[key].count).map((x) => [x.time, x[key][q]]) })));
+    }
+    chart("chart-queue", [{ name: "model's stream", points: g.filter((x) => x.queue_depth !== null).map((x) => [x.time, x.queue_depth]) }]
+      .concat(workers.map((w) => ({ name: "waiting " + w.name, points: w.history.map((p) => [p.t, p.waiting]) }))));
+  }
+
+  function chart(id, series) {
+    const canvas = document.getElementById(id), ctx = canvas.getContext("2d");
+    const W = canvas.width, H = canvas.height, left = 44, bottom = 18, top = 6, right = 8;
+    ctx.clearRect(0, 0, W, H);
+    const all = series.flatMap((s) => s.points);
+    const now = all.length ? Math.max(...all.map((p) => p[0])) : Date.now() / 1000;
+    const ymax = niceMax(Math.max(0, ...all.map((p) => p[1])));
+    const span = all.length ? now - Math.min(...all.map((p) => p[0])) : 0;
+    const shown = Math.min(HISTORY_S, Math.max(60, span)); // a minute at least, five at most
+    const x = (t) => left + (W - left - right) * (1 - (now - t) / shown);
+    const y = (v) => H - bottom - (H - bottom - top) * (v / ymax);
+    ctx.font = "10px system-ui, sans-serif";
+    ctx.strokeStyle = "#e5e7eb";
+    ctx.fillStyle = "#6b7280";
+    for (let i = 0; i <= 4; i++) {
+      const v = (ymax * i) / 4;
+      ctx.beginPath(); ctx.moveTo(left, y(v)); ctx.lineTo(W - right, y(v)); ctx.stroke();
+      ctx.fillText(v >= 100 ? v.toFixed(0) : v.toPrecision(2), 2, y(v) + 3);
+    }
+    ctx.fillText(shown >= 120 ? `−${Math.round(shown / 60)} min` : `−${Math.round(shown)} s`, left, H - 4);
+    ctx.fillText("now", W - right - 18, H - 4);
+    series.forEach((s, i) => {
+      ctx.strokeStyle = LINES[i % LINES.length];
+      ctx.lineWidth = 1.5;
+      ctx.beginPath();
+      s.points.forEach(([t, v], j) => (j ? ctx.lineTo(x(t), y(v)) : ctx.moveTo(x(t), y(v))));
+      ctx.stroke();
+      ctx.fillStyle = LINES[i % LINES.length];
+      if (s.points.length < 40) s.points.forEach(([t, v]) => ctx.fillRect(x(t) - 1.5, y(v) - 1.5, 3, 3)); // a lone point shows
+      ctx.fillText(s.name, left + 6 + i * 80, top + 10);
+    });
+    canvas.dataset.points = all.length;
+    canvas.dataset.max = Math.max(0, ...all.map((p) => p[1]));
+  }
+
+  function niceMax(v) {
+    if (v <= 0) return 1;
+    const step = Math.pow(10, Math.floor(Math.log10(v)));
+    return [1, 2, 5, 10].map((m) => m * step).find((m) => m >= v);
+  }
+
+  connect();
+})();

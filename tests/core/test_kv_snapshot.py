@@ -1,0 +1,79 @@
+"""The dashboard's snapshot of a real scheduler: refcounts after a fork and a shared prefix, the
+request table with its block tables, the bounds at a million blocks and thousands of requests."""
+
+from __future__ import annotations
+
+import msgpack
+
+from shared.sampling import SamplingParams
+from tests.core.test_scheduler import make, step
+from worker.core.kv_snapshot import MAX_REQUESTS, MAX_TABLE_ENTRIES, SNAPSHOT_BUDGET, kv_snapshot
+from worker.core.pool_picture import decode
+
+
+def params(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=6, ignore_eos=True, **kw)
+
+
+def test_forked_and_prefix_shared_blocks_show_their_refcounts_and_holders():
+    sched, sim = make(num_blocks=64, block_size=4)
+    system = list(range(100, 112))  # three full blocks, shared through the prefix cache
+    sched.add("first", system + [1, 2], params())
+    step(sched, sim)
+    sched.add("second", system + [3], params())
+    sched.add("fork", [7, 8, 9, 10, 11], params(n=3))
+    step(sched, sim)
+    step(sched, sim)
+    snap = kv_snapshot(sched)
+    rows = {row["id"]: row for row in snap["requests"]}
+    cells, group = decode(snap["gpu"])
+    assert group == 1 and len(cells) == 64
+    first, second, fork = rows["first"]["tables"][0], rows["second"]["tables"][0], rows["fork"]["tables"]
+    assert first[:3] == second[:3]
+    assert [cells[b] for b in first[:3]] == [3, 3, 3]  # 1 + two tables
+    assert len(fork) == 3 and fork[0][0] == fork[1][0] == fork[2][0]
+    assert cells[fork[0][0]] == 4  # the prompt's full block, held by the three samples
+    # Every held block's value is 1 + the tables that name it: the listing is complete here.
+    refs = {}
+    for row in rows.values():
+        for table in row["tables"]:
+            for block in table:
+                refs[block] = refs.get(block, 0) + 1
+    assert {b: v for b, v in enumerate(cells) if v >= 2} == {b: 1 + r for b, r in refs.items()}
+    assert rows["fork"]["state"] == "running" and rows["fork"]["device"] == "gpu"
+    assert rows["fork"]["blocks"] == len({b for t in fork for b in t})
+    assert rows["second"]["prompt"] == 13 and rows["fork"]["generated"] >= 3
+    figures = snap["figures"]
+    assert figures["logical"] > figures["used"] and figures["prefix_hit_tokens"] == 12
+    assert figures["running"] == 3 and snap["unlisted"] == 0
+
+
+def test_swapped_requests_show_on_the_cpu_pool():
+    sched, sim = make(num_blocks=6, block_size=4, num_cpu_blocks=16, preemption_mode="swap")
+    for i in range(3):
+        sched.add(f"r{i}", [i + 1] * 7, SamplingParams(max_tokens=12, ignore_eos=True))
+    snaps = []
+    for _ in range(12):
+        step(sched, sim)
+        snaps.append(kv_snapshot(sched))
+    swapped = [(s, row) for s in snaps for row in s["requests"] if row["state"] == "swapped"]
+    assert swapped, "the pool is too small for three requests: one must be swapped out"
+    snap, row = swapped[0]
+    cpu_cells, _ = decode(snap["cpu"])
+    assert row["device"] == "cpu" and all(cpu_cells[b] >= 2 for t in row["tables"] for b in t)
+
+
+def test_a_million_blocks_and_thousands_of_requests_stay_within_the_budget():
+    sched, sim = make(num_blocks=1 << 20, block_size=16, num_cpu_blocks=1 << 20, max_num_seqs=4096,
+                      max_num_batched_tokens=1 << 20, max_model_len=4096)
+    for i in range(2000):
+        sched.add(f"cmpl-{i:060d}-too-long-to-list-whole", [i % 50_000 + 1] * 2000, params())
+    step(sched, sim)
+    snap = kv_snapshot(sched)
+    assert len(snap["requests"]) == MAX_REQUESTS and snap["unlisted"] == 2000 - MAX_REQUESTS
+    entries = sum(len(t) for row in snap["requests"] for t in row["tables"])
+    assert entries == MAX_TABLE_ENTRIES and any(row["cut"] for row in snap["requests"])
+    assert all(len(row["id"]) <= 64 for row in snap["requests"])
+    # The worst pools (no two cells alike) are bounded in test_pool_picture; add them at full size.
+    worst_pools = 2 * (3 * 2 * 8192 + 16) - len(msgpack.packb(snap["gpu"])) - len(msgpack.packb(snap["cpu"]))
+    assert len(msgpack.packb(snap)) + worst_pools <= SNAPSHOT_BUDGET

@@ -1,0 +1,68 @@
+"""The worker's KV dashboard feed: while a gateway says a dashboard is open (the model's
+``dashboard_watched`` key), ask the engine thread for a snapshot (``worker/core/kv_snapshot.py``)
+every ``interval_s`` and PUBLISH it, msgpack, on the model's dashboard channel, with what only the
+I/O side knows (tokens sent, requests in flight, the queue's depth). Nobody watching: nothing is
+taken and nothing sent, so the feed costs one EXISTS a tick. Watched, it takes at most
+``ENGINE_SHARE`` of the engine thread: a snapshot that took ``t`` waits ``t / ENGINE_SHARE`` before
+the next (a million-block pool: about 60 ms a snapshot, so one every 3 s; see docs/dashboard.md).
+
+Pub/sub keeps nothing, and that is right here: a dashboard wants the latest picture, not a backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Callable
+
+import msgpack
+import redis.asyncio as aioredis
+import structlog
+
+from shared.keys import Keys
+from shared.redis_io import REDIS_DOWN
+
+log = structlog.get_logger("pagedserve.worker")
+ENGINE_WAIT_S = 2.0  # a step longer than this: skip the tick rather than fall behind
+ENGINE_SHARE = 0.02  # of the engine thread's time, at most, spent on snapshots
+
+
+class DashboardPublisher:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, model: str, worker: str, interval_s: float,
+                 ask: Callable[[], None], io_figures: Callable[[], dict]) -> None:
+        self.redis, self.worker, self.interval_s = redis, worker, interval_s
+        self.channel, self.watched = keys.dashboard(model), keys.dashboard_watched(model)
+        self.ask = ask  # asks the engine thread for a snapshot
+        self.io_figures = io_figures
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._snapshots: asyncio.Queue[dict] = asyncio.Queue()
+
+    def from_engine_thread(self, snapshot: dict) -> None:
+        self.loop.call_soon_threadsafe(self._snapshots.put_nowait, snapshot)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        wait_s = self.interval_s
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait_s)
+            try:
+                if not stop.is_set() and await self.redis.exists(self.watched):
+                    took_s = await self._publish_one()
+                    wait_s = max(self.interval_s, took_s / ENGINE_SHARE)
+            except REDIS_DOWN as err:  # the next tick tries again; the dashboard shows the gap
+                log.warning("redis unavailable", during="dashboard", error=str(err))
+                await asyncio.sleep(1.0)
+
+    async def _publish_one(self) -> float:
+        """Publish one snapshot; the seconds the engine thread spent taking it."""
+        while not self._snapshots.empty():  # one that came too late for its tick
+            self._snapshots.get_nowait()
+        self.ask()
+        try:
+            snapshot = await asyncio.wait_for(self._snapshots.get(), ENGINE_WAIT_S)
+        except asyncio.TimeoutError:
+            return 0.0
+        snapshot.update(worker=self.worker, time=time.time(), **self.io_figures())
+        await self.redis.publish(self.channel, msgpack.packb(snapshot))
+        return snapshot["took_ms"] / 1000
