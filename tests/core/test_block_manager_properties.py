@@ -102,6 +102,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.num_slots(seq_id) == len(self.tokens[seq_id])
             read = [self.kv[("gpu", table[p // bs])][p % bs] for p in range(len(self.tokens[seq_id]))]
             assert read == self.tokens[seq_id], f"seq {seq_id} reads {read}, wrote {self.tokens[seq_id]}"
+        # usage() counts from table ends; here from every written slot of every block
+        written = {}
+        for seq_id in self._on_gpu():
+            for p in range(len(self.tokens[seq_id])):
+                block = self.bm.block_table(seq_id)[p // bs]
+                written[block] = max(written.get(block, 0), p % bs + 1)
+        usage = self.bm.usage()
+        assert usage.tokens_held == sum(written.values())
+        assert usage.logical == sum(len(self.bm.block_table(s)) for s in self._on_gpu())
 
     def teardown(self):
         for seq_id in list(self.tokens):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 
 from worker.core.block_manager import BlockManager
-from worker.core.pool_picture import BYTE_BUDGET, MAX_CELLS, cell_values, decode, encode
+from worker.core.pool_picture import BYTE_BUDGET, MAX_CELLS, MAX_VALUE, cell_values, decode, encode
 
 
 def test_free_owned_shared_and_cached_blocks_each_have_their_value():
@@ -18,9 +18,18 @@ def test_free_owned_shared_and_cached_blocks_each_have_their_value():
     blocks.grow(3, 4)
     blocks.register_full_blocks(3, [5, 6, 7, 8, 9], 4)
     blocks.free(3)  # its one full block stays in the prefix cache
-    values = cell_values(blocks.gpu)
+    values = list(cell_values(blocks.gpu))
     assert values == [3, 3, 1, 0, 0, 0, 0, 0]
     assert decode(encode(values)) == (values, 1)
+
+
+def test_a_block_shared_past_the_top_value_shows_the_top_value():
+    blocks = BlockManager(4, block_size=4)
+    blocks.start(0)
+    blocks.grow(0, 4)
+    for child in range(1, 300):
+        blocks.fork(0, child)
+    assert list(cell_values(blocks.gpu)) == [MAX_VALUE, 0, 0, 0]
 
 
 def test_a_million_blocks_fit_the_byte_budget_whatever_their_states():

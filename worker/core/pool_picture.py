@@ -7,9 +7,8 @@ by ``r`` block tables (``2``: one sequence, ``3`` and up: shared copy-on-write; 
 when the picture is coarse. ``encode`` returns ``[cells, group, v0, n0, v1, n1, …]``: values and
 run lengths in pool order, at most ``2 * MAX_CELLS`` numbers, which msgpack writes in at most
 ``BYTE_BUDGET`` bytes (each number below 2^16: 3 bytes, and most runs far shorter).
-Taken on the engine thread (the only one touching the pool): about 60 ms for a million blocks,
-8 ms for 64k, on the 2-core development machine, so a few pictures a second cost little.
-The first piece of the KV dashboard: the publishing and the page are still to come.
+Taken on the engine thread (the only one touching the pool), as part of the dashboard's snapshot
+(``worker/core/kv_snapshot.py``; costs in docs/dashboard.md).
 """
 
 from __future__ import annotations
@@ -19,18 +18,22 @@ from worker.core.block_pool import BlockPool
 MAX_CELLS = 8192
 MAX_VALUE = 255
 BYTE_BUDGET = 2 * MAX_CELLS * 3 + 16
+VALUE_OF_REFCOUNT = bytes([0] + [min(MAX_VALUE, 1 + r) for r in range(1, 256)])  # bytes.translate table
 
 
-def cell_values(pool: BlockPool) -> list[int]:
-    """Each block's value, in block order."""
-    refs, cached = pool.ref_counts(), pool.cached_blocks()
-    values = [min(MAX_VALUE, 1 + r) if r else 0 for r in refs]
-    for block in cached:
+def cell_values(pool: BlockPool) -> bytearray:
+    """Each block's value, in block order (a byte each: C-speed conversions, not a Python loop over
+    a million blocks)."""
+    refs = pool.ref_counts()
+    if max(refs, default=0) > MAX_VALUE:
+        refs = [min(r, MAX_VALUE) for r in refs]
+    values = bytearray(refs).translate(VALUE_OF_REFCOUNT)
+    for block in pool.cached_blocks():
         values[block] = 1
     return values
 
 
-def encode(values: list[int], max_cells: int = MAX_CELLS) -> list[int]:
+def encode(values: bytes | list[int], max_cells: int = MAX_CELLS) -> list[int]:
     group = max(1, -(-len(values) // max_cells))
     cells = [max(values[i : i + group]) for i in range(0, len(values), group)] if group > 1 else values
     out = [len(cells), group]
