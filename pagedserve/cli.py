@@ -15,6 +15,7 @@
     pagedserve bench client-tools [args]         guidellm and aiperf against a gateway: zero errors
     pagedserve bench structured [args]           structured outputs: throughput cost, compile time
     pagedserve bench scale [args]                1-32 simulated workers: shared vs prefix routing
+    pagedserve bench dashboard [args]            the KV dashboard's snapshot: time and bytes by pool size
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ BENCHES = {
     "client-tools": "bench.client_tools",
     "structured": "bench.structured",
     "scale": "bench.scale",
+    "dashboard": "bench.dashboard_snapshot",
 }
 
 

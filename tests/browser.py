@@ -109,7 +109,7 @@ class Browser:
         await self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y)
 
     async def screenshot(self, path: Path) -> int:
-        """A PNG of the whole page; its size in bytes."""
-        data = base64.b64decode((await self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True))["data"])
+        """A PNG of the window (as the user sees it, hovering included); its size in bytes."""
+        data = base64.b64decode((await self.call("Page.captureScreenshot", format="png"))["data"])
         path.write_bytes(data)
         return len(data)

@@ -269,7 +269,12 @@
     const box = document.getElementById("block-table");
     const w = state.selected && state.workers.get(state.selected.worker);
     const row = w && w.snap.requests.find((r) => r.id === state.selected.id);
-    if (!row) return;
+    if (!state.selected) return;
+    if (!row) {
+      box.innerHTML = "<p class='empty'></p>";
+      box.firstChild.textContent = `${state.selected.id} is no longer listed (finished, or past the listing's limit).`;
+      return;
+    }
     box.innerHTML = "";
     const title = document.createElement("p");
     title.textContent = `${row.id}: ${row.state}, ${row.blocks} blocks` + (row.device ? ` on the ${row.device.toUpperCase()}` : ", none held") +

@@ -37,7 +37,7 @@ SHARED_CELL = """(() => {
   const w = [...dashboard.workers.values()][0], c = w.view.gpu;
   const i = w.gpu.cells.findIndex((v) => v >= 4);
   if (i < 0) return null;
-  c.scrollIntoView();
+  c.scrollIntoView({ block: "nearest" });
   const r = c.getBoundingClientRect(), size = +c.dataset.cellSize, cols = +c.dataset.cols;
   return [r.left + (i % cols) * size + size / 2, r.top + Math.floor(i / cols) * size + size / 2];
 })()"""
@@ -54,7 +54,7 @@ def test_the_dashboard_draws_the_live_pool_figures_charts_and_requests(stack, tm
     keyed = stack.add_gateway(api_keys=(KEY,))
 
     async def go():
-        async with aiohttp.ClientSession() as http, Browser(tmp_path / "profile") as page:
+        async with aiohttp.ClientSession() as http, Browser(tmp_path / "profile", height=1650) as page:
             load = asyncio.create_task(hold_load(http, keyed, headers={"Authorization": f"Bearer {KEY}"}))
             try:
                 await page.goto(keyed + "/dashboard")
@@ -78,6 +78,7 @@ def test_the_dashboard_draws_the_live_pool_figures_charts_and_requests(stack, tm
                 assert blocks >= 3  # the prompt's block, in each of the three tables
                 if os.environ.get("PAGEDSERVE_SCREENSHOT"):  # for the docs: charts with some history
                     await asyncio.sleep(SCREENSHOT_HISTORY_S)
+                    await page.wait_for(FORK_ROW, 20, "the three-sample request in the table")
                     x, y = await page.wait_for(SHARED_CELL, 20, "a block shared by three sequences")
                 await page.mouse("mouseMoved", x, y)
                 await asyncio.sleep(0.3)
