@@ -8,6 +8,7 @@ Reports request throughput, output tokens/s, TTFT, TPOT, ITL and end-to-end late
 Without ``--url`` it starts a throw-away stack (redis-server, a worker and a gateway on the demo model).
 
     python -m bench.serve [--url http://127.0.0.1:8000] [--rate 8] [--requests 100] [--dataset shared-prefix]
+                          [--dashboard 3]   (that many KV dashboards open meanwhile: what watching costs)
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ async def run(args) -> dict:
     work = dataset(args.dataset, args.requests, args.seed)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
+        viewers = [asyncio.create_task(watch_dashboard(session, args.url)) for _ in range(args.dashboard)]
         tasks, start = [], time.perf_counter()
         for prompt, max_tokens in work:
             tasks.append(asyncio.create_task(one(session, args.url, args.model, prompt, max_tokens)))
@@ -89,6 +91,9 @@ async def run(args) -> dict:
                 await asyncio.sleep(rng.expovariate(args.rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+        for viewer in viewers:
+            viewer.cancel()
+        frames = [n for n in await asyncio.gather(*viewers, return_exceptions=True) if isinstance(n, int)]
     done = [r for r in results if r.ok]
     good = [r for r in done if r.ttft * 1e3 <= args.slo_ttft_ms and r.tpot * 1e3 <= args.slo_tpot_ms]
     return {
@@ -99,7 +104,20 @@ async def run(args) -> dict:
         "goodput": round(len(good) / duration, 3), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "ttft": percentiles([r.ttft for r in done]), "tpot": percentiles([r.tpot for r in done]),
         "itl": percentiles([x for r in done for x in r.itl]), "e2e": percentiles([r.latency for r in done]),
+        "dashboards": args.dashboard, "dashboard_worker_frames": sum(frames),
     }
+
+
+async def watch_dashboard(session: aiohttp.ClientSession, url: str) -> int:
+    """An open KV dashboard: reads /dashboard/events until cancelled; the worker snapshots it got."""
+    frames = 0
+    try:
+        async with session.get(url + "/dashboard/events") as feed:
+            async for line in feed.content:
+                frames += line.startswith(b"event: worker")
+    except asyncio.CancelledError:
+        pass
+    return frames
 
 
 def print_table(res: dict) -> None:
@@ -121,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dashboard", type=int, default=0, help="KV dashboards kept open during the run (their cost)")
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as stack:
         if args.url is None:  # a throw-away redis-server + worker + gateway

@@ -7,6 +7,8 @@ time-to-first-token and inter-token percentiles over the last ten seconds and th
 depth. ``worker`` frames are the workers' snapshots as JSON (``worker/core/kv_snapshot.py``); a
 new dashboard gets each live worker's latest at once. A dashboard that reads too slowly loses its
 oldest frames, never holds up the others; a message that does not decode is logged and skipped.
+Both of the hub's tasks run supervised: a failure is logged and retried, and one that keeps
+failing ends the open feeds (their pages reconnect) instead of leaving them silent.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import structlog
 from gateway.recent_latencies import RecentLatencies
 from shared.keys import Keys
 from shared.redis_io import REDIS_DOWN, listen_forever, stop_tasks
+from shared.supervision import supervise
 
 log = structlog.get_logger("pagedserve.gateway")
 WATCH_TTL_MS = 3000  # a gateway gone without a word stops the snapshots within this
 TICK_S = 1.0
-FRAMES_QUEUED = 16  # per dashboard, before its oldest frames are dropped
+FRAMES_QUEUED = 64  # per dashboard, before its oldest frames are dropped (a few seconds of 16 workers)
 STALE_S = 10.0  # a worker not heard from for this long is not replayed to a new dashboard
 
 
@@ -51,13 +54,15 @@ class DashboardHub:
         now = time.monotonic()
         for when, frame in self._latest.values():
             if now - when < STALE_S:
-                queue.put_nowait(frame)
+                self._send(queue, frame)
         self._viewers.add(queue)
         if not self._tasks:
-            self._stop.clear()
-            self._tasks = [asyncio.create_task(listen_forever(self.redis, self.keys.dashboard(self.model), self._message,
-                                                              stop=self._stop)),
-                           asyncio.create_task(self._tick())]
+            # A fresh flag each time: tasks of a previous viewer may still be stopping on theirs.
+            stop = self._stop = asyncio.Event()
+            channel = self.keys.dashboard(self.model)
+            self._tasks = [asyncio.create_task(supervise(name, run, self._give_up)) for name, run in (
+                ("dashboard feed", lambda: listen_forever(self.redis, channel, self._message, stop=stop)),
+                ("dashboard tick", lambda: self._tick(stop)))]
         try:
             yield queue
         finally:
@@ -76,6 +81,12 @@ class DashboardHub:
         if tasks:
             await stop_tasks(tasks, self._stop)
 
+    def _give_up(self, task: str) -> None:
+        """A hub task that keeps failing (logged by ``supervise``): end the open feeds, so their
+        pages reconnect and start it afresh, rather than show a dashboard that never changes."""
+        for queue in list(self._viewers):
+            self._send(queue, None)
+
     def _message(self, data: bytes) -> None:
         try:
             snapshot = msgpack.unpackb(data)
@@ -91,9 +102,9 @@ class DashboardHub:
         self._latest[worker] = (now, frame)
         self._fan_out(frame)
 
-    async def _tick(self) -> None:
+    async def _tick(self, stop: asyncio.Event) -> None:
         watched, stream = self.keys.dashboard_watched(self.model), self.keys.requests(self.model)
-        while not self._stop.is_set():
+        while not stop.is_set():
             try:
                 await self.redis.set(watched, b"1", px=WATCH_TTL_MS)
                 depth = await self.redis.xlen(stream)
@@ -104,7 +115,7 @@ class DashboardHub:
                                           "ttft_ms": self.latencies.percentiles("ttft"),
                                           "itl_ms": self.latencies.percentiles("itl")}))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), TICK_S)
+                await asyncio.wait_for(stop.wait(), TICK_S)
 
     def _fan_out(self, frame: bytes) -> None:
         for queue in self._viewers:
