@@ -14,6 +14,7 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.openai_api import STATE
+from gateway.schemas import ApiError
 from gateway.sse import open_stream
 
 STATIC = Path(__file__).parent / "static"
@@ -30,6 +31,9 @@ async def dashboard_asset(request: web.Request) -> web.Response:
 
 async def dashboard_events(request: web.Request) -> web.StreamResponse:
     hub = request.app[STATE].dashboard
+    if hub.full:
+        raise ApiError(503, f"{hub.max_viewers} dashboards are open on this gateway already; retry later", None,
+                       "too_many_dashboards", "service_unavailable", {"Retry-After": "10"})
     async with hub.viewer() as frames:
         response = await open_stream(request)
         while True:

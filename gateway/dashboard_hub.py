@@ -31,6 +31,7 @@ log = structlog.get_logger("pagedserve.gateway")
 WATCH_TTL_MS = 3000  # a gateway gone without a word stops the snapshots within this
 TICK_S = 1.0
 FRAMES_QUEUED = 64  # per dashboard, before its oldest frames are dropped (a few seconds of 16 workers)
+MAX_VIEWERS = 100  # open dashboards per gateway; one more is a 503
 STALE_S = 10.0  # a worker not heard from for this long is not replayed to a new dashboard
 
 
@@ -46,6 +47,11 @@ class DashboardHub:
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
         self._bad_seen = False
+        self.max_viewers = MAX_VIEWERS
+
+    @property
+    def full(self) -> bool:
+        return len(self._viewers) >= self.max_viewers
 
     @contextlib.asynccontextmanager
     async def viewer(self):

@@ -12,6 +12,7 @@ import aiohttp
 import msgpack
 import redis.asyncio as aioredis
 
+from gateway.openai_api import STATE
 from shared.keys import Keys
 from tests.gateway.dashboard_feed import LOAD, frames, hold_load, refs_from_tables
 from worker.core.pool_picture import decode
@@ -148,3 +149,27 @@ def test_a_gateway_shutting_down_ends_open_feeds_at_once(stack):
                 return time.monotonic() - started
 
     assert asyncio.run(go()) < 5
+
+
+def test_dashboards_past_the_limit_are_refused_with_503_and_a_freed_place_is_taken(stack):
+    url = stack.add_gateway()
+    stack.runners[-1].app[STATE].dashboard.max_viewers = 2
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            first = await http.get(url + "/dashboard/events")
+            second = await http.get(url + "/dashboard/events")
+            async with http.get(url + "/dashboard/events") as third:
+                assert (first.status, second.status, third.status) == (200, 200, 503)
+                assert third.headers["Retry-After"] == "10"
+                assert (await third.json())["error"]["code"] == "too_many_dashboards"
+            first.close()  # its handler sees the client gone and leaves its place
+            async with asyncio.timeout(10):
+                while True:
+                    async with http.get(url + "/dashboard/events") as again:
+                        if again.status == 200:
+                            break
+                    await asyncio.sleep(0.1)
+            second.close()
+
+    asyncio.run(go())

@@ -14,6 +14,8 @@ import time
 from collections import deque
 from typing import Callable
 
+import structlog
+
 from shared.errors import InvalidRequestError
 from shared.protocol import WireRequest
 from worker.engine import Engine
@@ -22,6 +24,7 @@ from worker.core.kv_events import KvEvents
 from worker.core.kv_snapshot import kv_snapshot
 from worker.core.outputs import RequestOutput
 
+log = structlog.get_logger("pagedserve.worker")
 OnOutputs = Callable[[list[RequestOutput], list[tuple[str, str]]], None]
 OnKv = Callable[[list[int], list[int], bool], None]  # (published, dropped, reset): prefix-cache hashes
 OnPicture = Callable[[dict], None]  # a KV dashboard snapshot (worker.core.kv_snapshot)
@@ -105,7 +108,11 @@ class EngineLoop:
         if self._picture_wanted.is_set():
             self._picture_wanted.clear()
             started = time.perf_counter()
-            snapshot = kv_snapshot(self.engine.scheduler)
+            try:
+                snapshot = kv_snapshot(self.engine.scheduler)
+            except Exception:  # a dashboard must never take the engine down: no picture this time
+                log.exception("dashboard snapshot failed")
+                return
             snapshot["took_ms"] = round(1000 * (time.perf_counter() - started), 2)
             self.on_picture(snapshot)
 
