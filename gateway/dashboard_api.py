@@ -19,7 +19,7 @@ from gateway.sse import open_stream
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"/dashboard": ("dashboard.html", "text/html"), "/dashboard/app.js": ("dashboard.js", "text/javascript"),
-          "/dashboard/app.css": ("dashboard.css", "text/css")}
+          "/dashboard/draw.js": ("draw.js", "text/javascript"), "/dashboard/app.css": ("dashboard.css", "text/css")}
 KEEPALIVE_S = 15.0  # a comment line this often, so proxies keep an idle feed open
 
 

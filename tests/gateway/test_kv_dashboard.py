@@ -75,7 +75,7 @@ def test_the_feed_follows_the_api_key_rule_and_the_page_is_served(stack):
             async with http.get(keyed + "/dashboard/events", headers={"Authorization": "Bearer wrong"}) as refused:
                 assert refused.status == 401
             for path, kind in (("/dashboard", "text/html"), ("/dashboard/app.js", "text/javascript"),
-                               ("/dashboard/app.css", "text/css")):
+                               ("/dashboard/draw.js", "text/javascript"), ("/dashboard/app.css", "text/css")):
                 async with http.get(keyed + path) as page:  # no data in them: open
                     assert page.status == 200 and page.content_type == kind
                     assert len(await page.read()) > 500
