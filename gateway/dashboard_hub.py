@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 
 import msgpack
@@ -23,6 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from gateway.recent_latencies import RecentLatencies
+from gateway.sse import frame as sse
 from shared.keys import Keys
 from shared.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 from shared.supervision import supervise
@@ -33,10 +33,6 @@ TICK_S = 1.0
 FRAMES_QUEUED = 64  # per dashboard, before its oldest frames are dropped (a few seconds of 16 workers)
 MAX_VIEWERS = 100  # open dashboards per gateway; one more is a 503
 STALE_S = 10.0  # a worker not heard from for this long is not replayed to a new dashboard
-
-
-def sse(event: str, payload: dict) -> bytes:
-    return f"event: {event}\ndata: ".encode() + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 class DashboardHub:
@@ -78,8 +74,7 @@ class DashboardHub:
 
     async def close(self) -> None:
         """The gateway is stopping: every open dashboard's stream ends."""
-        for queue in list(self._viewers):
-            self._send(queue, None)
+        self._fan_out(None)
         await self._stop_tasks()
 
     async def _stop_tasks(self) -> None:
@@ -90,14 +85,13 @@ class DashboardHub:
     def _give_up(self, task: str) -> None:
         """A hub task that keeps failing (logged by ``supervise``): end the open feeds, so their
         pages reconnect and start it afresh, rather than show a dashboard that never changes."""
-        for queue in list(self._viewers):
-            self._send(queue, None)
+        self._fan_out(None)
 
     def _message(self, data: bytes) -> None:
         try:
             snapshot = msgpack.unpackb(data)
             worker = str(snapshot["worker"])
-            frame = sse("worker", snapshot)
+            frame = sse(snapshot, "worker")
         except Exception as err:  # anyone can publish on a channel: a bad message must not end the feed
             if not self._bad_seen:
                 log.warning("dashboard message skipped (logged once)", error=str(err)[:200])
@@ -117,13 +111,12 @@ class DashboardHub:
             except REDIS_DOWN as err:
                 log.warning("redis unavailable", during="dashboard", error=str(err))
                 depth = None
-            self._fan_out(sse("gateway", {"time": time.time(), "queue_depth": depth,
-                                          "ttft_ms": self.latencies.percentiles("ttft"),
-                                          "itl_ms": self.latencies.percentiles("itl")}))
+            self._fan_out(sse({"time": time.time(), "queue_depth": depth, "ttft_ms": self.latencies.percentiles("ttft"),
+                               "itl_ms": self.latencies.percentiles("itl")}, "gateway"))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), TICK_S)
 
-    def _fan_out(self, frame: bytes) -> None:
+    def _fan_out(self, frame: bytes | None) -> None:
         for queue in self._viewers:
             self._send(queue, frame)
 

@@ -1,5 +1,5 @@
 """Server-sent events, framed the way OpenAI clients parse them: ``data: <json>\\n\\n``, ending with
-``data: [DONE]\\n\\n``."""
+``data: [DONE]\\n\\n``; a named event (the KV dashboard's feed) adds its ``event:`` line."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from aiohttp import web
 DONE = b"data: [DONE]\n\n"
 
 
-def frame(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+def frame(obj: dict, event: str | None = None) -> bytes:
+    named = f"event: {event}\n".encode() if event else b""
+    return named + b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:

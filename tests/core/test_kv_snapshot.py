@@ -11,6 +11,17 @@ from worker.core.kv_snapshot import MAX_REQUESTS, MAX_TABLE_ENTRIES, SNAPSHOT_BU
 from worker.core.pool_picture import decode
 
 
+def assert_values_count_the_tables(cells, rows: list[dict], device: str = "gpu") -> None:
+    """Every held block's value is 1 + the listed tables (of ``device``) that name it."""
+    refs: dict[int, int] = {}
+    for row in rows:
+        for table in row["tables"] if row["device"] == device else ():
+            for block in table:
+                if block >= 0:
+                    refs[block] = refs.get(block, 0) + 1
+    assert {b: v for b, v in enumerate(cells) if v >= 2} == {b: 1 + r for b, r in refs.items()}
+
+
 def params(**kw) -> SamplingParams:
     return SamplingParams(max_tokens=6, ignore_eos=True, **kw)
 
@@ -33,13 +44,7 @@ def test_forked_and_prefix_shared_blocks_show_their_refcounts_and_holders():
     assert [cells[b] for b in first[:3]] == [3, 3, 3]  # 1 + two tables
     assert len(fork) == 3 and fork[0][0] == fork[1][0] == fork[2][0]
     assert cells[fork[0][0]] == 4  # the prompt's full block, held by the three samples
-    # Every held block's value is 1 + the tables that name it: the listing is complete here.
-    refs = {}
-    for row in rows.values():
-        for table in row["tables"]:
-            for block in table:
-                refs[block] = refs.get(block, 0) + 1
-    assert {b: v for b, v in enumerate(cells) if v >= 2} == {b: 1 + r for b, r in refs.items()}
+    assert_values_count_the_tables(cells, snap["requests"])  # the listing is complete here
     assert rows["fork"]["state"] == "running" and rows["fork"]["device"] == "gpu"
     assert rows["fork"]["blocks"] == len({b for t in fork for b in t})
     assert rows["second"]["prompt"] == 13 and rows["fork"]["generated"] >= 3

@@ -45,13 +45,3 @@ async def hold_load(http: aiohttp.ClientSession, base: str, max_tokens: int = 40
     # two prompts prefilled in the same step each compute their own blocks.
     await asyncio.gather(*(one(body, 0.5 if length == 50 else 0.0) for length, body in LOAD.items()))
 
-
-def refs_from_tables(rows: list[dict], device: str = "gpu") -> dict[int, int]:
-    refs: dict[int, int] = {}
-    for row in rows:
-        if row["device"] == device:
-            for table in row["tables"]:
-                for block in table:
-                    if block >= 0:
-                        refs[block] = refs.get(block, 0) + 1
-    return refs

@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 
 from gateway.openai_api import STATE
 from shared.keys import Keys
-from tests.gateway.dashboard_feed import LOAD, frames, hold_load, refs_from_tables
+from tests.core.test_kv_snapshot import assert_values_count_the_tables
+from tests.gateway.dashboard_feed import LOAD, frames, hold_load
 from worker.core.pool_picture import decode
 
 
@@ -28,8 +29,7 @@ def shows_every_kind_of_sharing(snap: dict) -> bool:
     if set(rows) != set(LOAD) or snap["unlisted"] or any(r["state"] != "running" for r in snap["requests"]):
         return False
     assert group == 1 and not any(r["cut"] for r in snap["requests"])
-    refs = refs_from_tables(snap["requests"])
-    assert {b: v for b, v in enumerate(cells) if v >= 2} == {b: 1 + r for b, r in refs.items()}
+    assert_values_count_the_tables(cells, snap["requests"])
     (fork,), (beams,), (a,), (b,) = rows[20], rows[21], rows[49], rows[50]
     if len(fork["tables"]) != 3 or len(beams["tables"]) != 2:
         return False  # not forked yet
