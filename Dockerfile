@@ -13,6 +13,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev &
 RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
 COPY shared ./shared
+COPY runtime ./runtime
 COPY gateway ./gateway
 COPY worker ./worker
 COPY kernels ./kernels

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import httpx
 import redis
 
-from bench.table import print_table
+from pagedserve.bench.table import print_table
 from pagedserve.stack import LocalStack
-from shared.keys import Keys
+from pagedserve.shared.keys import Keys
 
 
 @dataclass

@@ -19,7 +19,7 @@ import sys
 import venv
 from pathlib import Path
 
-from bench.table import print_table
+from pagedserve.bench.table import print_table
 
 TOOLS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}

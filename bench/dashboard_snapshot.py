@@ -17,12 +17,12 @@ import time
 
 import msgpack
 
-from bench.table import print_table
-from shared.sampling import SamplingParams
-from worker.core.config import SchedulerConfig
-from worker.core.kv_snapshot import SNAPSHOT_BUDGET, kv_snapshot
-from worker.core.scheduler import Scheduler
-from worker.serve.dashboard_publisher import ENGINE_SHARE
+from pagedserve.bench.table import print_table
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.kv_snapshot import SNAPSHOT_BUDGET, kv_snapshot
+from pagedserve.worker.core.scheduler import Scheduler
+from pagedserve.worker.serve.dashboard_publisher import ENGINE_SHARE
 
 INTERVAL_S = 0.25
 BLOCK_SIZE = 16

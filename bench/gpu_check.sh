@@ -15,10 +15,10 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 status=0
 timeout 240 "$py" -m pytest -m gpu tests -p no:cacheprovider -rA --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.txt" 2>&1 || status=1
 tail -n 40 "$out/gpu_tests.txt"
-timeout 45 "$py" -m bench.kernel_bench --out "$out/kernel_bench.json" > "$out/kernel_bench.txt" 2>&1 || status=1
+timeout 45 "$py" -m pagedserve.bench.kernel_bench --out "$out/kernel_bench.json" > "$out/kernel_bench.txt" 2>&1 || status=1
 tail -n 15 "$out/kernel_bench.txt"
 for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then launched eagerly
-    timeout 100 "$py" -m bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 128 --hf-batch 64 \
+    timeout 100 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 128 --hf-batch 64 \
         --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \
         $([ "$mode" = eager ] && echo --enforce-eager) --out "$out/offline_throughput_$mode.json" \
         > "$out/offline_throughput_$mode.txt" 2>&1 || status=1

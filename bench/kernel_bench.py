@@ -19,7 +19,7 @@ import time
 import torch
 from torch.nn import functional as F
 
-from bench.table import print_table
+from pagedserve.bench.table import print_table
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
@@ -47,8 +47,8 @@ def copy_bandwidth(device: str, repeat: int) -> float:
 
 
 def one_case(batch: int, context: int, dtype: torch.dtype, device: str, repeat: int) -> dict:
-    from kernels.paged_attention import paged_attention_decode
-    from kernels.reference import gather_context
+    from pagedserve.kernels.paged_attention import paged_attention_decode
+    from pagedserve.kernels.reference import gather_context
 
     blocks_per_seq = -(-context // BLOCK)
     k_cache = torch.randn(batch * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)

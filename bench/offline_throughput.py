@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from shared.sampling import SamplingParams
-from shared.demo_model import build_model
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.demo_model import build_model
 
 PRESETS = {  # the 115M model of the CPU figures, and a ~1.1B Llama-shaped one for GPUs
     "llama-90m": dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=512),
@@ -49,7 +49,7 @@ def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batch
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     name = "pagedserve" + (" (CUDA graphs)" if llm.engine.runner.graphs is not None else "")
     return {"engine": name, "seconds": round(seconds, 2), "output_tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1), "preemptions": llm.engine.scheduler.stats.num_preemptions}
+            "tokens_per_s": round(tokens / seconds, 1), "preemptions": llm.engine.stats()["num_preemptions_total"]}
 
 
 def run_transformers(path: Path, work, dtype: str, batch: int, device: str) -> dict:

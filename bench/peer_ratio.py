@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench.table import print_table
-from kernels.ops import BACKENDS
-from shared.sampling import SamplingParams
+from pagedserve.bench.table import print_table
+from pagedserve.kernels.ops import BACKENDS
+from pagedserve.shared.sampling import SamplingParams
 
 
 def w64(vocab: int, count: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
@@ -65,7 +65,7 @@ def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     times = []
     for _ in range(repeats):
-        llm.engine.scheduler.blocks.gpu.forget_cached()
+        llm.engine.forget_cached()
         start = time.perf_counter()
         outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
         times.append(time.perf_counter() - start)

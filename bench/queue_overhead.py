@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.stats import percentiles
-from shared.keys import Keys
-from shared.sampling import SamplingParams
-from shared.model_source import model_or_demo
+from pagedserve.bench.stats import percentiles
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.model_source import model_or_demo
 
 MODEL_NAME = "bench"
 ENGINE_FLAGS = {"dtype": "float32", "num_gpu_blocks": 4096, "max_num_seqs": 128}
@@ -34,8 +34,8 @@ def workload(seed: int, count: int, max_tokens: int) -> list[tuple[list[int], in
 
 
 def in_process(model: Path, work) -> dict:
-    from worker.engine import Engine
-    from worker.core.engine_config import EngineConfig
+    from pagedserve.worker.engine import Engine
+    from pagedserve.worker.engine_config import EngineConfig
 
     engine = Engine(EngineConfig(model=str(model), **ENGINE_FLAGS))
     last: dict[str, float] = {}
@@ -60,9 +60,9 @@ def in_process(model: Path, work) -> dict:
 
 
 async def through_redis(url: str, model: Path, work) -> dict:
-    from shared.client import QueueClient
+    from pagedserve.runtime.client import QueueClient
 
-    cmd = [sys.executable, "-m", "worker", "--model", str(model), "--redis-url", url, "--served-model-name", MODEL_NAME,
+    cmd = [sys.executable, "-m", "pagedserve.worker", "--model", str(model), "--redis-url", url, "--served-model-name", MODEL_NAME,
            "--consumer", "bench-worker", "--max-inflight", "128"]
     cmd += [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
     worker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -127,7 +127,7 @@ async def transport_latency(url: str, rounds: int = 300) -> dict:
 
 def redis_url_or_start(stack) -> str:
     from pagedserve.embedded_redis import RedisServer
-    from shared.settings import redis_url_from_env
+    from pagedserve.runtime.env import redis_url_from_env
 
     url = redis_url_from_env()
     if url:

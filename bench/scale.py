@@ -32,16 +32,16 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from bench.table import print_table
-from gateway.router import Router, RoutingPolicy
+from pagedserve.bench.table import print_table
+from pagedserve.gateway.router import Router, RoutingPolicy
 from pagedserve.embedded_redis import RedisClusterServers, RedisServer
-from shared.keys import Keys
-from shared.model_source import model_or_demo
-from shared.producer import Producer
-from shared.protocol import ReplyTarget, WireRequest
-from shared.redis_client import connect
-from shared.replies import ReplyDispatcher
-from shared.sampling import SamplingParams
+from pagedserve.shared.keys import Keys
+from pagedserve.worker.model_source import model_or_demo
+from pagedserve.runtime.producer import Producer
+from pagedserve.shared.protocol import ReplyTarget, WireRequest
+from pagedserve.runtime.redis_client import connect
+from pagedserve.runtime.replies import ReplyDispatcher
+from pagedserve.shared.sampling import SamplingParams
 
 MODEL = "demo"
 KEYS = Keys()
@@ -81,14 +81,11 @@ def calibrate() -> str:
         for i in range(batch):
             engine.add_request(f"c{batch}-{prompt_len}-{i}", [rng.randint(*VOCAB) for _ in range(prompt_len)],
                                SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-        while engine.has_unfinished():  # Engine.step, with the forward timed on its own
-            plan = engine.scheduler.schedule()
-            started = time.perf_counter()
-            result = engine.runner.execute(plan)
-            if plan.seqs:
-                seconds.append(time.perf_counter() - started)
-                rows.append((1.0, float(len(plan.seqs)), float(plan.num_tokens)))
-            engine.scheduler.update(plan, result)
+        while engine.has_unfinished():  # each step's forward, timed on its own (Engine.last_forward)
+            engine.step()
+            if engine.last_forward.seqs:
+                seconds.append(engine.last_forward.seconds)
+                rows.append((1.0, float(engine.last_forward.seqs), float(engine.last_forward.tokens)))
     a = np.array(rows)
     coef, *_ = np.linalg.lstsq(a, np.array(seconds), rcond=None)
     base, per_seq, per_token = (max(0.0, float(c)) for c in coef)
@@ -218,7 +215,7 @@ def start_workers(url: str, count: int, cost: str) -> list[subprocess.Popen]:
     names = [f"sim{i}" for i in range(count)]
     procs = []
     for start in range(0, count, PER_PROCESS):
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.sim_workers", "--redis-url", url, "--names",
+        procs.append(subprocess.Popen([sys.executable, "-m", "pagedserve.bench.sim_workers", "--redis-url", url, "--names",
                                        ",".join(names[start:start + PER_PROCESS]), "--simulate", cost,
                                        "--num-gpu-blocks", "512"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

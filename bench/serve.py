@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.stats import percentiles
+from pagedserve.bench.stats import percentiles
 
 
 @dataclass

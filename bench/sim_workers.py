@@ -11,11 +11,11 @@ import argparse
 import asyncio
 import signal
 
-from shared.model_source import model_or_demo
-from shared.settings import WorkerSettings
-from worker.core.engine_config import EngineConfig
-from worker.engine import Engine
-from worker.serve.service import WorkerService
+from pagedserve.worker.model_source import model_or_demo
+from pagedserve.worker.serve.settings import WorkerSettings
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.serve.service import WorkerService
 
 
 def parse_args(argv=None) -> argparse.Namespace:

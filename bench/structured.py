@@ -19,10 +19,10 @@ import statistics
 import sys
 import time
 
-from bench.table import print_table
-from shared.model_source import model_or_demo
-from shared.sampling import SamplingParams
-from shared.structured import StructuredOutputs
+from pagedserve.bench.table import print_table
+from pagedserve.worker.model_source import model_or_demo
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.shared.structured import StructuredOutputs
 
 ENDLESS = StructuredOutputs(regex=r"([a-z]+ )*")
 SCHEMA = {"type": "object", "properties": {

@@ -1,21 +1,24 @@
-"""``python -m gateway`` / ``pagedserve gateway``: the OpenAI-compatible HTTP front end."""
+"""``python -m pagedserve.gateway`` / ``pagedserve gateway``: the OpenAI-compatible HTTP front end."""
 
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 from aiohttp import web
 
-from shared.logging import configure_logging
+from pagedserve.runtime.logging import configure_logging
 
 
-def main(argv: list[str] | None = None) -> int:
-    from gateway.app import create_app
-    from shared.settings import gateway_settings
+def main(argv: list[str] | None = None, resolve: Callable[[str | None], str] | None = None) -> int:
+    """``resolve``: how the ``--model`` given becomes a tokenizer's directory (``pagedserve gateway``
+    passes the worker's, which also knows the demo model); without it, a directory or hub id as is."""
+    from pagedserve.gateway.app import create_app
+    from pagedserve.gateway.settings import gateway_settings
 
-    settings = gateway_settings(argv)
     configure_logging()
     try:
+        settings = gateway_settings(argv, resolve=resolve)
         app = create_app(settings)
     except (ValueError, OSError) as err:  # the model (tokenizer, config) cannot be found or read
         print(f"pagedserve gateway: cannot start: {err}", file=sys.stderr)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.openai_api import STATE
-from gateway.schemas import ApiError
-from gateway.sse import open_stream
+from pagedserve.gateway.openai_api import STATE
+from pagedserve.gateway.schemas import ApiError
+from pagedserve.gateway.sse import open_stream
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"/dashboard": ("dashboard.html", "text/html"), "/dashboard/app.js": ("dashboard.js", "text/javascript"),

@@ -16,13 +16,13 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
-from gateway import sse
-from gateway.responses import Choice, Renderer, usage
-from gateway.schemas import ApiError, ParsedRequest, parse
-from gateway.service import GatewayService
-from gateway.tool_calls import ToolStream
-from shared.mailbox import Mailbox
-from shared.protocol import WireEvent
+from pagedserve.gateway import sse
+from pagedserve.gateway.responses import Choice, Renderer, usage
+from pagedserve.gateway.schemas import ApiError, ParsedRequest, parse
+from pagedserve.gateway.service import GatewayService
+from pagedserve.gateway.tool_calls import ToolStream
+from pagedserve.runtime.mailbox import Mailbox
+from pagedserve.shared.protocol import WireEvent
 
 STATE = web.AppKey("state", GatewayService)
 TALLY: web.RequestKey["Tally"] = web.RequestKey("tally", "Tally")  # a generation request's Tally, for the access log

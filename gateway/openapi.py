@@ -6,9 +6,9 @@ served model's vocabulary (``openapi_spec(vocab_size)``)."""
 
 from __future__ import annotations
 
-from gateway.openapi_responses import RESPONSES
-from gateway.schemas import MAX_USER_LEN, PRIORITY_RANGE, Limits
-from shared.sampling import BOUNDS, MAX_TOKEN_ID
+from pagedserve.gateway.openapi_responses import RESPONSES
+from pagedserve.gateway.schemas import MAX_USER_LEN, PRIORITY_RANGE, Limits
+from pagedserve.shared.sampling import BOUNDS, MAX_TOKEN_ID
 
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": 256}
 _BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items() if name not in ("logprobs", "best_of")}

@@ -30,7 +30,8 @@ RESPONSES = {
             "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR,
                            "max_model_len": _INT}}}}},
     "TokenizeResponse": {"type": "object", "required": ["count", "max_model_len", "tokens"], "properties": {
-        "count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT}}},
+        "count": _INT, "tokens": {"type": "array", "items": _INT},
+        "max_model_len": {"type": ["integer", "null"], "description": "the live workers' context; null while none serves"}}},
     "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}},
     "Version": {"type": "object", "required": ["version"], "properties": {"version": _STR}},
 }

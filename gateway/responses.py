@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.tool_calls import ToolRequest, extract
-from shared.protocol import OutputDelta
+from pagedserve.gateway.tool_calls import ToolRequest, extract
+from pagedserve.shared.protocol import OutputDelta
 
 
 @dataclass

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from gateway.kv_index import KvIndex
-from shared.block_hash import cache_salt, prefix_hashes
-from shared.keys import Keys
+from pagedserve.gateway.kv_index import KvIndex
+from pagedserve.shared.block_hash import cache_salt, prefix_hashes
+from pagedserve.shared.keys import Keys
 
 LOAD_TTL_S = 0.5  # how long the workers' reported loads are used before they are read again
 FORGET_AFTER_S = 60.0  # a worker that has not beaten for this long leaves the index
@@ -41,11 +41,11 @@ class RoutingPolicy:
 
 @dataclass
 class WorkerLoad:
-    running: float = 0.0
-    waiting: float = 0.0
-    max_num_seqs: float = 1.0
-    block_size: int = 16
-    rope_switch: int = 0
+    running: float
+    waiting: float
+    max_num_seqs: float
+    block_size: int  # the worker's, as it hashes its blocks
+    rope_switch: int
     sent: int = 0  # routed here since the last report
 
 

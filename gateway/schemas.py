@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import InvalidRequestError
-from shared.prompts import is_token_id
-from gateway.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs
-from gateway.tool_calls import ToolRequest, template_messages, tool_request
-from shared.sampling import BOUNDS, SamplingParams
-from shared.structured import StructuredOutputs
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.prompts import is_token_id
+from pagedserve.gateway.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs
+from pagedserve.gateway.tool_calls import ToolRequest, template_messages, tool_request
+from pagedserve.shared.sampling import BOUNDS, SamplingParams
+from pagedserve.shared.structured import StructuredOutputs
 
 
 class ApiError(Exception):
@@ -75,6 +75,7 @@ class ParsedRequest:
     continuous_usage: bool = False  # include_usage + continuous_usage_stats: usage so far on every chunk (vLLM)
     ignored: tuple[str, ...] = ()  # body fields nobody here knows, accepted without effect
     tools: ToolRequest | None = None  # chat: the tools the template sees and how calls are made
+    constraint_field: str | None = None  # the field params.structured came from (a 400 about it names it)
 
 
 def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -> ParsedRequest:
@@ -111,7 +112,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens):
             raise ApiError(400, f"{name} must be an integer in [1, {limits.max_tokens}]", name)
     sampling["logprobs"] = _logprobs(body, chat)
-    sampling["structured"], tools = _constraints(body, chat)
+    sampling["structured"], constraint_field, tools = _constraints(body, chat)
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
     except (InvalidRequestError, TypeError) as err:
@@ -129,14 +130,15 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
     if timeout is not None and not 0 < timeout <= 3600:
         raise ApiError(400, "timeout must be in (0, 3600] seconds", "timeout")
     return ParsedRequest(chat, model, prompt, params, stream, bool(options.get("include_usage")), priority, timeout,
-                         user, bool(options.get("include_usage") and options.get("continuous_usage_stats")), ignored, tools)
+                         user, bool(options.get("include_usage") and options.get("continuous_usage_stats")), ignored, tools,
+                         constraint_field)
 
 
-def _constraints(body: dict, chat: bool) -> tuple[StructuredOutputs | None, ToolRequest | None]:
+def _constraints(body: dict, chat: bool) -> tuple[StructuredOutputs | None, str | None, ToolRequest | None]:
     """What constrains the output (a response format, or the grammar of a forced tool call: not
-    both), and the chat's tools."""
+    both), the request field it came from, and the chat's tools."""
     refuse = lambda message, param: ApiError(400, message, param)  # noqa: E731
-    structured = structured_outputs(body, refuse)
+    structured, field = structured_outputs(body, refuse)
     tools = tool_request(body, refuse) if chat else None
     try:
         forced = tools.constraint() if tools is not None else None
@@ -145,7 +147,7 @@ def _constraints(body: dict, chat: bool) -> tuple[StructuredOutputs | None, Tool
     if forced is not None and structured is not None:
         raise ApiError(400, "a forced tool call (tool_choice) and a response format cannot both constrain the output",
                        "tool_choice")
-    return forced or structured, tools
+    return (forced, "tools", tools) if forced is not None else (structured, field, tools)
 
 
 def _stream_options(body: dict) -> dict:

@@ -17,21 +17,22 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.dashboard_hub import DashboardHub
-from gateway.metrics import GatewayMetrics
-from gateway.openapi import openapi_spec
-from gateway.router import Router, RoutingPolicy
-from gateway.schemas import ApiError, Limits, ParsedRequest
-from shared.replies import ReplyDispatcher
-from shared.keys import Keys
-from shared.model_source import generation_defaults, max_model_len, model_or_demo, resolve_model_dir
-from shared.errors import InvalidRequestError
-from shared.prompts import check_token_ids, encode_chat
-from shared.producer import Producer
-from shared.redis_client import connect
-from shared.redis_io import stop_tasks
-from shared.protocol import ReplyTarget, WireRequest
-from shared.settings import GatewaySettings
+from pagedserve.gateway.dashboard_hub import DashboardHub
+from pagedserve.gateway.metrics import GatewayMetrics
+from pagedserve.gateway.openapi import openapi_spec
+from pagedserve.gateway.router import Router, RoutingPolicy
+from pagedserve.gateway.schemas import ApiError, Limits, ParsedRequest
+from pagedserve.runtime.replies import ReplyDispatcher
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.prompts import check_token_ids, encode_chat
+from pagedserve.runtime.producer import Producer
+from pagedserve.runtime.redis_client import connect
+from pagedserve.runtime.redis_io import stop_tasks
+from pagedserve.runtime.structured_grammar import check_structured
+from pagedserve.shared.protocol import ReplyTarget, WireRequest
+from pagedserve.shared.sampling_defaults import generation_defaults
+from pagedserve.gateway.settings import GatewaySettings
 
 log = structlog.get_logger("pagedserve.gateway")
 WORKER_LIMIT_TTL_S = 5.0  # how long the workers' reported max_model_len is trusted
@@ -39,14 +40,12 @@ WORKER_LIMIT_TTL_S = 5.0  # how long the workers' reported max_model_len is trus
 
 class GatewayService:
     def __init__(self, settings: GatewaySettings) -> None:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.settings = settings
         self.keys = Keys(settings.key_prefix)
-        path = resolve_model_dir(model_or_demo(settings.model))
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.max_model_len = max_model_len(AutoConfig.from_pretrained(path))
-        self.sampling_defaults = generation_defaults(path, settings.generation_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.model)
+        self.sampling_defaults = generation_defaults(settings.model, settings.generation_config)
         log.info("sampling defaults for unset request fields", source=settings.generation_config,
                  defaults=self.sampling_defaults or "none")
         self.limits = Limits(max_n=settings.max_n, max_tokens=settings.max_tokens,
@@ -101,10 +100,11 @@ class GatewayService:
         limit = await self.context_limit()
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, parsed, limit)
 
-    async def context_limit(self) -> int:
-        """The context a request must fit: the model's, or less where live workers run with a smaller
-        ``--max-model-len`` (they report it with their heartbeat; re-read every few seconds), so a
-        prompt no worker can take is a 400 here, not an error from a worker."""
+    async def context_limit(self) -> int | None:
+        """The context a request must fit: the smallest ``max_model_len`` the live workers report with
+        their heartbeat (the model's, or their ``--max-model-len``; re-read every few seconds), so a
+        prompt no worker can take is a 400 here, not an error from a worker. None with no worker
+        (the request is a 503 then)."""
         now = time.monotonic()
         if now - self._limit_read_at > WORKER_LIMIT_TTL_S:
             lengths = []
@@ -114,7 +114,7 @@ class GatewayService:
                     lengths.append(int(float(raw)))
             self._worker_limit = min(lengths, default=None)
             self._limit_read_at = now
-        return min(self.max_model_len, self._worker_limit or self.max_model_len)
+        return self._worker_limit
 
     async def encode(self, prompt, chat: bool) -> list[list[int]]:
         """Token ids of a validated prompt (chat messages, or any completions prompt form), on the
@@ -132,14 +132,22 @@ class GatewayService:
             return [list(prompt)]
         return [list(p) for p in prompt]
 
-    def _prompt_ids(self, parsed: ParsedRequest, limit: int) -> list[list[int]]:
-        prompts = self._encode(parsed.prompt, parsed.chat, parsed.tools.tools if parsed.tools else ())
+    def _prompt_ids(self, parsed: ParsedRequest, limit: int | None) -> list[list[int]]:
+        """On the tokenizing thread: the structured-output constraint checked (a grammar build: not
+        on the event loop), the prompts encoded and checked against the context."""
+        if parsed.params.structured is not None:
+            try:
+                check_structured(parsed.params.structured)
+            except InvalidRequestError as err:
+                prefix = "tools: " if parsed.constraint_field == "tools" else ""
+                raise ApiError(400, prefix + str(err), parsed.constraint_field) from None
         try:
-            prompts = [check_token_ids(ids, len(self.tokenizer)) for ids in prompts]
+            prompts = [check_token_ids(ids, len(self.tokenizer)) for ids in
+                       self._encode(parsed.prompt, parsed.chat, parsed.tools.tools if parsed.tools else ())]
         except InvalidRequestError as err:
             raise ApiError(400, str(err), err.field) from None
         for ids in prompts:
-            if len(ids) + parsed.params.max_tokens > limit:
+            if limit is not None and len(ids) + parsed.params.max_tokens > limit:
                 raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                f"requested {len(ids) + parsed.params.max_tokens} tokens ({len(ids)} in the prompt, "
                                f"{parsed.params.max_tokens} for the completion).", "messages" if parsed.chat else "prompt",

@@ -12,29 +12,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.errors import InvalidRequestError
-from shared.structured import StructuredOutputs
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.structured import StructuredOutputs
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
 
 
-def structured_outputs(body: dict, error) -> StructuredOutputs | None:
-    """``error(message, param)`` builds the exception to raise (the gateway's ApiError)."""
+def structured_outputs(body: dict, error) -> tuple[StructuredOutputs | None, str | None]:
+    """The constraint asked for and the field that asked (the one a 400 about it names, also when
+    the gateway's later check finds llguidance refuses it). ``error(message, param)`` builds the
+    exception to raise (the gateway's ApiError)."""
     asked = {name: body[name] for name in FIELDS if body.get(name) is not None}
     if asked.get("response_format") == {"type": "text"}:
         asked.pop("response_format")
     if len(asked) > 1:
         raise error(f"ask for structured output once: got {', '.join(sorted(asked))}", sorted(asked)[1])
     if not asked:
-        return None
+        return None, None
     (name, value), = asked.items()
     try:
         if name == "response_format":
-            return _response_format(value, error)
+            return _response_format(value, error), name
         if name == "structured_outputs":
-            return StructuredOutputs.from_dict(value)
-        return StructuredOutputs(**{GUIDED[name]: value})
+            return StructuredOutputs.from_dict(value), name
+        return StructuredOutputs(**{GUIDED[name]: value}), name
     except InvalidRequestError as err:
         raise error(str(err), name) from None
     except TypeError:

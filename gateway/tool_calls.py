@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shared.structured import StructuredOutputs
+from pagedserve.shared.structured import StructuredOutputs
 
 PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.openai_api import STATE, read_json
-from gateway.schemas import ApiError, chat_messages, completion_prompt
-from shared.prompts import check_token_ids
-from shared.errors import InvalidRequestError
-from shared.version import installed_version
+from pagedserve.gateway.openai_api import STATE, read_json
+from pagedserve.gateway.schemas import ApiError, chat_messages, completion_prompt
+from pagedserve.shared.prompts import check_token_ids
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.runtime.version import installed_version
 
 
 async def _body(request: web.Request) -> dict:

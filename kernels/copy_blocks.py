@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import swap_blocks  # noqa: F401  (re-exported: the swap path is plain torch)
+from pagedserve.kernels.reference import swap_blocks  # noqa: F401  (re-exported: the swap path is plain torch)
 
 CHUNK = 1024
 

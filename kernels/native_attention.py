@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
-from kernels.checks import check_same, check_tables
-from kernels.native_build import load_library
+from pagedserve.kernels import reference
+from pagedserve.kernels.checks import check_same, check_tables
+from pagedserve.kernels.native_build import load_library
 
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p

@@ -18,12 +18,12 @@ from typing import Callable
 import structlog
 import torch
 
-from kernels import reference
-from kernels.moe_reference import grouped_moe
-from kernels.native_attention import NativeAttention
-from kernels.native_build import NativeKernelUnavailable
+from pagedserve.kernels import reference
+from pagedserve.kernels.backends import BACKENDS
+from pagedserve.kernels.moe_reference import grouped_moe
+from pagedserve.kernels.native_attention import NativeAttention
+from pagedserve.kernels.native_build import NativeKernelUnavailable
 
-BACKENDS = ("auto", "torch", "native", "triton")
 log = structlog.get_logger("pagedserve.kernels")
 
 
@@ -83,10 +83,10 @@ def native_ops(kernel_cache: Path) -> AttentionOps:
 
 def triton_ops() -> AttentionOps:
     """The Triton kernels, imported here: triton is absent on many CPU machines."""
-    from kernels.copy_blocks import copy_blocks, swap_blocks
-    from kernels.fused_moe import fused_moe
-    from kernels.paged_attention import paged_attention_decode
-    from kernels.prefill_attention import prefill_attention
-    from kernels.store_kv import store_kv
+    from pagedserve.kernels.copy_blocks import copy_blocks, swap_blocks
+    from pagedserve.kernels.fused_moe import fused_moe
+    from pagedserve.kernels.paged_attention import paged_attention_decode
+    from pagedserve.kernels.prefill_attention import prefill_attention
+    from pagedserve.kernels.store_kv import store_kv
 
     return AttentionOps(store_kv, paged_attention_decode, prefill_attention, copy_blocks, swap_blocks, fused_moe, "triton")

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache, check_heads, check_same, check_tables
-from kernels.paged_tiles import cap_scores, load_kv_tile
+from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
+from pagedserve.kernels.paged_tiles import cap_scores, load_kv_tile
 
 TILE = 64
 PARTITION = 512

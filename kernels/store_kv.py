@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.checks import check_cache, check_same
+from pagedserve.kernels.checks import check_cache, check_same
 
 
 @triton.jit

@@ -7,14 +7,14 @@ This package is the public face: the offline API, the ``pagedserve`` command, ``
 services (``worker`` and ``gateway``). ``LLM`` loads lazily, so ``SamplingParams`` needs no torch.
 """
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from worker.llm import LLM
+        from pagedserve.worker.llm import LLM
 
         return LLM
     if name == "__version__":

@@ -24,19 +24,19 @@ import argparse
 import sys
 
 from pagedserve.serve_args import add_serve_parser
-from shared.version import installed_version
+from pagedserve.runtime.version import installed_version
 
 BENCHES = {
-    "kv-memory": "bench.kv_memory",
-    "offline-throughput": "bench.offline_throughput",
-    "kernel": "bench.kernel_bench",
-    "queue-overhead": "bench.queue_overhead",
-    "serve": "bench.serve",
-    "chaos": "bench.chaos",
-    "client-tools": "bench.client_tools",
-    "structured": "bench.structured",
-    "scale": "bench.scale",
-    "dashboard": "bench.dashboard_snapshot",
+    "kv-memory": "pagedserve.bench.kv_memory",
+    "offline-throughput": "pagedserve.bench.offline_throughput",
+    "kernel": "pagedserve.bench.kernel_bench",
+    "queue-overhead": "pagedserve.bench.queue_overhead",
+    "serve": "pagedserve.bench.serve",
+    "chaos": "pagedserve.bench.chaos",
+    "client-tools": "pagedserve.bench.client_tools",
+    "structured": "pagedserve.bench.structured",
+    "scale": "pagedserve.bench.scale",
+    "dashboard": "pagedserve.bench.dashboard_snapshot",
 }
 
 
@@ -75,13 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
-        from worker.__main__ import main as worker_main
+        from pagedserve.worker.__main__ import main as worker_main
 
         return worker_main(argv[1:])
     if argv[:1] == ["gateway"]:
-        from gateway.__main__ import main as gateway_main
+        from pagedserve.gateway.__main__ import main as gateway_main
+        from pagedserve.worker.model_source import model_dir
 
-        return gateway_main(argv[1:])
+        return gateway_main(argv[1:], resolve=model_dir)
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         import importlib
@@ -103,8 +104,8 @@ def serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from shared.logging import configure_logging
-    from shared.settings import engine_argv
+    from pagedserve.runtime.logging import configure_logging
+    from pagedserve.worker.engine_flags import engine_argv
     from pagedserve.stack import LocalStack, StackError
 
     configure_logging()
@@ -132,10 +133,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace):
-    from shared.logging import configure_logging
-    from shared.model_source import model_or_demo
-    from worker.engine import Engine
-    from worker.core.engine_config import EngineConfig
+    from pagedserve.runtime.logging import configure_logging
+    from pagedserve.worker.model_source import model_or_demo
+    from pagedserve.worker.engine import Engine
+    from pagedserve.worker.engine_config import EngineConfig
 
     configure_logging()
     return Engine(EngineConfig(model=model_or_demo(args.model), dtype=args.dtype))
@@ -155,9 +156,9 @@ def _stream(engine, request_id: str, prompt, params) -> str:
 
 
 def chat(args: argparse.Namespace) -> int:
-    from shared.errors import InvalidRequestError
-    from shared.prompts import encode_chat
-    from shared.sampling import SamplingParams
+    from pagedserve.shared.errors import InvalidRequestError
+    from pagedserve.shared.prompts import encode_chat
+    from pagedserve.shared.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -185,8 +186,8 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from shared.errors import InvalidRequestError
-    from shared.sampling import SamplingParams
+    from pagedserve.shared.errors import InvalidRequestError
+    from pagedserve.shared.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.settings import add_engine_args, checked, env_default
+from pagedserve.runtime.env import checked, env_default
+from pagedserve.worker.engine_flags import add_engine_args
 
 _port = checked(int, lambda v: 0 < v < 65536, "a TCP port in 1-65535")
 _workers = checked(int, lambda v: v >= 1, "at least 1")

@@ -90,3 +90,12 @@ class Keys:
     def metrics(self, model: str, consumer: str) -> str:
         """Hash of a worker's latest metrics, read by the gateway's /metrics."""
         return f"{self.model_space(model)}:metrics:{consumer}"
+
+
+DEMO_NAME = "demo"
+
+
+def served_name(model: str | None, served_model_name: str | None) -> str:
+    """The name clients use, which names the model's streams: the explicit one, else the model
+    as given, else ``demo`` (the demo model)."""
+    return served_model_name or model or DEMO_NAME

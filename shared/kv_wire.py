@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.errors import InvalidRequestError
-from shared.protocol import pack, unpack
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.protocol import pack, unpack
 
 
 @dataclass(frozen=True)

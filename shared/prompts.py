@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from shared.errors import InvalidRequestError
+from pagedserve.shared.errors import InvalidRequestError
 
 
 def encode_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:

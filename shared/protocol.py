@@ -15,8 +15,8 @@ from typing import Any
 
 import msgpack
 
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
 
 VERSION = 1
 MAX_ID_LEN = 256

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from shared.errors import InvalidRequestError
-from shared.structured import StructuredOutputs
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.structured import StructuredOutputs
 
 MAX_LOGPROBS = 20
 MAX_SEQS = 64  # beam_width and best_of

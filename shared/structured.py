@@ -1,5 +1,5 @@
 """StructuredOutputs: what a generation must match (a JSON schema, any JSON object, a regex, one of
-a list of strings, or a grammar), checked once at construction.
+a list of strings, or a grammar), its shape checked at construction.
 
 One of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar`` is set (the names vLLM's
 ``StructuredOutputsParams`` uses). A schema given as a dict is kept as canonical JSON text, so the
@@ -7,8 +7,10 @@ value is hashable and equal schemas share a compiled grammar (key order is kept:
 the properties are generated in). Grammars are
 llguidance's: ``grammar`` takes EBNF (llama.cpp's GBNF) or Lark. JSON is generated compact (no
 whitespace between tokens: a model cannot pad it forever) and strict (RFC 8259: no raw control
-characters in strings). Invalid input raises ``InvalidRequestError`` naming ``structured``, with
-llguidance's reason.
+characters in strings). A malformed value raises ``InvalidRequestError`` naming ``structured``.
+Whether the schema, regex or grammar itself is valid is llguidance's to say, and costs a grammar
+build: the gateway checks it once per request off its event loop
+(``runtime/structured_grammar.py``), the worker compiles it once (``worker/runner/grammar.py``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from shared.errors import InvalidRequestError
+from pagedserve.shared.errors import InvalidRequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
-JSON_OPTIONS = {"whitespace_flexible": False}  # compact output, as json.dumps(separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,6 @@ class StructuredOutputs:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
         self._check_shape()
-        error = _validate(self.grammar_text())
-        if error:
-            raise InvalidRequestError(f"structured output ({self.kind}): {' '.join(error.split())[:400]}", "structured")
 
     def _check_shape(self) -> None:
         set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -72,22 +70,6 @@ class StructuredOutputs:
             return "choice", json.dumps(list(value))
         return self.kind, "true" if value is True else value
 
-    def grammar_text(self) -> str:
-        """The constraint as an llguidance grammar."""
-        from llguidance import LLMatcher, grammar_from
-
-        kind, text = self.key
-        if kind in ("json", "json_object"):
-            schema = text if kind == "json" else '{"type": "object"}'
-            try:
-                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-            except ValueError as err:
-                raise InvalidRequestError(f"structured output (json): {err}", "structured") from None
-        try:
-            return grammar_from(kind, text)
-        except ValueError as err:
-            raise InvalidRequestError(f"structured output ({kind}): {err}", "structured") from None
-
     def to_dict(self) -> dict[str, Any]:
         kind = self.kind
         value = getattr(self, kind)
@@ -102,10 +84,3 @@ class StructuredOutputs:
             raise InvalidRequestError(f"structured: unknown key(s) {', '.join(unknown)}", "structured")
         return cls(**data)
 
-
-def _validate(grammar: str) -> str:
-    """llguidance's error for ``grammar``, or ''."""
-    from llguidance import LLMatcher
-
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    return messages[0] if is_error else ""

@@ -57,7 +57,7 @@ class ModelZoo:
 
     def path(self, name: str) -> Path:
         if name not in self._paths:
-            from shared.demo_model import build_model
+            from pagedserve.worker.demo_model import build_model
 
             self._paths[name] = build_model(self.root / name, **MODEL_SPECS[name], seed=len(self._paths))
         return self._paths[name]

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from gateway.app import create_app
+from pagedserve.gateway.app import create_app
 from pagedserve.embedded_redis import RedisServer, free_port
-from shared.settings import GatewaySettings
+from pagedserve.gateway.settings import GatewaySettings
 from tests.service_helpers import MODEL_NAME, settings_for
 
 
@@ -40,7 +40,7 @@ class Stack:
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
 
         async def up():
-            from worker.serve.service import WorkerService
+            from pagedserve.worker.serve.service import WorkerService
 
             # The gateways share this loop with the worker's I/O: under a burst of streams a 0.6 s
             # liveness key (3 x 0.2 s heartbeats) can lapse and the gateway answers 503 "no worker".

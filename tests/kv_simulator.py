@@ -8,7 +8,7 @@ output, which ``reference_output`` computes without any paging.
 
 from __future__ import annotations
 
-from worker.core.plan import SampledToken, StepPlan, StepResult
+from pagedserve.worker.core.plan import SampledToken, StepPlan, StepResult
 
 VOCAB = 97
 

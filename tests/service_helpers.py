@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from shared.protocol import WireEvent
-from shared.settings import WorkerSettings
+from pagedserve.shared.protocol import WireEvent
+from pagedserve.worker.serve.settings import WorkerSettings
 
 MODEL_NAME = "tiny"
 
@@ -24,7 +24,7 @@ def settings_for(url: str, model_path, **overrides) -> WorkerSettings:
 
 @contextlib.asynccontextmanager
 async def running_worker(settings: WorkerSettings, engine):
-    from worker.serve.service import WorkerService
+    from pagedserve.worker.serve.service import WorkerService
 
     service = WorkerService(settings, engine)
     task = asyncio.create_task(service.run())
@@ -90,13 +90,13 @@ class ChannelTap:
                 self.messages.append((msg["channel"].decode(), msg["data"]))
 
     def events(self, request_id: str) -> list[WireEvent]:
-        from shared.protocol import decode_events
+        from pagedserve.shared.protocol import decode_events
 
         return [e for channel, data in list(self.messages) if ":replies:" in channel
                 for e in decode_events(data) if e.id == request_id]
 
     def cancels(self) -> list:
-        from shared.protocol import WireCancel
+        from pagedserve.shared.protocol import WireCancel
 
         return [WireCancel.decode(data) for channel, data in list(self.messages) if ":cancel:" in channel]
 

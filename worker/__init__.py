@@ -4,14 +4,14 @@ The documented offline API is ``from pagedserve import LLM, SamplingParams``; th
 ``from worker import LLM`` working (loaded lazily, so ``worker.core`` imports without torch).
 """
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from worker.llm import LLM
+        from pagedserve.worker.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'worker' has no attribute {name!r}")

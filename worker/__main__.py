@@ -1,20 +1,20 @@
-"""``python -m worker`` / ``pagedserve worker``: serve one model from its Redis request stream."""
+"""``python -m pagedserve.worker`` / ``pagedserve worker``: serve one model from its Redis request stream."""
 
 from __future__ import annotations
 
 import sys
 
-from shared.logging import configure_logging
+from pagedserve.runtime.logging import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    from shared.model_source import model_or_demo
-    from shared.settings import worker_settings
-    from worker.engine import Engine
-    from worker.core.engine_config import EngineConfig
-    from worker.serve.bridge import ConsumerNameTaken
-    from worker.serve.process import serve_on_main_thread
-    from worker.serve.service import WorkerService
+    from pagedserve.worker.model_source import model_or_demo
+    from pagedserve.worker.serve.settings import worker_settings
+    from pagedserve.worker.engine import Engine
+    from pagedserve.worker.engine_config import EngineConfig
+    from pagedserve.worker.serve.bridge import ConsumerNameTaken
+    from pagedserve.worker.serve.process import serve_on_main_thread
+    from pagedserve.worker.serve.service import WorkerService
 
     settings = worker_settings(argv)
     configure_logging()

@@ -11,37 +11,49 @@ read the outputs.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Hashable, Sequence as Seq
 
 import structlog
 import torch
 
-from kernels.ops import select_ops
-from shared.model_source import generation_defaults
-from shared.settings import cache_dir
-from shared.prompts import check_token_ids
-from shared.sampling import SamplingParams
-from shared.step_cost import StepCost
-from worker.core.config import SchedulerConfig
-from worker.core.detokenizer import Detokenizer
-from worker.core.engine_config import EngineConfig, available_ram
-from worker.core.outputs import RequestOutput
-from worker.core.plan import StepResult
-from worker.core.request import Request
-from worker.core.scheduler import Scheduler
-from worker.runner.beam_search import BeamSearcher
-from worker.runner.cuda_graphs import GraphLimits
-from worker.runner.grammar import GrammarCompiler
-from worker.runner.loader import inspect_model, load_weights
-from worker.runner.memory_profile import peak_step_bytes
-from worker.runner.model_runner import ModelRunner, kv_block_bytes
-from worker.runner.models.layers import release_window
-from worker.runner.models.rope import rope_switch
-from worker.runner.sampler import Sampler
-from worker.runner.simulated import SimulatedRunner
+from pagedserve.kernels.ops import select_ops
+from pagedserve.shared.sampling_defaults import generation_defaults
+from pagedserve.runtime.env import cache_dir
+from pagedserve.shared.prompts import check_token_ids
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.step_cost import StepCost
+from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.detokenizer import Detokenizer
+from pagedserve.worker.core.engine_stats import engine_stats
+from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.core.kv_snapshot import kv_snapshot
+from pagedserve.worker.engine_config import EngineConfig, available_ram
+from pagedserve.worker.core.outputs import RequestOutput
+from pagedserve.worker.core.plan import StepResult
+from pagedserve.worker.core.request import Request
+from pagedserve.worker.core.scheduler import Scheduler
+from pagedserve.worker.runner.beam_search import BeamSearcher
+from pagedserve.worker.runner.cuda_graphs import GraphLimits
+from pagedserve.worker.runner.grammar import GrammarCompiler
+from pagedserve.worker.runner.loader import inspect_model, load_weights
+from pagedserve.worker.runner.memory_profile import peak_step_bytes
+from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
+from pagedserve.worker.runner.models.layers import release_window
+from pagedserve.worker.runner.models.rope import rope_switch
+from pagedserve.worker.runner.sampler import Sampler
+from pagedserve.worker.runner.simulated import SimulatedRunner
 
 log = structlog.get_logger("pagedserve.engine")
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """The last step's forward: how many sequences and tokens, and how long the runner took."""
+    seqs: int
+    tokens: int
+    seconds: float
 
 
 class Engine:
@@ -69,6 +81,7 @@ class Engine:
             num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
             num_cpu = config.cpu_blocks(block_bytes)
             self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
+        self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_gpu_blocks=num_gpu, block_size=config.block_size, num_cpu_blocks=num_cpu,
@@ -104,17 +117,23 @@ class Engine:
         return blocks
 
     def encode(self, prompt: str | Seq[int]) -> list[int]:
+        """Token ids of a prompt: text encoded, ids checked against the model's vocabulary (the one
+        bound, ``config.vocab_size``: the embedding's rows)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         return check_token_ids(prompt, self.info.config.vocab_size)
 
-    def add_request(
-        self, request_id: str, prompt: str | Seq[int], params: SamplingParams, *,
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams, **options) -> Request:
+        """Queue a request (``options``: as ``add_encoded``)."""
+        return self.add_encoded(request_id, self.encode(prompt), params, **options)
+
+    def add_encoded(
+        self, request_id: str, ids: list[int], params: SamplingParams, *,
         priority: int = 0, deadline: float | None = None, extra_key: Hashable = None, resume_output: Seq[int] = (),
     ) -> Request:
-        """Queue a request. ``deadline`` is wall-clock (``time.time()``) seconds; ``resume_output``:
-        output tokens a client already has from a worker that died (``shared.protocol.Resume``)."""
-        ids = self.encode(prompt)
+        """Queue a request whose ids came from ``encode`` (the serve layer encodes on its I/O
+        thread). ``deadline`` is wall-clock (``time.time()``) seconds; ``resume_output``: output
+        tokens a client already has from a worker that died (``shared.protocol.Resume``)."""
         resumed = check_token_ids(resume_output, self.info.config.vocab_size, "resume") if resume_output else ()
         monotonic_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
         grammar = None if params.structured is None else self.grammars.compile(params.structured)
@@ -127,16 +146,38 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    # ------------------------------------------------------------------ what the serve layer reads
+    def stats(self) -> dict[str, float]:
+        """The engine's numbers (``worker/core/engine_stats.py``); on the engine thread."""
+        return engine_stats(self.scheduler)
+
+    def kv_snapshot(self) -> dict:
+        """What the KV dashboard shows of this engine (``worker/core/kv_snapshot.py``)."""
+        return kv_snapshot(self.scheduler)
+
+    def record_kv_events(self, events: KvEvents | None) -> None:
+        """Have ``events`` told each block hash the prefix cache publishes or drops (for routing)."""
+        self.scheduler.record_kv_events(events)
+
+    def cached_hashes(self) -> list[int]:
+        return self.scheduler.cached_hashes()
+
+    def forget_cached(self) -> None:
+        self.scheduler.forget_cached()
+
+    # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         if plan.is_empty and (compiling := self.scheduler.compiling()):
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built
+        started = time.perf_counter()
         try:
             result = self.runner.execute(plan)
         except Exception as err:  # a bad kernel launch, out of memory, a bug: fail those requests, not the engine
             log.exception("engine step failed", requests=len(plan.seqs))
             self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
             result = StepResult()
+        self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, time.perf_counter() - started)
         return self.scheduler.update(plan, result)
 
     def _fail_holders(self, plan, message: str) -> None:

@@ -1,6 +1,6 @@
 """Offline generation: ``LLM(model).generate(prompts, params)``, no Redis, no server.
 
-    from worker import LLM, SamplingParams
+    from pagedserve.worker import LLM, SamplingParams
     llm = LLM("path/or/hub-id", dtype="float32", num_gpu_blocks=512)
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text)
@@ -13,11 +13,11 @@ from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from shared.prompts import encode_chat
-from shared.sampling import SamplingParams
-from worker.engine import Engine
-from worker.core.engine_config import EngineConfig
-from worker.core.outputs import RequestOutput
+from pagedserve.shared.prompts import encode_chat
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.core.outputs import RequestOutput
 
 Prompt = str | Seq[int]
 

@@ -2,7 +2,7 @@
 
 import json
 
-from bench.peer_ratio import peer_lines, w64
+from pagedserve.bench.peer_ratio import peer_lines, w64
 
 
 def test_w64_is_the_peers_workload():

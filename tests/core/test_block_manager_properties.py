@@ -9,7 +9,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tests.conftest import examples
-from worker.core.block_manager import BlockManager
+from pagedserve.worker.core.block_manager import BlockManager
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # tiny alphabet: many prefix hits
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from shared.demo_model import build_tokenizer
-from worker.core.detokenizer import Detokenizer
+from pagedserve.worker.demo_model import build_tokenizer
+from pagedserve.worker.core.detokenizer import Detokenizer
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import msgpack
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 from tests.core.test_scheduler import make, step
-from worker.core.kv_snapshot import MAX_REQUESTS, MAX_TABLE_ENTRIES, SNAPSHOT_BUDGET, kv_snapshot
-from worker.core.pool_picture import decode
+from pagedserve.worker.core.kv_snapshot import MAX_REQUESTS, MAX_TABLE_ENTRIES, SNAPSHOT_BUDGET, kv_snapshot
+from pagedserve.worker.core.pool_picture import decode
 
 
 def assert_values_count_the_tables(cells, rows: list[dict], device: str = "gpu") -> None:

@@ -2,12 +2,12 @@
 
 import pytest
 
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
 from tests.kv_simulator import KVSimulator, reference_output
-from worker.core.config import SchedulerConfig
-from worker.core.request import FinishReason, RequestStatus
-from worker.core.scheduler import Scheduler
+from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.request import FinishReason, RequestStatus
+from pagedserve.worker.core.scheduler import Scheduler
 
 
 class Clock:

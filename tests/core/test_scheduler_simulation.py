@@ -6,12 +6,12 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import examples
 from tests.kv_simulator import KVSimulator, reference_output
-from worker.core.config import SchedulerConfig
-from worker.core.request import FinishReason
-from worker.core.scheduler import Scheduler
+from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.request import FinishReason
+from pagedserve.worker.core.scheduler import Scheduler
 
 EOS = 0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_parity import run_checked
 from pagedserve import LLM

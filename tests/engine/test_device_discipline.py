@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagedserve import LLM
-from shared.sampling import SamplingParams
-from shared.structured import StructuredOutputs
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.shared.structured import StructuredOutputs
 
 FEATURES = {
     "greedy": SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
 from pagedserve import LLM
-from worker.runner.loader import UnsupportedModelError
+from pagedserve.worker.runner.loader import UnsupportedModelError
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import json
 import pytest
 
 from pagedserve import LLM
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_parity import VOCAB, assert_parity
-from worker.runner.loader import UnsupportedModelError
-from worker.runner.models.moe import SparseMoE
+from pagedserve.worker.runner.loader import UnsupportedModelError
+from pagedserve.worker.runner.models.moe import SparseMoE
 
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
 
@@ -127,7 +127,7 @@ def test_long_rope_recomputes_a_sequence_growing_past_the_switch(zoo, mode):
 def test_dynamic_rope_serves_past_the_trained_length_by_its_factor():
     from transformers import LlamaConfig, Phi3Config
 
-    from shared.model_source import max_model_len
+    from pagedserve.worker.model_source import max_model_len
 
     dynamic = LlamaConfig(max_position_embeddings=4096, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert max_model_len(dynamic) == 8192

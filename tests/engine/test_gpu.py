@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedserve import LLM
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_device_discipline import FEATURES
 from tests.engine.test_parity import run_checked

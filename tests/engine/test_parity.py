@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import random_prompts
 from pagedserve import LLM
 

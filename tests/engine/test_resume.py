@@ -4,7 +4,7 @@ finish, for greedy, seeded, penalised and stop-string requests."""
 
 import pytest
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 from pagedserve import LLM
 
 PROMPT = [30, 31, 32, 33]
@@ -67,7 +67,7 @@ def test_a_stop_string_after_the_cut_still_stops(llm):
 
 
 def test_resumed_tokens_outside_the_vocabulary_are_refused(llm):
-    from shared.errors import InvalidRequestError
+    from pagedserve.shared.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError) as err:
         llm.engine.add_request("bad-resume", PROMPT, CASES["greedy"], resume_output=[10**9])

@@ -12,9 +12,10 @@ import jsonschema
 import pytest
 
 from pagedserve import LLM
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
-from shared.structured import StructuredOutputs
+from pagedserve.runtime.structured_grammar import check_structured
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.shared.structured import StructuredOutputs
 
 SCHEMA = {
     "type": "object",
@@ -170,9 +171,21 @@ def test_a_repeated_schema_is_compiled_once(llm):
     ({"regex": "a", "choice": ["b"]}, "exactly one"),
 ])
 def test_invalid_constraints_are_clear_errors(kind, message):
+    """A malformed value fails at construction; one llguidance refuses fails the check the gateway
+    runs (and the worker's compile, below)."""
     with pytest.raises(InvalidRequestError) as err:
-        SamplingParams(structured=StructuredOutputs(**kind))
+        check_structured(SamplingParams(structured=StructuredOutputs(**kind)).structured)
     assert message in str(err.value) and err.value.field == "structured"
+
+
+def test_a_constraint_llguidance_refuses_ends_its_request_with_an_error(llm):
+    """The worker compiles what the gateway checked; where nobody checked (the offline API, a
+    queue producer) the compile's error ends the request, the engine steps on."""
+    bad = SamplingParams(max_tokens=4, structured=StructuredOutputs(regex="(unclosed"))
+    good = SamplingParams(max_tokens=4, temperature=0.0)
+    failed, fine = llm.generate(["a", "b"], [bad, good])
+    assert failed.outputs[0].finish_reason == "error" and "regex" in (failed.error or ""), failed
+    assert fine.error is None and fine.outputs[0].finish_reason in ("length", "stop")
 
 
 def test_beam_search_refuses_a_constraint():

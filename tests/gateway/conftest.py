@@ -8,8 +8,8 @@ import pytest
 from pagedserve import LLM
 from pagedserve.embedded_redis import RedisServer
 from tests.gateway_stack import Stack
-from worker.core.engine_config import EngineConfig
-from worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.engine import Engine
 
 
 @pytest.fixture(scope="module")

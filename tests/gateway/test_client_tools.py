@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.client_tools import main
+from pagedserve.bench.client_tools import main
 from tests.service_helpers import MODEL_NAME
 
 TOOLS = os.environ.get("PAGEDSERVE_CLIENT_TOOLS")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from gateway.metrics import GatewayMetrics
-from shared.keys import Keys
-from shared.metric_names import WORKER_SERIES
+from pagedserve.gateway.metrics import GatewayMetrics
+from pagedserve.shared.keys import Keys
+from pagedserve.runtime.metric_names import WORKER_SERIES
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pagedserve.json"
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 from tests.service_helpers import MODEL_NAME, ChannelTap, poll
 
 

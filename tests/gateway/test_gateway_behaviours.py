@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from pagedserve.embedded_redis import free_port
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 from tests.gateway.test_gateway import greedy
 from tests.service_helpers import MODEL_NAME
 

@@ -12,12 +12,12 @@ import httpx
 import redis
 
 from pagedserve.embedded_redis import RedisServer
-from shared.keys import Keys
+from pagedserve.shared.keys import Keys
 from tests.gateway.dashboard_feed import frames
 from tests.gateway_stack import Stack
 from tests.service_helpers import MODEL_NAME, poll
-from worker.core.engine_config import EngineConfig
-from worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.engine import Engine
 
 
 def test_requests_after_a_redis_restart_are_served(zoo, tmp_path):

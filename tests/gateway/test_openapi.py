@@ -2,10 +2,10 @@
 
 import pytest
 
-from gateway.openapi import OPENAPI
-from gateway.schemas import Limits
-from shared.errors import InvalidRequestError
-from shared.sampling import BOUNDS, SamplingParams
+from pagedserve.gateway.openapi import OPENAPI
+from pagedserve.gateway.schemas import Limits
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import BOUNDS, SamplingParams
 
 SCHEMAS = OPENAPI["components"]["schemas"]
 GATEWAY_CAPS = {"n": "max_n", "best_of": "max_n", "beam_width": "max_n", "max_tokens": "max_tokens"}

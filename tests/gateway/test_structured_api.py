@@ -69,3 +69,26 @@ def test_bad_constraints_are_400s_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, extra_body=extra)
     assert err.value.body["param"] == param, err.value.body
+
+
+def test_a_constraint_is_checked_once_per_request_and_compiled_once(client, monkeypatch):
+    """The gateway checks each request's constraint once (off its event loop); the worker compiles
+    a distinct constraint once, however many requests share it (counted at both ends)."""
+    import pagedserve.runtime.structured_grammar as at_gateway
+    import pagedserve.worker.runner.grammar as at_worker
+
+    calls = {"gateway": 0, "worker": 0}
+
+    def counted(side, real):
+        def grammar_text(structured):
+            calls[side] += 1
+            return real(structured)
+        return grammar_text
+
+    monkeypatch.setattr(at_gateway, "grammar_text", counted("gateway", at_gateway.grammar_text))
+    monkeypatch.setattr(at_worker, "grammar_text", counted("worker", at_worker.grammar_text))
+    for seed in range(2):
+        r = client.completions.create(model=MODEL_NAME, prompt="once", max_tokens=8, temperature=1.0, seed=seed,
+                                      extra_body={"guided_regex": "once-[0-9]{2}"})
+        assert re.fullmatch(r"once-[0-9]{2}", r.choices[0].text)
+    assert calls == {"gateway": 2, "worker": 1}

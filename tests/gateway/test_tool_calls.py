@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.tool_calls import ToolRequest, ToolStream, extract
+from pagedserve.gateway.tool_calls import ToolRequest, ToolStream, extract
 from tests.service_helpers import MODEL_NAME
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native_build
-from kernels.native_attention import NativeAttention
-from kernels.native_build import NativeKernelUnavailable
+from pagedserve.kernels import native_build
+from pagedserve.kernels.native_attention import NativeAttention
+from pagedserve.kernels.native_build import NativeKernelUnavailable
 from tests.paged_cases import TOLERANCE, check_against_naive, dense_context, make_case, naive_attention
 
 LENGTHS = [1, 15, 16, 17, 40, 97, 300]

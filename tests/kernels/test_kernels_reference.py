@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import reference as ref
+from pagedserve.kernels import reference as ref
 from tests.paged_cases import TOLERANCE, check_against_naive, dense_context, make_case, naive_attention
 
 LENGTHS = [1, 15, 16, 17, 40, 97]

@@ -14,13 +14,13 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from kernels import reference as ref  # noqa: E402
-from kernels.copy_blocks import copy_blocks  # noqa: E402
-from kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
-from kernels.moe_reference import grouped_moe  # noqa: E402
-from kernels.paged_attention import paged_attention_decode  # noqa: E402
-from kernels.prefill_attention import prefill_attention  # noqa: E402
-from kernels.store_kv import store_kv  # noqa: E402
+from pagedserve.kernels import reference as ref  # noqa: E402
+from pagedserve.kernels.copy_blocks import copy_blocks  # noqa: E402
+from pagedserve.kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
+from pagedserve.kernels.moe_reference import grouped_moe  # noqa: E402
+from pagedserve.kernels.paged_attention import paged_attention_decode  # noqa: E402
+from pagedserve.kernels.prefill_attention import prefill_attention  # noqa: E402
+from pagedserve.kernels.store_kv import store_kv  # noqa: E402
 from tests.paged_cases import TOLERANCE, make_case  # noqa: E402
 
 DEVICES = [
@@ -153,7 +153,7 @@ def test_fused_moe_matches_the_grouped_loop(device, dtype, tokens, experts, top_
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model", ["llama-gqa", "mixtral"])  # mixtral: the fused MoE kernel in the model
 def test_engine_on_the_triton_backend_matches_transformers(zoo, device, model):
-    from shared.sampling import SamplingParams
+    from pagedserve.shared.sampling import SamplingParams
     from tests.conftest import random_prompts
     from pagedserve import LLM
 
@@ -171,9 +171,9 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     """What a CUDA graph replays (static buffers padded to a bucket, slot -1 rows, the decode grid
     launched for max_model_len) computes the eager step's logits. On the CPU this runs the graph's
     forward without capturing it; on CUDA the parity tests in tests/engine/test_gpu.py replay it."""
-    from shared.sampling import SamplingParams
+    from pagedserve.shared.sampling import SamplingParams
     from pagedserve import LLM
-    from worker.runner.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
+    from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
 
     llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
               num_gpu_blocks=64, max_model_len=64, enforce_eager=True)

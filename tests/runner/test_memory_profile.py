@@ -2,13 +2,13 @@
 
 import torch
 
-from kernels.ops import reference_ops
+from pagedserve.kernels.ops import reference_ops
 from pagedserve import LLM
-from worker.core.engine_config import EngineConfig
-from worker.runner.beam_search import BeamSearcher
-from worker.runner.memory_profile import profile_blocks_needed, worst_case_step
-from worker.runner.model_runner import ModelRunner
-from worker.runner.sampler import Sampler
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.runner.beam_search import BeamSearcher
+from pagedserve.worker.runner.memory_profile import profile_blocks_needed, worst_case_step
+from pagedserve.worker.runner.model_runner import ModelRunner
+from pagedserve.worker.runner.sampler import Sampler
 
 
 def test_the_worst_case_step_runs_within_its_scratch_pool(zoo):

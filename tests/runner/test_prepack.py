@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedserve import LLM
-from worker.runner.prepack import PrepackedLinear, WidenedLinear, can_prepack, prepack_linears, widen_linears
+from pagedserve.worker.runner.prepack import PrepackedLinear, WidenedLinear, can_prepack, prepack_linears, widen_linears
 
 needs_prepack = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 linear")
 

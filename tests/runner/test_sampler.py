@@ -2,8 +2,8 @@
 
 import torch
 
-from shared.sampling import SamplingParams
-from worker.runner.sampler import SampleRow, Sampler, filtered_probs
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.runner.sampler import SampleRow, Sampler, filtered_probs
 
 VOCAB = 50
 

@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
-from shared.sampling import SamplingParams
-from worker.runner.sampler import SampleRow, Sampler
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.runner.sampler import SampleRow, Sampler
 
 VOCAB, DRAWS = 64, 4000
 CASES = [  # temperature, top_k, top_p, min_p; the first is Qwen's own generation default

@@ -3,11 +3,11 @@ a snapshot that fails costs that picture, never the engine."""
 
 from __future__ import annotations
 
-from shared.protocol import ReplyTarget, WireRequest
-from shared.sampling import SamplingParams
-from worker.core.engine_config import EngineConfig
-from worker.engine import Engine
-from worker.serve.loop import EngineLoop
+from pagedserve.shared.protocol import ReplyTarget, WireRequest
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.serve.loop import EngineLoop
 
 
 def request(request_id: str) -> WireRequest:
@@ -21,11 +21,11 @@ def test_a_failing_snapshot_costs_the_picture_not_the_engine(zoo, monkeypatch):
     loop = EngineLoop(engine, lambda outs, errors: finished.extend(o.request_id for o in outs if o.finished),
                       on_picture=pictures.append)
 
-    def broken(scheduler):
+    def broken():
         raise RuntimeError("a bug in the snapshot")
 
     # The fault is patched in: no input makes the real snapshot raise, which is the point of the guard.
-    monkeypatch.setattr("worker.serve.loop.kv_snapshot", broken)
+    monkeypatch.setattr(engine, "kv_snapshot", broken)
     loop.want_picture()
     loop.add(request("a"), [5, 6, 7])
     loop.finish()

@@ -16,20 +16,20 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
-from gateway.app import create_app
-from gateway.kv_index import KvIndex
-from shared.block_hash import block_hash, cache_salt, prefix_hashes
-from shared.errors import InvalidRequestError
-from shared.keys import Keys
-from shared.kv_wire import KvEvent
-from shared.protocol import ReplyTarget, WireRequest
-from shared.sampling import SamplingParams
+from pagedserve.gateway.app import create_app
+from pagedserve.gateway.kv_index import KvIndex
+from pagedserve.shared.block_hash import block_hash, cache_salt, prefix_hashes
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.kv_wire import KvEvent
+from pagedserve.shared.protocol import ReplyTarget, WireRequest
+from pagedserve.shared.sampling import SamplingParams
 from tests.gateway_stack import gateway_settings
-from shared.redis_client import connect
+from pagedserve.runtime.redis_client import connect
 from tests.service_helpers import MODEL_NAME, apoll, settings_for
-from worker.core.engine_config import EngineConfig
-from worker.core.kv_events import KvEvents
-from worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.engine import Engine
 
 KEYS = Keys()
 
@@ -75,7 +75,7 @@ def test_kv_events_merge_to_net_changes_and_the_index_follows_them():
 @contextlib.asynccontextmanager
 async def cluster_of_workers(url: str, model_path, names: list[str], **gateway_overrides):
     """Workers with their own engines and a gateway, all on this loop; yields (gateway url, gateway state, workers)."""
-    from worker.serve.service import WorkerService
+    from pagedserve.worker.serve.service import WorkerService
 
     workers, tasks = [], []
     for name in names:
@@ -120,7 +120,7 @@ def test_requests_go_to_the_worker_holding_their_prefix(redis_url, zoo, routing)
     every repeat lands where its system prompt is cached (3 x 5 x 64 hit tokens, the most there can
     be); shared routing lands each on whichever worker reads first (Redis hands sequential entries
     to the two blocked readers in turn, so a prompt alternates between them)."""
-    from gateway.app import STATE
+    from pagedserve.gateway.app import STATE
 
     async def scenario():
         names = ["w1", "w2"]
@@ -153,8 +153,8 @@ def test_requests_go_to_the_worker_holding_their_prefix(redis_url, zoo, routing)
 def test_a_dead_workers_routed_entries_are_served_by_another(redis_url, zoo):
     """Entries on the own stream of a worker that stopped beating, one never read and one it had
     been handed, are moved to the shared stream and served by a live worker."""
-    from shared.replies import ReplyDispatcher
-    from shared.producer import Producer
+    from pagedserve.runtime.replies import ReplyDispatcher
+    from pagedserve.runtime.producer import Producer
 
     async def scenario():
         r = connect(redis_url)
@@ -194,7 +194,7 @@ def test_a_simulated_worker_runs_the_real_scheduler_with_calibrated_step_times(z
     prefix cache and its KV events work as with the model."""
     import time
 
-    from shared.settings import worker_settings
+    from pagedserve.worker.serve.settings import worker_settings
 
     engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), simulate="0.01,0.001,0.0001", num_gpu_blocks=64))
     engine.scheduler.blocks.gpu.events = events = KvEvents()
@@ -218,7 +218,7 @@ def test_a_simulated_worker_runs_the_real_scheduler_with_calibrated_step_times(z
 
 
 def test_a_draining_worker_gives_back_only_what_it_never_read(redis_server):
-    from worker.serve.bridge import RedisBridge
+    from pagedserve.worker.serve.bridge import RedisBridge
 
     async def scenario():
         r = aioredis.from_url(redis_server.url)

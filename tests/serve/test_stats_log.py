@@ -1,6 +1,6 @@
 """The worker's periodic stats line: rates over the interval, quiet when idle or before its time."""
 
-from worker.serve.stats_log import StatsLine
+from pagedserve.worker.serve.stats_log import StatsLine
 
 
 def test_the_stats_line_reports_rates_since_the_last_line_and_stays_quiet_when_idle():

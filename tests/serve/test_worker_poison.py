@@ -11,14 +11,14 @@ import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from shared.client import QueueClient
-from shared.keys import Keys
-from shared.protocol import VERSION
-from shared.sampling import SamplingParams
+from pagedserve.runtime.client import QueueClient
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.protocol import VERSION
+from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import examples
 from tests.service_helpers import MODEL_NAME, apoll, collect, running_worker, settings_for
-from worker.core.engine_config import EngineConfig
-from worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.engine import Engine
 
 KEYS = Keys()
 LEAVES = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)

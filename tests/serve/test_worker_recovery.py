@@ -12,22 +12,22 @@ import time
 
 import redis.asyncio as aioredis
 
-from shared.client import QueueClient
-from shared.keys import Keys
-from shared.protocol import ReplyTarget, WireRequest
-from shared.sampling import SamplingParams
+from pagedserve.runtime.client import QueueClient
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.protocol import ReplyTarget, WireRequest
+from pagedserve.shared.sampling import SamplingParams
 from pagedserve.embedded_redis import RedisServer
 from tests.service_helpers import MODEL_NAME, apoll, collect, running_worker, settings_for
 from pagedserve import LLM
-from worker.engine import Engine
-from worker.core.engine_config import EngineConfig
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
 
 KEYS = Keys()
 
 
 def start_worker_process(url: str, model_path, consumer: str, *extra: str) -> subprocess.Popen:
     """A worker process whose log lines collect in ``proc.log`` (read by a thread, so a full pipe never blocks it)."""
-    cmd = [sys.executable, "-m", "worker", "--model", str(model_path), "--redis-url", url, "--served-model-name",
+    cmd = [sys.executable, "-m", "pagedserve.worker", "--model", str(model_path), "--redis-url", url, "--served-model-name",
            MODEL_NAME, "--consumer", consumer, "--claim-idle-ms", "1500", "--heartbeat", "0.3",
            "--num-gpu-blocks", "512", "--dtype", "float32", "--device", "cpu", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

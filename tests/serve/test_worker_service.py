@@ -9,16 +9,16 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
-from shared.client import QueueClient
-from shared.keys import Keys
-from shared.redis_client import connect
-from shared.protocol import VERSION, pack
-from shared.sampling import SamplingParams
+from pagedserve.runtime.client import QueueClient
+from pagedserve.shared.keys import Keys
+from pagedserve.runtime.redis_client import connect
+from pagedserve.shared.protocol import VERSION, pack
+from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.service_helpers import MODEL_NAME, ChannelTap, apoll, collect, running_worker, settings_for
 from pagedserve import LLM
-from worker.engine import Engine
-from worker.core.engine_config import EngineConfig
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,8 @@ def test_worker_metrics_reach_redis_and_prometheus(redis_server, zoo, engine):
 
 
 def test_two_live_workers_cannot_share_a_consumer_name(redis_server, zoo, engine):
-    from worker.serve.bridge import ConsumerNameTaken
-    from worker.serve.service import WorkerService
+    from pagedserve.worker.serve.bridge import ConsumerNameTaken
+    from pagedserve.worker.serve.service import WorkerService
 
     async def main():
         settings = settings_for(redis_server.url, zoo.path("llama-gqa"), consumer="same-name")
@@ -244,7 +244,7 @@ def test_a_task_that_fails_is_restarted_and_heartbeats_go_on(redis_server, zoo, 
 def test_queue_producers_ask_for_structured_output_in_params(redis_server, zoo, engine):
     """``params.structured`` on the wire (docs/protocol.md): a valid constraint is followed, a bad
     one is an error event naming it, and the worker goes on."""
-    from shared.structured import StructuredOutputs
+    from pagedserve.shared.structured import StructuredOutputs
 
     regex = r"[a-f]{3}:[0-9]{2}"
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from gateway.schemas import Limits, parse
-from shared.model_source import generation_defaults
+from pagedserve.gateway.schemas import Limits, parse
+from pagedserve.shared.sampling_defaults import generation_defaults
 
 
 @pytest.fixture

@@ -4,12 +4,12 @@
 import msgpack
 import pytest
 
-from shared.protocol import (
+from pagedserve.shared.protocol import (
     MAX_ID_LEN, VERSION, OutputDelta, ProtocolError, ReplyTarget, Resume, WireCancel, WireEvent, WireRequest,
     decode_events, encode_events,
 )
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
 
 
 def request(**overrides) -> WireRequest:

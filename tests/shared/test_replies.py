@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from shared.mailbox import MAX_RESENDS, Mailbox, failure
-from shared.protocol import OutputDelta, ReplyTarget, Resume, WireEvent, WireRequest
-from shared.sampling import SamplingParams
+from pagedserve.runtime.mailbox import MAX_RESENDS, Mailbox, failure
+from pagedserve.shared.protocol import OutputDelta, ReplyTarget, Resume, WireEvent, WireRequest
+from pagedserve.shared.sampling import SamplingParams
 
 
 def event(seq: int, done: bool = False, tokens=(1,), request_id: str = "r") -> WireEvent:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from shared.supervision import supervise
+from pagedserve.runtime.supervision import supervise
 
 
 def test_a_failing_task_restarts_until_it_finishes():

@@ -28,8 +28,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from shared.block_hash import block_hash
-from worker.core.block_pool import BlockPool
+from pagedserve.shared.block_hash import block_hash
+from pagedserve.worker.core.config import BLOCK_SIZE
+from pagedserve.worker.core.block_pool import BlockPool
 
 NO_BLOCK = -1  # a table entry whose block was released: wholly outside every layer's sliding window
 
@@ -62,7 +63,7 @@ class BlockManager:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
     ) -> None:
@@ -106,8 +107,9 @@ class BlockManager:
     def block_key(self, parent_hash: int | None, tokens: Sequence[int], extra_key: Hashable) -> tuple:
         return (parent_hash, tuple(tokens), extra_key)
 
-    def match_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None) -> PrefixHit:
-        """Longest run of cached full blocks at the start of ``token_ids`` (last token excluded)."""
+    def match_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None, known: Sequence[int] = ()) -> PrefixHit:
+        """Longest run of cached full blocks at the start of ``token_ids`` (last token excluded).
+        ``known``: the leading blocks' hashes where the caller keeps them (a request's prompt chain)."""
         blocks: list[int] = []
         hashes: list[int] = []
         if self.enable_prefix_caching:
@@ -115,7 +117,7 @@ class BlockManager:
             bs = self.block_size
             for i in range((len(token_ids) - 1) // bs):
                 key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
-                parent = block_hash(*key)
+                parent = known[i] if i < len(known) else block_hash(*key)
                 block = self.gpu.lookup(parent, key)
                 if block is None:
                     break
@@ -125,15 +127,17 @@ class BlockManager:
         return PrefixHit(tuple(blocks), tuple(hashes), reclaimed)
 
     def register_full_blocks(
-        self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: Hashable = None
+        self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: Hashable = None,
+        known: Sequence[int] = (),
     ) -> None:
-        """Publish the seq's blocks that are full and whose KV has been computed."""
+        """Publish the seq's blocks that are full and whose KV has been computed (``known``: as in
+        ``match_prefix``)."""
         if not self.enable_prefix_caching or seq_id not in self._tables:
             return
         chain, table, bs = self._hashes[seq_id], self._tables[seq_id], self.block_size
         for i in range(len(chain), min(num_computed // bs, len(table))):
             key = self.block_key(chain[-1] if chain else None, token_ids[i * bs : (i + 1) * bs], extra_key)
-            chain.append(block_hash(*key))
+            chain.append(known[i] if i < len(known) else block_hash(*key))
             self.gpu.register(table[i], chain[-1], key)
 
     # ------------------------------------------------------------------ allocation

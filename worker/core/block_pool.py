@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from worker.core.errors import OutOfBlocksError
-from worker.core.kv_events import KvEvents
+from pagedserve.worker.core.errors import OutOfBlocksError
+from pagedserve.worker.core.kv_events import KvEvents
 
 
 class BlockPool:

@@ -5,17 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.block_hash import cache_salt
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from pagedserve.shared.block_hash import cache_salt
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
 
 PreemptionMode = Literal["recompute", "swap"]
+BLOCK_SIZE = 16  # tokens per KV block unless configured otherwise
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     num_gpu_blocks: int
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     num_cpu_blocks: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

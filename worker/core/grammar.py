@@ -13,6 +13,8 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Protocol
 
+from pagedserve.shared.errors import InvalidRequestError
+
 
 class GrammarState(Protocol):
     def consume_token(self, token: int) -> bool: ...  # False: the token breaks the grammar
@@ -23,7 +25,9 @@ class GrammarState(Protocol):
 def grammar_error(pending: Future) -> str | None:
     """Why a compiled grammar cannot be used, or None."""
     err = pending.exception()
-    return None if err is None else f"structured output: {err}"
+    if err is None:
+        return None
+    return str(err) if isinstance(err, InvalidRequestError) else f"structured output: {err}"
 
 
 def start_state(pristine: GrammarState, output_ids: list[int]) -> GrammarState:

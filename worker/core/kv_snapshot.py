@@ -17,8 +17,8 @@ window) and ``cut`` (tables left short to stay in budget).
 
 from __future__ import annotations
 
-from worker.core.pool_picture import BYTE_BUDGET, cell_values, encode
-from worker.core.request import Request
+from pagedserve.worker.core.pool_picture import BYTE_BUDGET, cell_values, encode
+from pagedserve.worker.core.request import Request
 
 MAX_REQUESTS = 128
 MAX_TABLE_ENTRIES = 8192

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from worker.core.detokenizer import Detokenizer, DetokenizerState
-from worker.core.outputs import CompletionOutput, RequestOutput
-from worker.core.request import FinishReason, Request, Sequence
-from worker.core.request_table import RequestTable
+from pagedserve.worker.core.detokenizer import Detokenizer, DetokenizerState
+from pagedserve.worker.core.outputs import CompletionOutput, RequestOutput
+from pagedserve.worker.core.request import FinishReason, Request, Sequence
+from pagedserve.worker.core.request_table import RequestTable
 
 
 class OutputBuilder:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from worker.core.plan import SampledToken
+from pagedserve.worker.core.plan import SampledToken
 
 
 @dataclass(frozen=True)

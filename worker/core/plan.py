@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.sampling import SamplingParams
 
 
 

@@ -13,7 +13,7 @@ Taken on the engine thread (the only one touching the pool), as part of the dash
 
 from __future__ import annotations
 
-from worker.core.block_pool import BlockPool
+from pagedserve.worker.core.block_pool import BlockPool
 
 MAX_CELLS = 8192
 MAX_VALUE = 255

@@ -11,7 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from shared.sampling import SamplingParams
+from pagedserve.shared.block_hash import prefix_hashes
+from pagedserve.shared.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -93,6 +94,16 @@ class Request:
     resumed: int = 0  # output tokens a client already had when this request was re-sent (Resume)
     first_scheduled: float | None = None  # when it first ran, on the scheduler's clock (queue time)
     grammar: Future | None = None  # the compiled constraint (a pristine GrammarState) while it is built
+    _prompt_hashes: dict = field(default_factory=dict, repr=False)  # salt -> the prompt's block-hash chain
+
+    def prompt_hashes(self, block_size: int, salt: Hashable) -> list[int]:
+        """The prompt's block-hash chain under ``salt`` (``shared/block_hash.py``), computed once and
+        kept: the scheduler matches it against the prefix cache every step the request waits, and
+        its blocks are registered under it once computed."""
+        chain = self._prompt_hashes.get(salt)
+        if chain is None:
+            chain = self._prompt_hashes[salt] = prefix_hashes(self.prompt_ids, block_size, salt)
+        return chain
 
     @property
     def grammar_ready(self) -> bool:

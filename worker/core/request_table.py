@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 
-from worker.core.block_manager import BlockManager
-from worker.core.request import FinishReason, Request, RequestStatus, Sequence
+from pagedserve.worker.core.block_manager import BlockManager
+from pagedserve.worker.core.request import FinishReason, Request, RequestStatus, Sequence
 
 
 class RequestTable:

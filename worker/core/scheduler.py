@@ -23,18 +23,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence as Seq
 
-from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
-from worker.core.block_manager import BlockManager
-from worker.core.config import SchedulerConfig
-from worker.core.detokenizer import Detokenizer
-from worker.core.grammar import grammar_error, start_state
-from worker.core.output_builder import OutputBuilder
-from worker.core.outputs import RequestOutput
-from worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
-from worker.core.request import FinishReason, Request, RequestStatus, Sequence
-from worker.core.request_table import RequestTable
-from worker.core.step_apply import StepApplier
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.block_manager import BlockManager, PrefixHit
+from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.detokenizer import Detokenizer
+from pagedserve.worker.core.grammar import grammar_error, start_state
+from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.core.output_builder import OutputBuilder
+from pagedserve.worker.core.outputs import RequestOutput
+from pagedserve.worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
+from pagedserve.worker.core.request import FinishReason, Request, RequestStatus, Sequence
+from pagedserve.worker.core.request_table import RequestTable
+from pagedserve.worker.core.step_apply import StepApplier
 
 
 @dataclass
@@ -119,6 +120,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.requests or self.table.ended_outside_update)
 
+    def record_kv_events(self, events: KvEvents | None) -> None:
+        """Tell ``events`` each hash the prefix cache gains or loses (None: stop)."""
+        self.blocks.gpu.events = events
+
+    def cached_hashes(self) -> list[int]:
+        return self.blocks.gpu.published_hashes()
+
+    def forget_cached(self) -> None:
+        """Empty the prefix cache (blocks in use stay)."""
+        self.blocks.gpu.forget_cached()
+
     def compiling(self) -> list[Future]:
         """Grammars that waiting requests wait for."""
         return [r.grammar for r in self.waiting if not r.grammar_ready]
@@ -194,6 +206,10 @@ class Scheduler:
             self._run(req)
             self._emit(req, sizes, step)
 
+    def _match(self, req: Request, seq: Sequence) -> PrefixHit:
+        salt = self.config.prefix_key(req.extra_key, seq.num_tokens)
+        return self.blocks.match_prefix(seq.token_ids, salt, req.prompt_hashes(self.config.block_size, salt))
+
     def _schedule_waiting(self, step: StepBuilder) -> None:
         self.waiting.sort(key=lambda r: r.sort_key)
         for req in list(self.waiting):
@@ -203,8 +219,7 @@ class Scheduler:
                 return
             if not self._start_grammar(req):
                 continue
-            hits = {s.seq_id: self.blocks.match_prefix(s.token_ids, self.config.prefix_key(req.extra_key, s.num_tokens))
-                    for s in req.live_seqs}
+            hits = {s.seq_id: self._match(req, s) for s in req.live_seqs}
             reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
             sizes, budget, new_blocks = [], step.budget, 0
             for seq in req.live_seqs:

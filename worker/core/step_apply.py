@@ -10,10 +10,10 @@ dropped with their blocks. A finished search replaces the beams by its best hypo
 
 from __future__ import annotations
 
-from worker.core.config import SchedulerConfig
-from worker.core.plan import BeamStep, SampledToken, StepPlan, StepResult
-from worker.core.request import FinishReason, Request, Sequence
-from worker.core.request_table import RequestTable
+from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.plan import BeamStep, SampledToken, StepPlan, StepResult
+from pagedserve.worker.core.request import FinishReason, Request, Sequence
+from pagedserve.worker.core.request_table import RequestTable
 
 
 class StepApplier:
@@ -34,7 +34,8 @@ class StepApplier:
             req = self.table.owner(item.seq_id)
             seq.num_computed += item.num_tokens
             key = self.config.prefix_key(req.extra_key, seq.num_tokens)  # before this step's token is appended
-            self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key)
+            self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key,
+                                                   req.prompt_hashes(self.config.block_size, key))
             if self.sliding_window:  # the next query is at num_computed and sees positions > it - W
                 self.table.blocks.release_before(seq.seq_id, seq.num_computed - self.sliding_window + 1)
             if item.num_samples == 0 or req.params.use_beam_search:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.ops import AttentionOps
+from pagedserve.kernels.ops import AttentionOps
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.core.plan import BeamStep
+from pagedserve.worker.core.plan import BeamStep
 
 NEG = -1.0e9
 HOST = torch.device("cpu")  # the search's bookkeeping (a few scores per beam) lives on the host

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.core.plan import ScheduledSeq
-from worker.runner.attention import AttentionMetadata
+from pagedserve.worker.core.plan import ScheduledSeq
+from pagedserve.worker.runner.attention import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 

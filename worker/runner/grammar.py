@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 
-from shared.structured import StructuredOutputs
+from pagedserve.runtime.structured_grammar import grammar_text
+from pagedserve.shared.structured import StructuredOutputs
 
 CACHE_SIZE = 256
 
@@ -42,7 +43,7 @@ class GrammarCompiler:
     def _build(self, structured: StructuredOutputs):
         from llguidance import LLMatcher
 
-        matcher = LLMatcher(self.tokenizer(), structured.grammar_text(), log_level=0)
+        matcher = LLMatcher(self.tokenizer(), grammar_text(structured), log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         matcher.deep_copy().compute_bitmask()  # warms the lexer the copies share: the first step's mask is not slow

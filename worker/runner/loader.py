@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from shared.model_source import max_model_len, resolve_model_dir
-from kernels.ops import AttentionOps
-from worker.runner.models.families import FAMILIES, Family, Fused, supported
-from worker.runner.models.layers import CausalLM
-from worker.runner.prepack import fast_cpu_linears
+from pagedserve.worker.model_source import max_model_len, resolve_model_dir
+from pagedserve.kernels.ops import AttentionOps
+from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
+from pagedserve.worker.runner.models.layers import CausalLM
+from pagedserve.worker.runner.prepack import fast_cpu_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

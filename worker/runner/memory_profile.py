@@ -13,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from shared.sampling import SamplingParams
-from worker.core.plan import ScheduledSeq, StepPlan
-from worker.runner.sampler import SampleRow, Sampler
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.plan import ScheduledSeq, StepPlan
+from pagedserve.worker.runner.sampler import SampleRow, Sampler
 
 
 def worst_case_step(runner, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, vocab: int) -> None:

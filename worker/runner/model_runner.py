@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from kernels.ops import AttentionOps
-from worker.runner.attention import AttentionMetadata
-from worker.runner.models.layers import CausalLM
-from worker.core.plan import ScheduledSeq, StepPlan, StepResult
-from worker.runner.beam_search import BeamSearcher
-from worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
-from worker.runner.sampler import Sampler
+from pagedserve.kernels.ops import AttentionOps
+from pagedserve.worker.runner.attention import AttentionMetadata
+from pagedserve.worker.runner.models.layers import CausalLM
+from pagedserve.worker.core.plan import ScheduledSeq, StepPlan, StepResult
+from pagedserve.worker.runner.beam_search import BeamSearcher
+from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
+from pagedserve.worker.runner.sampler import Sampler
 
 
 @dataclass(frozen=True)

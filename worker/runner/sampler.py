@@ -21,9 +21,9 @@ from typing import Sequence
 
 import torch
 
-from shared.sampling import SamplingParams
-from worker.core.plan import SampledToken
-from worker.runner.grammar import mask_logits
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.plan import SampledToken
+from pagedserve.worker.runner.grammar import mask_logits
 
 
 @dataclass(frozen=True)

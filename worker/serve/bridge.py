@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from shared.keys import Keys
-from shared.protocol import ReplyTarget, WireEvent, encode_events
-from shared.redis_client import pipelines_publish
-from worker.serve.bridge_scripts import KEEP_HELD, MOVE_ROUTED
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.protocol import ReplyTarget, WireEvent, encode_events
+from pagedserve.runtime.redis_client import pipelines_publish
+from pagedserve.worker.serve.bridge_scripts import KEEP_HELD, MOVE_ROUTED
 
 STREAMED_TTL_S = 24 * 3600
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest, can_resume
-from worker.core.outputs import CompletionOutput, RequestOutput
+from pagedserve.shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest, can_resume
+from pagedserve.worker.core.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass

@@ -13,10 +13,10 @@ from typing import Iterator
 
 import structlog
 
-from shared.protocol import WireEvent
-from worker.core.outputs import RequestOutput
-from worker.serve.bridge import Outgoing
-from worker.serve.events import InFlight, error_event, event_for
+from pagedserve.shared.protocol import WireEvent
+from pagedserve.worker.core.outputs import RequestOutput
+from pagedserve.worker.serve.bridge import Outgoing
+from pagedserve.worker.serve.events import InFlight, error_event, event_for
 
 log = structlog.get_logger("pagedserve.worker")
 

@@ -5,9 +5,9 @@ the service then dead-letters the entry and tells the sender when it can."""
 
 from __future__ import annotations
 
-from shared.errors import InvalidRequestError
-from shared.keys import Keys
-from shared.protocol import ReplyTarget, WireRequest, unpack
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.protocol import ReplyTarget, WireRequest, unpack
 
 
 class Rejected(Exception):

@@ -13,10 +13,10 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from shared.kv_wire import KvEvent
-from shared.redis_io import REDIS_DOWN
-from worker.core.kv_events import KvEvents
-from worker.serve.bridge import RedisBridge
+from pagedserve.shared.kv_wire import KvEvent
+from pagedserve.runtime.redis_io import REDIS_DOWN
+from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.serve.bridge import RedisBridge
 
 log = structlog.get_logger("pagedserve.worker")
 KV_STREAM_LEN = 10_000  # KV events kept (about): a gateway starting later also gets resyncs

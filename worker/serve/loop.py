@@ -16,13 +16,11 @@ from typing import Callable
 
 import structlog
 
-from shared.errors import InvalidRequestError
-from shared.protocol import WireRequest
-from worker.engine import Engine
-from worker.serve.metrics import engine_state
-from worker.core.kv_events import KvEvents
-from worker.core.kv_snapshot import kv_snapshot
-from worker.core.outputs import RequestOutput
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.protocol import WireRequest
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.core.outputs import RequestOutput
 
 log = structlog.get_logger("pagedserve.worker")
 OnOutputs = Callable[[list[RequestOutput], list[tuple[str, str]]], None]
@@ -37,11 +35,11 @@ class EngineLoop:
         self.on_outputs = on_outputs
         self.on_kv = on_kv
         self.kv_events = KvEvents() if on_kv else None  # what the prefix cache gains and loses, for routing
-        engine.scheduler.blocks.gpu.events = self.kv_events
+        engine.record_kv_events(self.kv_events)
         self._kv_resync = threading.Event()
         self.on_picture = on_picture
         self._picture_wanted = threading.Event()
-        self.snapshot = engine_state(engine)  # replaced, never mutated: safe to read from another thread
+        self.snapshot = engine.stats()  # replaced, never mutated: safe to read from another thread
         self._snapshot_every_s = snapshot_every_s
         self._snapshot_at = time.monotonic()
         self._inbox: deque[tuple] = deque()
@@ -100,7 +98,7 @@ class EngineLoop:
         published, dropped, _ = self.kv_events.take()
         if self._kv_resync.is_set():
             self._kv_resync.clear()
-            self.on_kv(self.engine.scheduler.blocks.gpu.published_hashes(), [], True)
+            self.on_kv(self.engine.cached_hashes(), [], True)
         elif published or dropped:
             self.on_kv(published, dropped, False)
 
@@ -109,7 +107,7 @@ class EngineLoop:
             self._picture_wanted.clear()
             started = time.perf_counter()
             try:
-                snapshot = kv_snapshot(self.engine.scheduler)
+                snapshot = self.engine.kv_snapshot()
             except Exception:  # a dashboard must never take the engine down: no picture this time
                 log.exception("dashboard snapshot failed")
                 return
@@ -119,7 +117,7 @@ class EngineLoop:
     def _take_snapshot(self) -> None:
         now = time.monotonic()
         if now - self._snapshot_at >= self._snapshot_every_s or not self.engine.has_unfinished():
-            self.snapshot, self._snapshot_at = engine_state(self.engine), now
+            self.snapshot, self._snapshot_at = self.engine.stats(), now
 
     def _tick(self, work: list[tuple]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
         errors = []
@@ -127,7 +125,7 @@ class EngineLoop:
             if kind == "add":
                 req, ids = args
                 try:
-                    self.engine.add_request(req.id, ids, req.params, priority=req.priority, deadline=req.deadline,
+                    self.engine.add_encoded(req.id, ids, req.params, priority=req.priority, deadline=req.deadline,
                                             extra_key=req.tenant, resume_output=req.resume.token_ids if req.resume else ())
                 except InvalidRequestError as err:
                     errors.append((req.id, str(err)))

@@ -11,8 +11,8 @@ import asyncio
 import signal
 import threading
 
-from worker.serve.bridge import ConsumerNameTaken
-from worker.serve.service import WorkerService
+from pagedserve.worker.serve.bridge import ConsumerNameTaken
+from pagedserve.worker.serve.service import WorkerService
 
 
 def serve_on_main_thread(service: WorkerService) -> int:

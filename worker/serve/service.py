@@ -41,24 +41,24 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
-from shared.errors import InvalidRequestError
-from shared.keys import Keys
-from shared.prompts import encode_chat
-from shared.protocol import WireCancel, WireRequest
-from shared.redis_client import connect
-from shared.redis_io import REDIS_DOWN, listen_forever, stop_tasks
-from shared.supervision import supervise
-from shared.settings import WorkerSettings
-from worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
-from worker.serve.intake import Rejected, admit, salvage_reply
-from worker.engine import Engine
-from worker.serve.dashboard_publisher import DashboardPublisher
-from worker.serve.kv_publisher import KvPublisher
-from worker.serve.loop import EngineLoop
-from worker.serve.events import InFlight, error_event, lost_event
-from worker.serve.inflight import InFlightTable
-from worker.serve.metrics import WorkerMetrics, worker_metrics
-from worker.serve.stats_log import StatsLine
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.prompts import encode_chat
+from pagedserve.shared.protocol import WireCancel, WireRequest
+from pagedserve.runtime.redis_client import connect
+from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
+from pagedserve.runtime.supervision import supervise
+from pagedserve.worker.serve.settings import WorkerSettings
+from pagedserve.worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
+from pagedserve.worker.serve.intake import Rejected, admit, salvage_reply
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.serve.dashboard_publisher import DashboardPublisher
+from pagedserve.worker.serve.kv_publisher import KvPublisher
+from pagedserve.worker.serve.loop import EngineLoop
+from pagedserve.worker.serve.events import InFlight, error_event, lost_event
+from pagedserve.worker.serve.inflight import InFlightTable
+from pagedserve.worker.serve.metrics import WorkerMetrics, worker_metrics
+from pagedserve.worker.serve.stats_log import StatsLine
 
 log = structlog.get_logger("pagedserve.worker")
 

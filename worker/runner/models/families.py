@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from worker.runner.models.gemma import Gemma2ForCausalLM
-from worker.runner.models.layers import Arch, CausalLM, FeedForward, dense
-from worker.runner.models.moe import mixtral, qwen_moe
+from pagedserve.worker.runner.models.gemma import Gemma2ForCausalLM
+from pagedserve.worker.runner.models.layers import Arch, CausalLM, FeedForward, dense
+from pagedserve.worker.runner.models.moe import mixtral, qwen_moe
 
 ExpertPart = tuple[str, int, str]  # (stacked parameter prefix, expert index, "gate" | "up" | "down")
 

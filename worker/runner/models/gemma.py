@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.runner.models.layers import CausalLM, DecoderLayer, OffsetRMSNorm
+from pagedserve.worker.runner.models.layers import CausalLM, DecoderLayer, OffsetRMSNorm
 
 
 class Gemma2DecoderLayer(DecoderLayer):

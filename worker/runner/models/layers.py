@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kernels.ops import AttentionOps
-from worker.runner.attention import AttentionMetadata, PagedAttention
-from worker.runner.models.rope import Rotaries, RotaryEmbedding
+from pagedserve.kernels.ops import AttentionOps
+from pagedserve.worker.runner.attention import AttentionMetadata, PagedAttention
+from pagedserve.worker.runner.models.rope import Rotaries, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.ops import AttentionOps
-from worker.runner.models.layers import MLP
+from pagedserve.kernels.ops import AttentionOps
+from pagedserve.worker.runner.models.layers import MLP
 
 
 class Experts(nn.Module):

@@ -3,12 +3,30 @@ one clear line."""
 
 import pytest
 
-from kernels.ops import BACKENDS
-from shared.settings import ATTENTION_BACKENDS, cache_dir, worker_settings
+from pagedserve.kernels.ops import BACKENDS
+from pagedserve.runtime.env import cache_dir
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.engine_flags import declared_flags, engine_argv
+from pagedserve.worker.serve.settings import worker_parser, worker_settings
 
 
 def test_the_attention_backend_flag_offers_what_the_kernels_offer():
-    assert ATTENTION_BACKENDS == BACKENDS
+    [choices] = [a.choices for a in worker_parser({})._actions if a.dest == "attention_backend"]
+    assert tuple(choices) == BACKENDS
+
+
+def test_the_engine_flags_default_to_the_config_and_follow_their_environment_variables():
+    """Declared once on EngineConfig: with no flags the engine gets EngineConfig's own defaults;
+    each flag's PAGEDSERVE_ variable sets it."""
+    defaults = EngineConfig(model="m")
+    engine = worker_settings([], {}).engine
+    assert engine and all(engine[name] == getattr(defaults, name) for name in engine)
+    assert set(engine) == {name for name, _, _ in declared_flags()}
+    env = worker_settings([], {"PAGEDSERVE_MAX_NUM_SEQS": "7", "PAGEDSERVE_ENFORCE_EAGER": "yes",
+                               "PAGEDSERVE_SWAP_SPACE": "2", "PAGEDSERVE_ENABLE_PREFIX_CACHING": "0"}).engine
+    assert (env["max_num_seqs"], env["enforce_eager"], env["swap_space"], env["enable_prefix_caching"]) == (7, True, 2 << 30, False)
+    helps = {a.dest: a.help for a in worker_parser({})._actions}
+    assert helps["max_num_seqs"] == "(default: %(default)s; env PAGEDSERVE_MAX_NUM_SEQS)"
 
 
 def test_the_attention_backend_comes_from_the_flag_or_the_environment():
@@ -31,8 +49,6 @@ def test_the_cache_directory_follows_the_environment(tmp_path):
 def test_engine_flags_pass_on_to_a_worker_unchanged():
     """``serve`` starts workers with ``engine_argv`` of its own flags: they must parse back to the
     same engine settings."""
-    from shared.settings import engine_argv, worker_parser
-
     given = ["--dtype", "float32", "--max-model-len", "512", "--no-enable-prefix-caching", "--enforce-eager",
              "--swap-space", "0.5", "--block-size", "8", "--attention-backend", "torch"]
     args = worker_parser({}).parse_args(given)

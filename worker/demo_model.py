@@ -50,7 +50,7 @@ def build_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    text = resources.files("shared.demo").joinpath("corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("pagedserve.worker.demo").joinpath("corpus.txt").read_text(encoding="utf-8")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -136,7 +136,7 @@ def demo_model_dir(cache_root: Path | None = None) -> Path:
     import shutil
     import tempfile
 
-    from shared.settings import cache_dir
+    from pagedserve.runtime.env import cache_dir
 
     root = cache_root or cache_dir()
     path = root / f"demo-llama-v{DEMO_VERSION}"

@@ -1,6 +1,6 @@
-"""Where a model comes from, shared by the gateway, the worker and the offline API: a local
-directory, a hub id (resolved to a local snapshot), or, when none is named, the demo model built
-locally on first use. Also the facts every process reads from its config."""
+"""Where a model comes from, for the worker, the offline API and (through ``pagedserve gateway``)
+the gateway's tokenizer: a local directory, a hub id (resolved to a local snapshot), or, when none
+is named, the demo model built locally on first use. Also the context length its config gives."""
 
 from __future__ import annotations
 
@@ -18,41 +18,18 @@ def max_model_len(config) -> int:
     return length
 
 
-DEMO_NAME = "demo"
-
-
 def model_or_demo(model: str | Path | None) -> str:
     """``model`` as given, or the demo model's directory (built on first use) when it is None."""
     if model is not None and str(model) != "":
         return str(model)
-    from shared.demo_model import demo_model_dir
+    from pagedserve.worker.demo_model import demo_model_dir
 
     return str(demo_model_dir())
 
 
-def served_name(model: str | None, served_model_name: str | None) -> str:
-    """The name clients use: the explicit one, else the model as given, else ``demo``."""
-    return served_model_name or model or DEMO_NAME
-
-
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def generation_defaults(path: str | Path, source: str = "auto") -> dict:
-    """Sampling defaults from the model's ``generation_config.json`` (``source="auto"``), for the
-    parameters a request leaves unset, as vLLM applies them; ``source="vllm"`` ignores the file."""
-    if source not in ("auto", "vllm"):
-        raise ValueError(f"generation config must be 'auto' or 'vllm', got {source!r}")
-    file = Path(path) / "generation_config.json"
-    if source == "vllm" or not file.is_file():
-        return {}
-    import json
-
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{file} is not readable JSON: {err}") from None
-    return {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
+def model_dir(model: str | Path | None) -> str:
+    """The local directory of ``model`` (None: the demo model's)."""
+    return str(resolve_model_dir(model_or_demo(model)))
 
 
 class ModelNotFound(ValueError):

@@ -18,14 +18,14 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from shared.mailbox import Mailbox
-from shared.redis_client import connect
-from shared.replies import ReplyDispatcher
-from shared.keys import Keys
-from shared.producer import Producer
-from shared.protocol import ReplyTarget, WireEvent, WireRequest, decode_events
-from shared.redis_io import REDIS_DOWN
-from shared.sampling import SamplingParams
+from pagedserve.runtime.mailbox import Mailbox
+from pagedserve.runtime.redis_client import connect
+from pagedserve.runtime.replies import ReplyDispatcher
+from pagedserve.shared.keys import Keys
+from pagedserve.runtime.producer import Producer
+from pagedserve.shared.protocol import ReplyTarget, WireEvent, WireRequest, decode_events
+from pagedserve.runtime.redis_io import REDIS_DOWN
+from pagedserve.shared.sampling import SamplingParams
 
 
 class QueueClient:

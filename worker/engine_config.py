@@ -1,0 +1,125 @@
+"""EngineConfig: the engine's settings, frozen and validated once, and the KV pool sizing rule.
+
+Each setting a user may pass on a command line is declared here once, with its help text and the
+type that checks it (``flag``): ``worker/engine_flags.py`` makes the CLI options, their
+environment variables and the argv ``serve`` hands to its workers from these declarations.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from pagedserve.kernels.backends import BACKENDS
+from pagedserve.runtime.env import checked, fraction, non_negative, positive
+from pagedserve.worker.core.config import BLOCK_SIZE, PreemptionMode
+from pagedserve.worker.core.step_cost import StepCost
+
+CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
+CPU_KV_CAP = 1 << 30
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a setting is given on a command line. ``unit``: the flag counts in these (a GiB flag of
+    a bytes setting), converted to the setting's own unit."""
+    help: str = ""
+    kind: Callable | None = None
+    choices: tuple[str, ...] | None = None
+    switch: str = ""  # "on": a presence flag (store_true); "both": --x / --no-x
+    unit: int = 1
+    metavar: str | None = None
+
+
+def flag(default: Any, help: str = "", **how) -> Any:
+    return field(default=default, metadata={"flag": Flag(help, **how)})
+
+
+def _is_step_cost(text: str) -> bool:
+    try:
+        StepCost.parse(text)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = flag("auto", choices=("auto", "float32", "bfloat16", "float16"))
+    device: str | None = flag(None, "cpu, cuda or cuda:N (default: cuda when available)")
+    attention_backend: str = flag(
+        "auto", "auto: Triton kernels on CUDA, the C kernel compiled for this CPU elsewhere (torch if it cannot be "
+        "built); torch: the plain PyTorch reference", choices=BACKENDS)
+    block_size: int = flag(BLOCK_SIZE, kind=positive(int))
+    kv_cache_memory: int | None = flag(None, "bytes for the KV pool", kind=positive(int))
+    num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (overrides --kv-cache-memory)",
+                                      kind=positive(int))
+    swap_space: int = flag(GIB, "GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)",
+                           kind=non_negative(float), unit=GIB)
+    num_cpu_blocks: int | None = None  # exact CPU pool size (overrides swap_space)
+    max_num_seqs: int = flag(256, kind=positive(int))
+    max_num_batched_tokens: int = flag(2048, kind=positive(int))
+    max_model_len: int | None = flag(None, "default: the model's", kind=positive(int))
+    enable_prefix_caching: bool = flag(True, "share KV blocks of identical prompt prefixes", switch="both")
+    preemption_mode: PreemptionMode = flag("recompute", choices=("recompute", "swap"))
+    seed: int = 0
+    enforce_eager: bool = flag(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs", switch="on")
+    gpu_memory_utilization: float = flag(
+        0.9, "share of the GPU's memory for weights, KV cache and a step's activations (0, 1]", kind=fraction)
+    generation_config: str = "auto"  # "auto": the model's generation_config.json gives the default SamplingParams; "vllm": not
+    simulate: str | None = flag(
+        None, "no model forward: each step sleeps BASE + PER_SEQ x sequences + PER_TOKEN x tokens seconds (scale "
+        "measurements, bench/scale.py; calibrate with bench/scale.py --calibrate)",
+        kind=checked(str, _is_step_cost, "three seconds >= 0, BASE,PER_SEQ,PER_TOKEN"), metavar="BASE,PER_SEQ,PER_TOKEN")
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_memory", "num_gpu_blocks", "num_cpu_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float)) and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.swap_space, int) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
+
+    @property
+    def sizes_pool_from_memory(self) -> bool:
+        return self.num_gpu_blocks is None and self.kv_cache_memory is None
+
+    def gpu_blocks(self, block_bytes: int, free_bytes: int, on_cuda: bool, total_bytes: int = 0,
+                   step_peak_bytes: int = 0) -> int:
+        """Pool size from the exact count, the byte budget, or what memory leaves: on CUDA
+        ``gpu_memory_utilization * total - in use now (weights, context) - one step's peak``; on a
+        CPU a quarter of the available RAM, at most 1 GiB."""
+        if self.num_gpu_blocks is not None:
+            return self.num_gpu_blocks
+        budget = self.kv_cache_memory
+        if budget is None and on_cuda:
+            budget = int(self.gpu_memory_utilization * total_bytes) - (total_bytes - free_bytes) - step_peak_bytes
+        elif budget is None:
+            budget = min(int(free_bytes * CPU_KV_FRACTION), CPU_KV_CAP)
+        blocks = budget // block_bytes
+        if blocks < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes} bytes; raise "
+                             "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
+        return blocks
+
+    def cpu_blocks(self, block_bytes: int) -> int:
+        if self.num_cpu_blocks is not None:
+            return self.num_cpu_blocks
+        return self.swap_space // block_bytes if self.preemption_mode == "swap" else 0
+
+
+def available_ram() -> int:
+    """Bytes of memory available to a new allocation on this host."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
