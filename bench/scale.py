@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 
 from pagedserve.bench.table import print_table
 from pagedserve.gateway.router import Router, RoutingPolicy
+from pagedserve.gateway.worker_directory import WorkerDirectory
 from pagedserve.embedded_redis import RedisClusterServers, RedisServer
 from pagedserve.shared.keys import Keys
 from pagedserve.worker.model_source import model_or_demo
@@ -175,7 +176,7 @@ async def redis_cpu(ports: list[int]) -> list[float]:
 async def run_one(url: str, ports: list[int], workers: int, workload_name: str, routing: str, warmup: float,
                   seconds: float, clients_per_worker: int, seed: int, imbalance: int) -> dict:
     r = connect(url, blocking_pool=True, max_connections=64, timeout=30)
-    router = Router(r, KEYS, MODEL, RoutingPolicy(routing, imbalance=imbalance))
+    router = Router(WorkerDirectory(r, KEYS), KEYS, MODEL, RoutingPolicy(routing, imbalance=imbalance))
     stop_index = asyncio.Event()
     index_task = asyncio.create_task(router.index.follow(connect(url), KEYS.kv_events(MODEL), stop_index))
     dispatcher = ReplyDispatcher(r, KEYS.replies(f"bench-{seed}"), Producer(r, KEYS))

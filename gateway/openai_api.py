@@ -58,7 +58,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     base = state.new_id(chat)
     ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
     boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
-    renderer = Renderer(chat, base, int(time.time()), parsed.model, state.tokenizer, parsed.params.logprobs,
+    renderer = Renderer(chat, base, int(time.time()), parsed.model, parsed.params.logprobs,
                         parsed.tools, state.settings.tool_call_parser)
     deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
     tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))

@@ -31,13 +31,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Renderer:
     """Builds the objects of one response; ``chat`` picks the chat or the completions shapes."""
 
-    def __init__(self, chat: bool, request_id: str, created: int, model: str, tokenizer, top_logprobs: int | None,
+    def __init__(self, chat: bool, request_id: str, created: int, model: str, top_logprobs: int | None,
                  tools: ToolRequest | None = None, tool_parser: str = "hermes") -> None:
         """``top_logprobs``: alternatives per token asked for (None: no logprobs at all). Chat lists
         exactly that many; completions also keep the sampled token when it is not among them, as
         the legacy API and vLLM do. ``tools``: a chat with tools, whose answers may be tool calls."""
         self.chat, self.id, self.created, self.model = chat, request_id, created, model
-        self.tokenizer, self.top_logprobs = tokenizer, top_logprobs
+        self.top_logprobs = top_logprobs
         self.tools = tools if tools is not None and tools.parses_output else None
         self.tool_parser = tool_parser
 
@@ -88,20 +88,20 @@ class Renderer:
     def logprobs(self, entries: list[dict], text_offset: int) -> dict | None:
         if self.top_logprobs is None:
             return None
-        piece = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        # The worker sends each token's text with its logprob ("token", "top_tokens"): no tokenizer here.
         if self.chat:
             return {"content": [
-                {"token": piece(e["token_id"]), "logprob": e["logprob"], "bytes": list(piece(e["token_id"]).encode()),
-                 "top_logprobs": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode())}
+                {"token": e["token"], "logprob": e["logprob"], "bytes": list(e["token"].encode()),
+                 "top_logprobs": [{"token": e["top_tokens"][t], "logprob": lp, "bytes": list(e["top_tokens"][t].encode())}
                                   for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])[: self.top_logprobs]]}
                 for e in entries]}
-        tokens = [piece(e["token_id"]) for e in entries]
+        tokens = [e["token"] for e in entries]
         offsets, pos = [], text_offset
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{piece(t): lp for t, lp in e["top"].items()} for e in entries], "text_offset": offsets}
+                "top_logprobs": [{e["top_tokens"][t]: lp for t, lp in e["top"].items()} for e in entries], "text_offset": offsets}
 
 
 def tool_finish(reason: str | None) -> str | None:

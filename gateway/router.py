@@ -1,8 +1,8 @@
 """Prefix-aware routing: send a request to the worker whose prefix cache holds the most of its
 prompt, unless that worker is busy; else to the model's shared stream, as without routing.
 
-For each live worker ``w`` (one that beats and is not draining, with its load from the metrics it
-reports):
+For each live worker ``w`` (one that beats and is not draining, with the load its ``WorkerInfo``
+reports: ``gateway/worker_directory.py``):
 
     score(w) = matched_tokens(w) / prompt_tokens  -  load_weight * (running(w) + waiting(w)) / max_num_seqs(w)
 
@@ -17,16 +17,13 @@ worker too). Between load reports the router counts what it sent each worker as 
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-import redis.asyncio as aioredis
-
 from pagedserve.gateway.kv_index import KvIndex
+from pagedserve.gateway.worker_directory import WorkerDirectory
 from pagedserve.shared.block_hash import cache_salt, prefix_hashes
 from pagedserve.shared.keys import Keys
 
-LOAD_TTL_S = 0.5  # how long the workers' reported loads are used before they are read again
 FORGET_AFTER_S = 60.0  # a worker that has not beaten for this long leaves the index
 
 
@@ -51,13 +48,13 @@ class WorkerLoad:
 
 @dataclass
 class Router:
-    redis: aioredis.Redis
+    workers: WorkerDirectory
     keys: Keys
     model: str
     policy: RoutingPolicy = RoutingPolicy()
     index: KvIndex = field(default_factory=KvIndex)
     loads: dict[str, WorkerLoad] = field(default_factory=dict)
-    _read_at: float = -LOAD_TTL_S
+    _read_at: float | None = None  # when the directory read the loads in use
     _last_seen: dict[str, float] = field(default_factory=dict)
 
     async def route(self, prompt_ids: list[int], tenant: str | None) -> str | None:
@@ -88,24 +85,16 @@ class Router:
         return self.keys.routed(self.model, best)
 
     async def _refresh_loads(self) -> None:
-        """The live workers' loads (their metrics hashes expire with their heartbeats); the index
-        forgets workers gone for a minute (one only starting may publish KV events before its metrics)."""
-        now = time.monotonic()
-        if now - self._read_at < LOAD_TTL_S:
+        """The live workers' loads, as new as the directory's read (between two reads, what was sent
+        each worker counts as waiting there); the index forgets workers gone for a minute (one only
+        starting may publish KV events before its first heartbeat)."""
+        live = await self.workers.workers(self.model)
+        if live.read_at == self._read_at:
             return
-        self._read_at = now
-        prefix = self.keys.metrics(self.model, "")
-        loads: dict[str, WorkerLoad] = {}
-        async for key in self.redis.scan_iter(match=self.keys.metrics(self.model, "*"), count=100):
-            name = key.decode()[len(prefix):]
-            raw = await self.redis.hmget(key, "num_requests_running", "num_requests_waiting", "max_num_seqs",
-                                         "block_size", "rope_switch", "draining")
-            if raw[3] is None or float(raw[5] or 0):
-                continue  # a worker from before routing, one whose hash expired meanwhile, or one draining
-            running, waiting, seqs, block_size, switch, _ = (float(v or 0) for v in raw)
-            loads[name] = WorkerLoad(running, waiting, seqs or 1.0, int(block_size), int(switch))
-        self._last_seen.update(dict.fromkeys(loads, now))
+        self._read_at = now = live.read_at
+        self.loads = {w.name: WorkerLoad(w.running, w.waiting, max(1, w.max_num_seqs), w.block_size, w.rope_switch)
+                      for w in live.infos if not w.draining}
+        self._last_seen.update(dict.fromkeys(self.loads, now))
         for gone in [w for w in self.index.blocks if now - self._last_seen.setdefault(w, now) > FORGET_AFTER_S]:
             self.index.forget(gone)
             del self._last_seen[gone]
-        self.loads = loads

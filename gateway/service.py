@@ -22,6 +22,7 @@ from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.openapi import openapi_spec
 from pagedserve.gateway.router import Router, RoutingPolicy
 from pagedserve.gateway.schemas import ApiError, Limits, ParsedRequest
+from pagedserve.gateway.worker_directory import WorkerDirectory, Workers
 from pagedserve.runtime.replies import ReplyDispatcher
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.errors import InvalidRequestError
@@ -35,7 +36,6 @@ from pagedserve.shared.sampling_defaults import generation_defaults
 from pagedserve.gateway.settings import GatewaySettings
 
 log = structlog.get_logger("pagedserve.gateway")
-WORKER_LIMIT_TTL_S = 5.0  # how long the workers' reported max_model_len is trusted
 
 
 class GatewayService:
@@ -63,12 +63,11 @@ class GatewayService:
         policy = RoutingPolicy(settings.routing, settings.routing_load_weight, busy_waiting=settings.routing_busy_waiting,
                                imbalance=settings.routing_imbalance)
         self.dashboard = DashboardHub(self.redis, self.keys, settings.served_model_name, self.metrics.recent)
-        self.router = Router(self.redis, self.keys, settings.served_model_name, policy)
+        self.workers = WorkerDirectory(self.redis, self.keys)
+        self.router = Router(self.workers, self.keys, settings.served_model_name, policy)
         self._index_task: asyncio.Task | None = None
         self._index_stop = asyncio.Event()
         self._ignored_seen: set[str] = set()
-        self._worker_limit: int | None = None
-        self._limit_read_at = -WORKER_LIMIT_TTL_S
 
     def note_ignored(self, fields: tuple[str, ...]) -> None:
         """Log request fields accepted without effect, once per name (as vLLM warns of extra fields)."""
@@ -95,26 +94,15 @@ class GatewayService:
 
     # ------------------------------------------------------------------ prompts
     async def prompt_ids(self, parsed: ParsedRequest) -> list[list[int]]:
-        """Token ids of every prompt, checked against the context length. Tokenizing runs on a
-        thread: a megabyte prompt must not stall every other stream on the event loop."""
-        limit = await self.context_limit()
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, parsed, limit)
+        """Token ids of every prompt, checked against the live workers' context and vocabulary (so
+        a prompt no worker can take is a 400 here, not an error from a worker). Tokenizing runs on
+        a thread: a megabyte prompt must not stall every other stream on the event loop."""
+        live = await self.workers.workers(self.settings.served_model_name)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._prompt_ids, parsed, live)
 
     async def context_limit(self) -> int | None:
-        """The context a request must fit: the smallest ``max_model_len`` the live workers report with
-        their heartbeat (the model's, or their ``--max-model-len``; re-read every few seconds), so a
-        prompt no worker can take is a 400 here, not an error from a worker. None with no worker
-        (the request is a 503 then)."""
-        now = time.monotonic()
-        if now - self._limit_read_at > WORKER_LIMIT_TTL_S:
-            lengths = []
-            async for key in self.redis.scan_iter(match=self.keys.metrics(self.settings.served_model_name, "*"), count=100):
-                raw = await self.redis.hget(key, "max_model_len")
-                if raw is not None:
-                    lengths.append(int(float(raw)))
-            self._worker_limit = min(lengths, default=None)
-            self._limit_read_at = now
-        return self._worker_limit
+        """The smallest ``max_model_len`` of the live workers (None with none: a request is a 503 then)."""
+        return (await self.workers.workers(self.settings.served_model_name)).context_limit
 
     async def encode(self, prompt, chat: bool) -> list[list[int]]:
         """Token ids of a validated prompt (chat messages, or any completions prompt form), on the
@@ -132,7 +120,7 @@ class GatewayService:
             return [list(prompt)]
         return [list(p) for p in prompt]
 
-    def _prompt_ids(self, parsed: ParsedRequest, limit: int | None) -> list[list[int]]:
+    def _prompt_ids(self, parsed: ParsedRequest, live: Workers) -> list[list[int]]:
         """On the tokenizing thread: the structured-output constraint checked (a grammar build: not
         on the event loop), the prompts encoded and checked against the context."""
         if parsed.params.structured is not None:
@@ -142,11 +130,13 @@ class GatewayService:
                 prefix = "tools: " if parsed.constraint_field == "tools" else ""
                 raise ApiError(400, prefix + str(err), parsed.constraint_field) from None
         try:
-            prompts = [check_token_ids(ids, len(self.tokenizer)) for ids in
-                       self._encode(parsed.prompt, parsed.chat, parsed.tools.tools if parsed.tools else ())]
+            prompts = self._encode(parsed.prompt, parsed.chat, parsed.tools.tools if parsed.tools else ())
+            if live.vocab_size is not None:  # the bound the workers check against (their config's vocab_size)
+                prompts = [check_token_ids(ids, live.vocab_size) for ids in prompts]
         except InvalidRequestError as err:
             raise ApiError(400, str(err), err.field) from None
         for ids in prompts:
+            limit = live.context_limit
             if limit is not None and len(ids) + parsed.params.max_tokens > limit:
                 raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                f"requested {len(ids) + parsed.params.max_tokens} tokens ({len(ids)} in the prompt, "
@@ -159,8 +149,7 @@ class GatewayService:
         """503 without a live worker for the model; 429 when its stream would grow past the limit
         with this request's ``entries``."""
         model = self.settings.served_model_name
-        alive = [k async for k in self.redis.scan_iter(match=self.keys.alive_pattern(model), count=100)]
-        if not alive:
+        if not (await self.workers.workers(model)).infos:
             raise ApiError(503, f"no worker is serving {model!r} right now", None, "no_worker",
                            "service_unavailable", {"Retry-After": "5"})
         depth = await self.redis.xlen(self.keys.requests(model))
@@ -194,7 +183,4 @@ class GatewayService:
         return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
     async def live_models(self) -> list[str]:
-        names = set()
-        async for key in self.redis.scan_iter(match=self.keys.alive_pattern(), count=100):
-            names.add(self.keys.model_of(key.decode()))
-        return sorted(names)
+        return await self.workers.models()

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from pagedserve.runtime.env import env_default, non_negative, positive
+from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive
 from pagedserve.shared.keys import served_name
 
 
@@ -44,7 +44,7 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
     p = argparse.ArgumentParser(prog="pagedserve gateway", description="OpenAI-compatible HTTP gateway in front of Redis.")
     p.add_argument("--model", default=e("model", None), help="tokenizer/config source (default: the demo model)")
     p.add_argument("--served-model-name", default=e("served_model_name", None), help="model name clients use (default: --model)")
-    p.add_argument("--redis-url", default=e("redis_url", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--redis-url", default=e("redis_url", DEFAULT_REDIS_URL))
     p.add_argument("--host", default=e("host", "127.0.0.1"))
     p.add_argument("--port", type=int, default=e("port", 8000, int))
     p.add_argument("--gateway-id", default=e("gateway_id", f"{socket.gethostname()}-{os.getpid()}"))

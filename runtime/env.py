@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
 def env_name(name: str) -> str:
     """The variable that sets flag ``name`` (its argparse dest)."""
     return "REDIS_URL" if name == "redis_url" else f"PAGEDSERVE_{name.upper()}"

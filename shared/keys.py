@@ -87,6 +87,14 @@ class Keys:
         """The model a per-model key belongs to (the hash tag)."""
         return key[len(self.prefix) + 2 : key.index("}:", len(self.prefix) + 2)]
 
+    def worker_info(self, model: str, consumer: str) -> str:
+        """A worker's ``WorkerInfo`` (``shared/worker_info.py``), renewed with its heartbeat and
+        expiring with it: what the gateways route, admit and limit contexts by."""
+        return f"{self.model_space(model)}:info:{consumer}"
+
+    def worker_info_pattern(self, model: str = "*") -> str:
+        return self.worker_info(model, "*")
+
     def metrics(self, model: str, consumer: str) -> str:
         """Hash of a worker's latest metrics, read by the gateway's /metrics."""
         return f"{self.model_space(model)}:metrics:{consumer}"

@@ -23,3 +23,13 @@ def test_the_layer_map_names_real_folders_and_files():
     assert len(folders) >= 8 and files
     assert [f for f in folders if not (ROOT / f).is_dir()] == []
     assert [f for f in files if not (ROOT / f).exists() and not any(ROOT.glob(f"*/{f}"))] == []
+
+
+def test_names_given_with_a_file_are_in_it():
+    """```path.py` (`Name`, ... `Other`)``: each function, class or constant the table points to in a
+    file's parenthesis is in that file."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    pairs = [(path, name) for path, inside in re.findall(r"`([\w/]+\.py)` \(([^)]*)\)", text)
+             for name in re.findall(r"`(\w+)`", inside)]
+    assert len(pairs) >= 10
+    assert [f"{path}: {name}" for path, name in pairs if name not in (ROOT / path).read_text()] == []

@@ -55,8 +55,8 @@ def source_modules() -> list[tuple[str, Path]]:
 KNOWN = {name for name, _ in source_modules()}
 
 
-def imported_names(path: Path) -> list[tuple[int, str]]:
-    """Every name the module imports, statically or by a string naming one of ours."""
+def imported_names(path: Path, strings: bool = True) -> list[tuple[int, str]]:
+    """Every name the module imports, statically or (``strings``) by a string naming one of ours."""
     tree = ast.parse(path.read_text(), str(path))
     names = []
     for node in ast.walk(tree):
@@ -65,7 +65,7 @@ def imported_names(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.append((node.lineno, node.module))
             names += [(node.lineno, f"{node.module}.{a.name}") for a in node.names if f"{node.module}.{a.name}" in KNOWN]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value and node.value in KNOWN:
+        elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value and node.value in KNOWN:
             names.append((node.lineno, node.value))
     return names
 
@@ -150,3 +150,49 @@ def test_the_public_api_is_pagedserve():
     code = "import sys; from pagedserve import SamplingParams; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Our modules -> the modules of ours each imports, anywhere in it (inside functions too; a
+    string naming a module may be a ``python -m`` command line, not an import, and is left out)."""
+    graph = {}
+    for name, path in source_modules():
+        graph[name] = {imported for _, imported in imported_names(path, strings=False) if imported in KNOWN and imported != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_even_inside_functions():
+    assert cycles(import_graph()) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the checker finds one

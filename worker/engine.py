@@ -151,6 +151,13 @@ class Engine:
         """The engine's numbers (``worker/core/engine_stats.py``); on the engine thread."""
         return engine_stats(self.scheduler)
 
+    def limits(self) -> dict[str, int]:
+        """The facts fixed when the engine started that a gateway needs (``shared.worker_info``):
+        its context, the token ids it accepts, how it hashes blocks, its capacity."""
+        config = self.scheduler.config
+        return {"max_model_len": config.max_model_len, "vocab_size": self.info.config.vocab_size,
+                "block_size": config.block_size, "rope_switch": config.rope_switch, "max_num_seqs": config.max_num_seqs}
+
     def kv_snapshot(self) -> dict:
         """What the KV dashboard shows of this engine (``worker/core/kv_snapshot.py``)."""
         return kv_snapshot(self.scheduler)

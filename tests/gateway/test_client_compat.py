@@ -130,11 +130,15 @@ def test_a_prompt_past_the_workers_max_model_len_is_a_400_at_the_gateway(stack):
     holds prompts to the smallest live one instead of letting the worker fail them."""
     import redis
 
+    from dataclasses import replace
+
+    from pagedserve.shared.worker_info import WorkerInfo
+
     client = redis.Redis.from_url(stack.redis.url)
-    live = client.hget(stack.worker.keys.metrics(MODEL_NAME, "test-worker"), "max_model_len")
-    assert live is not None and int(float(live)) == 2048  # what the real worker reports
-    short = stack.worker.keys.metrics(MODEL_NAME, "short-context-worker")
-    client.hset(short, mapping={"max_model_len": 64})  # as that worker's heartbeat writes it
+    live = WorkerInfo.decode(client.get(stack.worker.keys.worker_info(MODEL_NAME, "test-worker")))
+    assert (live.name, live.model, live.max_model_len) == ("test-worker", MODEL_NAME, 2048)  # what the real worker says
+    short = stack.worker.keys.worker_info(MODEL_NAME, "short-context-worker")
+    client.set(short, replace(live, name="short-context-worker", max_model_len=64).encode())  # as its heartbeat writes it
     try:
         fresh = stack.add_gateway()  # its own cache of the limit
         r = httpx.post(fresh + "/v1/completions", json={"model": MODEL_NAME, "prompt": [20] * 60, "max_tokens": 10}, timeout=30)

@@ -194,8 +194,12 @@ def test_auth_backpressure_and_missing_workers(stack):
     async def fill():
         import redis.asyncio as aioredis
 
+        from pagedserve.shared.keys import Keys
+        from pagedserve.shared.worker_info import WorkerInfo
+
         r = aioredis.from_url(stack.redis.url)
-        await r.set("pagedserve:{crowded}:alive:ghost", "x", ex=30)
+        ghost = WorkerInfo("ghost", "crowded", max_model_len=2048, vocab_size=512, block_size=16, rope_switch=0, max_num_seqs=4)
+        await r.set(Keys().worker_info("crowded", "ghost"), ghost.encode(), ex=30)  # a live worker, as the gateway sees one
         for _ in range(3):
             await r.xadd("pagedserve:{crowded}:requests", {"data": b"x"})
         await r.aclose()
@@ -326,3 +330,24 @@ def test_best_of_and_beam_search_through_the_api(client, offline):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
     assert [texts[0], texts[1]] == [o.text for o in want.outputs]  # the final beams, sent at the end
+
+
+def test_an_unreadable_worker_info_is_skipped(stack):
+    """A key in the directory's place that is not a WorkerInfo (a foreign writer, an older worker)
+    costs nothing but a log line: requests and /v1/models go on with the live worker."""
+    import redis
+
+    from pagedserve.shared.keys import Keys
+
+    client = redis.Redis.from_url(stack.redis.url)
+    junk = Keys().worker_info(MODEL_NAME, "junk")
+    client.set(junk, b"\xc1 not a worker", ex=30)
+    try:
+        fresh = stack.add_gateway()
+        r = httpx.post(fresh + "/v1/completions", json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        listed = httpx.get(fresh + "/v1/models")
+        assert listed.status_code == 200 and MODEL_NAME in [m["id"] for m in listed.json()["data"]]
+    finally:
+        client.delete(junk)
+        client.close()

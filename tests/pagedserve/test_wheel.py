@@ -8,6 +8,7 @@ of this checkout stays out, so only the wheel can answer for ``pagedserve``."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -24,10 +25,23 @@ def run(*cmd, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
+def source_copy(into: Path) -> Path:
+    """The checkout's files as git sees them (tracked, or new and not ignored), so the build leaves
+    nothing in the working tree and nothing stale from an earlier build (a build/ folder) gets in."""
+    listed = run("git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", cwd=ROOT).stdout.split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, into / name)
+    return into
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    result = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", out, ROOT, cwd=out, timeout=600)
+    source = source_copy(tmp_path_factory.mktemp("source"))
+    result = run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", out, source, cwd=out, timeout=600)
     if result.returncode != 0 and "Could not find a version that satisfies" in result.stderr:
         pytest.skip(f"no build backend to be had here (setuptools from the package index): {result.stderr[-300:]}")
     assert result.returncode == 0, result.stderr

@@ -14,6 +14,7 @@ from pagedserve.shared.keys import Keys
 from pagedserve.runtime.redis_client import connect
 from pagedserve.shared.protocol import VERSION, pack
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.shared.worker_info import WorkerInfo
 from tests.conftest import random_prompts
 from tests.service_helpers import MODEL_NAME, ChannelTap, apoll, collect, running_worker, settings_for
 from pagedserve import LLM
@@ -150,7 +151,8 @@ def test_wire_format_is_plain_msgpack(redis_server, zoo, engine):
         async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa")), engine):
             await r.xadd(Keys().requests(MODEL_NAME), {"data": msgpack.packb({
                 "v": 1, "id": "raw-1", "model": MODEL_NAME, "prompt_token_ids": [5, 6, 7],
-                "params": {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}, "reply": {"channel": "pagedserve:replies:my-replies"},
+                "params": {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True, "logprobs": 2},
+                "reply": {"channel": "pagedserve:replies:my-replies"},
             })})
             events = []
 
@@ -161,11 +163,22 @@ def test_wire_format_is_plain_msgpack(redis_server, zoo, engine):
                 return bool(events and events[-1]["done"])
 
             await apoll(read_one, 30, "the raw request's terminal event", interval=0)
+            info = WorkerInfo.decode(await r.get(Keys().worker_info(MODEL_NAME, "test-worker")))
         await pubsub.aclose()
         await r.aclose()
-        return events
+        return events, info
 
-    events = asyncio.run(main())
+    events, info = asyncio.run(main())
+    # What the gateways route and admit by, published with the heartbeat (shared/worker_info.py).
+    assert (info.model, info.max_model_len, info.vocab_size, info.block_size) == (
+        MODEL_NAME, engine.limits()["max_model_len"], engine.limits()["vocab_size"], 16)
+    # Logprobs carry each token's text, so a reader needs no tokenizer.
+    entries = [lp for e in events for o in e["outputs"] for lp in o["logprobs"] or []]
+    assert len(entries) == 2
+    for lp in entries:
+        assert lp["token"] == engine.tokenizer.decode([lp["token_id"]])
+        assert set(lp["top_tokens"]) == set(lp["top"]) and len(lp["top"]) >= 2
+        assert all(text == engine.tokenizer.decode([i]) for i, text in lp["top_tokens"].items())
     assert [e["seq"] for e in events] == list(range(len(events)))
     assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
     assert all(e["v"] == 1 and e["id"] == "raw-1" for e in events)

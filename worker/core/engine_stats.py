@@ -1,5 +1,6 @@
 """The engine's numbers as the serve layer reports them (vLLM's metric names,
-``runtime/metric_names.py``), read from the scheduler on the engine thread: ``Engine.stats()``."""
+``runtime/metric_names.py``), read from the scheduler on the engine thread: ``Engine.stats()``.
+What does not change while it runs (its context, block size...) is ``Engine.limits()``."""
 
 from __future__ import annotations
 
@@ -15,8 +16,4 @@ def engine_stats(sched: Scheduler) -> dict[str, float]:
         "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
         "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "cow_copies_total": sched.stats.cow_copies,
         "kv_blocks_saved_by_sharing": usage.logical - usage.used,
-        "max_model_len": sched.config.max_model_len,  # the gateway checks prompts against it
-        # what the gateway's router needs: how to hash a prompt's blocks as this worker does, and its capacity
-        "block_size": sched.config.block_size, "rope_switch": sched.config.rope_switch,
-        "max_num_seqs": sched.config.max_num_seqs,
     }

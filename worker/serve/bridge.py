@@ -24,7 +24,7 @@ from redis.exceptions import ResponseError
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import ReplyTarget, WireEvent, encode_events
 from pagedserve.runtime.redis_client import pipelines_publish
-from pagedserve.worker.serve.bridge_scripts import KEEP_HELD, MOVE_ROUTED
+from pagedserve.worker.serve.bridge_scripts import KEEP_HELD, MOVE_ROUTED, TAKE_NAME
 
 STREAMED_TTL_S = 24 * 3600
 
@@ -91,13 +91,12 @@ class RedisBridge:
             pipe.xack(stream, self.group, *ids)
             pipe.xdel(stream, *ids)
 
-    async def wait_for_name(self, ttl_s: float, patience_s: float) -> None:
-        """Take the consumer name, waiting up to ``patience_s`` for another holder's key to expire."""
-        key = self.keys.alive(self.model, self.consumer)
+    async def wait_for_name(self, ttl_s: float, patience_s: float, info: bytes) -> None:
+        """Take the consumer name and publish ``info`` (an encoded WorkerInfo) with it, waiting up to
+        ``patience_s`` for another holder's key to expire."""
+        keys = (self.keys.alive(self.model, self.consumer), self.keys.worker_info(self.model, self.consumer))
         deadline = time.monotonic() + patience_s
-        while not await self.r.set(key, self.token, px=int(ttl_s * 1000), nx=True):
-            if await self.r.get(key) == self.token.encode():
-                return
+        while not await self.r.eval(TAKE_NAME, 2, *keys, self.token, int(ttl_s * 1000), info):
             if time.monotonic() > deadline:
                 raise ConsumerNameTaken(f"another live worker uses the consumer name {self.consumer!r}; "
                                         "give this one a different --consumer")
@@ -162,9 +161,9 @@ class RedisBridge:
         info = await self.r.xpending_range(stream, self.group, eid, eid, 1)
         return Entry(entry.entry_id, entry.data, max(entry.deliveries, info[0]["times_delivered"]) if info else entry.deliveries)
 
-    async def heartbeat(self, entry_ids: list[str], ttl_s: float, metrics: dict) -> set[str]:
-        """Reset the idle time of those in-flight entries this consumer still holds and renew the
-        liveness key; returns the ids still held (an entry Redis lost, or that another worker
+    async def heartbeat(self, entry_ids: list[str], ttl_s: float, metrics: dict, info: bytes) -> set[str]:
+        """Reset the idle time of those in-flight entries this consumer still holds, renew the
+        liveness key and the WorkerInfo (``info``, encoded); returns the ids still held (an entry Redis lost, or that another worker
         claimed, is not touched: taking it back would run it twice)."""
         pipe = self.r.pipeline(transaction=False)
         calls = []  # the stream of each script call
@@ -173,6 +172,7 @@ class RedisBridge:
                 pipe.eval(KEEP_HELD, 1, stream, self.group, self.consumer, *ids[start : start + 500])
                 calls.append(stream)
         pipe.set(self.keys.alive(self.model, self.consumer), self.token, px=int(ttl_s * 1000))
+        pipe.set(self.keys.worker_info(self.model, self.consumer), info, px=int(ttl_s * 1000))
         if metrics:
             pipe.hset(self.keys.metrics(self.model, self.consumer), mapping=metrics)
             pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))
@@ -248,7 +248,8 @@ class RedisBridge:
     async def leave(self) -> None:
         """Give what is left on this worker's own stream to the others, and stop beating."""
         await self.r.eval(MOVE_ROUTED, 2, self.own, self.stream, self.group, "all")
-        await self.r.delete(self.keys.alive(self.model, self.consumer), self.keys.metrics(self.model, self.consumer))
+        await self.r.delete(self.keys.alive(self.model, self.consumer), self.keys.worker_info(self.model, self.consumer),
+                            self.keys.metrics(self.model, self.consumer))
 
     async def publish_kv(self, event: bytes, max_len: int) -> None:
         """One KV event onto the model's stream, trimmed to about ``max_len`` entries."""

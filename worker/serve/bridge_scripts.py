@@ -2,6 +2,21 @@
 the client would leave a gap another worker could fall into (``worker/serve/bridge.py`` runs them).
 """
 
+# Take a consumer name (KEYS[1], the liveness key) unless another worker holds it, and publish this
+# worker's WorkerInfo (KEYS[2]) in the same step, so a gateway that sees it alive also knows what
+# it serves. ARGV: token, ttl (ms), info. Returns 1 when the name is ours.
+TAKE_NAME = """
+local held = redis.call('GET', KEYS[1])
+if held == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+elseif held ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+return 1
+"""
+
+
 # Heartbeat for the given entries that this consumer still holds (atomic: no claim can slip in
 # between the check and the reset); returns those ids.
 KEEP_HELD = """

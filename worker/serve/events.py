@@ -1,12 +1,28 @@
-"""Engine outputs -> wire events: one event per request per step, numbered per request."""
+"""Engine outputs -> wire events: one event per request per step, numbered per request. Logprob
+entries carry each token's text (``TokenPieces``), so no reader needs a tokenizer to show them."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pagedserve.shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest, can_resume
 from pagedserve.worker.core.outputs import CompletionOutput, RequestOutput
+
+
+class TokenPieces:
+    """A token id's text as a logprob shows it (``tokenizer.decode([id])``), decoded once per id."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._pieces: dict[int, str] = {}  # at most one entry per vocabulary id
+
+    def __call__(self, token_id: int) -> str:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._tokenizer.decode([token_id])
+        return piece
 
 
 @dataclass
@@ -43,8 +59,9 @@ def request_finish_reason(out: RequestOutput) -> str | None:
     return reasons[0] if reasons else None
 
 
-def event_for(flight: InFlight, out: RequestOutput) -> WireEvent | None:
-    """The event this step's output calls for, or None when nothing changed."""
+def event_for(flight: InFlight, out: RequestOutput, piece: Callable[[int], str]) -> WireEvent | None:
+    """The event this step's output calls for, or None when nothing changed; ``piece``: a token
+    id's text, for logprobs."""
     deltas = []
     for o in out.outputs:
         newly_finished = o.finish_reason is not None and o.index not in flight.reported_finish
@@ -53,7 +70,7 @@ def event_for(flight: InFlight, out: RequestOutput) -> WireEvent | None:
         if newly_finished:
             flight.reported_finish.add(o.index)
         deltas.append(OutputDelta(o.index, list(o.new_token_ids), o.text_delta,
-                                  o.finish_reason if newly_finished else None, _logprobs(o)))
+                                  o.finish_reason if newly_finished else None, _logprobs(o, piece)))
     if not deltas and not out.finished:
         return None
     usage = None
@@ -77,8 +94,9 @@ def lost_event(req: WireRequest) -> WireEvent:
     return error_event(req.id, -1, "the worker serving this request died mid-stream", can_resume(req.params))
 
 
-def _logprobs(o: CompletionOutput) -> list[dict] | None:
+def _logprobs(o: CompletionOutput, piece: Callable[[int], str]) -> list[dict] | None:
     if o.logprobs is None or not o.new_token_ids:
         return None
-    return [{"token_id": t.token_id, "logprob": t.logprob, "top": t.top_logprobs or {}}
+    return [{"token_id": t.token_id, "token": piece(t.token_id), "logprob": t.logprob, "top": t.top_logprobs or {},
+             "top_tokens": {i: piece(i) for i in t.top_logprobs or {}}}
             for t in o.logprobs[-len(o.new_token_ids):]]

@@ -9,7 +9,7 @@ engine aborts them, but nothing more is sent or acknowledged for them.
 from __future__ import annotations
 
 import asyncio
-from typing import Iterator
+from typing import Callable, Iterator
 
 import structlog
 
@@ -22,8 +22,10 @@ log = structlog.get_logger("pagedserve.worker")
 
 
 class InFlightTable:
-    def __init__(self, max_inflight: int, read_ahead: int) -> None:
+    def __init__(self, max_inflight: int, read_ahead: int, piece: Callable[[int], str]) -> None:
+        """``piece``: a token id's text, for the logprobs events carry (``events.TokenPieces``)."""
         self.max_inflight = max_inflight
+        self._piece = piece
         self.read_ahead = read_ahead
         self.room = asyncio.Event()  # set when a request starts or ends: the reader may read again
         self.tokens_out = 0  # generated tokens sent, for the metrics
@@ -61,7 +63,7 @@ class InFlightTable:
             self._send(batch, flight, error_event(request_id, flight.take_seq(), message))
         for out in outputs:
             flight = self._flights.get(out.request_id)
-            event = event_for(flight, out) if flight else None
+            event = event_for(flight, out, self._piece) if flight else None
             if event is not None:
                 self._send(batch, flight, event)
         return batch

@@ -45,6 +45,7 @@ from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.prompts import encode_chat
 from pagedserve.shared.protocol import WireCancel, WireRequest
+from pagedserve.shared.worker_info import WorkerInfo
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 from pagedserve.runtime.supervision import supervise
@@ -55,7 +56,7 @@ from pagedserve.worker.engine import Engine
 from pagedserve.worker.serve.dashboard_publisher import DashboardPublisher
 from pagedserve.worker.serve.kv_publisher import KvPublisher
 from pagedserve.worker.serve.loop import EngineLoop
-from pagedserve.worker.serve.events import InFlight, error_event, lost_event
+from pagedserve.worker.serve.events import InFlight, TokenPieces, error_event, lost_event
 from pagedserve.worker.serve.inflight import InFlightTable
 from pagedserve.worker.serve.metrics import WorkerMetrics, worker_metrics
 from pagedserve.worker.serve.stats_log import StatsLine
@@ -69,7 +70,8 @@ class WorkerService:
         self.engine = engine
         self.model = settings.served_model_name
         self.keys = Keys(settings.key_prefix)
-        self.inflight = InFlightTable(settings.max_inflight, settings.read_ahead)
+        self.limits = engine.limits()  # fixed while it runs: read once, sent with every heartbeat
+        self.inflight = InFlightTable(settings.max_inflight, settings.read_ahead, TokenPieces(engine.tokenizer))
         self.redis = connect(settings.redis_url)
         self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
         self.kv = KvPublisher(self.bridge, settings.consumer, settings.kv_events_interval_s, settings.kv_resync_s,
@@ -113,7 +115,8 @@ class WorkerService:
             # Names are stable (a restarted worker takes its pending entries back): two live workers
             # must not share one; a crashed predecessor's key expires within three heartbeats.
             ttl = self.settings.heartbeat_s * 3
-            await self._retrying("claim consumer name", lambda: self.bridge.wait_for_name(ttl, ttl + 1))
+            await self._retrying("claim consumer name",
+                                 lambda: self.bridge.wait_for_name(ttl, ttl + 1, self._worker_info({}).encode()))
         except ConsumerNameTaken:
             self.engine_loop.finish()
             await self.redis.aclose()
@@ -278,14 +281,14 @@ class WorkerService:
         metrics = self._metrics()
         metrics["queue_depth"] = self.queue_depth = await self.redis.xlen(self.bridge.stream)
         metrics["dead_letters"] = await self.redis.xlen(self.keys.dead_letter(self.model))
-        metrics["draining"] = int(self.stopping.is_set())  # the router sends a draining worker nothing
         stats = self.stats_line.due(metrics)
         if stats:
             log.info("stats", **stats)
         if self.prometheus:
             self.prometheus.update(metrics)
         beating = self.inflight.beating()
-        held = await self.bridge.heartbeat(beating, self.settings.heartbeat_s * 3, metrics)
+        held = await self.bridge.heartbeat(beating, self.settings.heartbeat_s * 3, metrics,
+                                           self._worker_info(metrics).encode())
         for request_id in self.inflight.let_go(set(beating) - held):
             self.engine_loop.abort(request_id)
         free = self.inflight.free()
@@ -299,6 +302,12 @@ class WorkerService:
             moved = await self.bridge.adopt_dead_routed()
             if moved:
                 log.info("moved a dead worker's routed entries to the model's stream", entries=moved)
+
+    def _worker_info(self, metrics: dict) -> WorkerInfo:
+        """What the gateways route and admit by: the engine's limits and, from ``metrics``, its load."""
+        return WorkerInfo(self.settings.consumer, self.model, **self.limits,
+                          running=int(metrics.get("num_requests_running", 0)),
+                          waiting=int(metrics.get("num_requests_waiting", 0)), draining=self.stopping.is_set())
 
     def _metrics(self) -> dict:
         now = time.monotonic()

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pagedserve.runtime.env import env_default, non_negative, positive
+from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive
 from pagedserve.shared.keys import served_name
 from pagedserve.worker.engine_flags import add_engine_args, engine_kwargs
 
@@ -41,7 +41,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
     e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
     p = argparse.ArgumentParser(prog="pagedserve worker", description="Serve one model from a Redis request stream.")
     p.add_argument("--model", default=e("model", None), help="local directory or hub id (default: the demo model)")
-    p.add_argument("--redis-url", default=e("redis_url", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--redis-url", default=e("redis_url", DEFAULT_REDIS_URL))
     p.add_argument("--served-model-name", default=e("served_model_name", None), help="stream name (default: --model)")
     p.add_argument("--consumer", default=e("consumer", socket.gethostname()),
                    help="stable consumer name (default: the host name); each worker on a host needs its own")

@@ -1,0 +1,48 @@
+"""WorkerInfo: what a worker tells the gateways with each heartbeat, one msgpack value per worker
+(``Keys.worker_info``, expiring with the heartbeat). The facts fixed when it started (its context,
+vocabulary, how it hashes blocks, its capacity) and its load now. The gateway's worker directory
+reads these, and only these, for routing, admission, the context limit and ``/v1/models``; the
+metrics hash beside it is for Prometheus alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields
+
+from pagedserve.shared.protocol import ProtocolError, pack, unpack
+
+WORKER_INFO_VERSION = 1
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    name: str  # the worker's consumer name
+    model: str  # the served model name
+    max_model_len: int  # the longest prompt + output it serves
+    vocab_size: int  # token ids it accepts: [0, vocab_size)
+    block_size: int  # with rope_switch: how it hashes a prompt's blocks (prefix routing)
+    rope_switch: int
+    max_num_seqs: int
+    running: int = 0
+    waiting: int = 0  # requests read (or taken from its own stream) but not running yet
+    draining: bool = False  # stopping: it takes nothing new
+
+    def encode(self) -> bytes:
+        return pack({"v": WORKER_INFO_VERSION, **asdict(self)})
+
+    @classmethod
+    def decode(cls, data: bytes) -> "WorkerInfo":
+        """ProtocolError for anything but a map of this version with every fact of the right type."""
+        msg = unpack(data)
+        if not isinstance(msg, dict) or msg.get("v") != WORKER_INFO_VERSION:
+            raise ProtocolError(f"unsupported worker info version {msg.get('v') if isinstance(msg, dict) else None!r}", "v")
+        values = {}
+        for f in fields(cls):
+            value = msg.get(f.name)
+            kind = {"str": str, "int": int, "bool": bool}[f.type]
+            if value is None and f.default is not MISSING:  # a load figure left out
+                value = f.default
+            if type(value) is not kind or (kind is int and value < 0):
+                raise ProtocolError(f"worker info {f.name} must be a {f.type}", f.name)
+            values[f.name] = value
+        return cls(**values)
