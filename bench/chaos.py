@@ -32,8 +32,8 @@ import httpx
 import redis
 
 from pagedserve.bench.table import print_table
-from pagedserve.stack import LocalStack
 from pagedserve.shared.keys import Keys
+from pagedserve.stack import LocalStack
 
 
 @dataclass

@@ -33,16 +33,16 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from pagedserve.bench.table import print_table
+from pagedserve.embedded_redis import RedisClusterServers, RedisServer
 from pagedserve.gateway.router import Router, RoutingPolicy
 from pagedserve.gateway.worker_directory import WorkerDirectory
-from pagedserve.embedded_redis import RedisClusterServers, RedisServer
-from pagedserve.shared.keys import Keys
-from pagedserve.worker.model_source import model_or_demo
 from pagedserve.runtime.producer import Producer
-from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.replies import ReplyDispatcher
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.model_source import model_or_demo
 
 MODEL = "demo"
 KEYS = Keys()

@@ -11,11 +11,11 @@ import argparse
 import asyncio
 import signal
 
-from pagedserve.worker.model_source import model_or_demo
-from pagedserve.worker.serve.settings import WorkerSettings
-from pagedserve.worker.engine_config import EngineConfig
 from pagedserve.worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.model_source import model_or_demo
 from pagedserve.worker.serve.service import WorkerService
+from pagedserve.worker.serve.settings import WorkerSettings
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -20,9 +20,9 @@ import sys
 import time
 
 from pagedserve.bench.table import print_table
-from pagedserve.worker.model_source import model_or_demo
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
+from pagedserve.worker.model_source import model_or_demo
 
 ENDLESS = StructuredOutputs(regex=r"([a-z]+ )*")
 SCHEMA = {"type": "object", "properties": {

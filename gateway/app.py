@@ -8,15 +8,14 @@ import time
 
 import structlog
 from aiohttp import web
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from pagedserve.gateway.dashboard_api import ASSETS, dashboard_asset, dashboard_events
 from pagedserve.gateway.openai_api import STATE, TALLY, chat_completions, completions
 from pagedserve.gateway.schemas import ApiError
 from pagedserve.gateway.service import GatewayService
-from pagedserve.gateway.utility_api import detokenize, docs, models, tokenize, version
 from pagedserve.gateway.settings import GatewaySettings
+from pagedserve.gateway.utility_api import detokenize, docs, models, tokenize, version
 
 log = structlog.get_logger("pagedserve.gateway")
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs", *ASSETS}  # /dashboard/events: keyed

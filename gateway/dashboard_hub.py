@@ -23,9 +23,9 @@ import structlog
 
 from pagedserve.gateway.recent_latencies import RecentLatencies
 from pagedserve.gateway.sse import frame as sse
-from pagedserve.shared.keys import Keys
 from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 from pagedserve.runtime.supervision import supervise
+from pagedserve.shared.keys import Keys
 
 log = structlog.get_logger("pagedserve.gateway")
 WATCH_TTL_MS = 3000  # a gateway gone without a word stops the snapshots within this

@@ -15,9 +15,9 @@ from typing import Sequence
 import redis.asyncio as aioredis
 import structlog
 
+from pagedserve.runtime.redis_io import REDIS_DOWN
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.kv_wire import KvEvent
-from pagedserve.runtime.redis_io import REDIS_DOWN
 
 log = structlog.get_logger("pagedserve.gateway")
 

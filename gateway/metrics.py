@@ -8,8 +8,8 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from pagedserve.gateway.recent_latencies import RecentLatencies
-from pagedserve.shared.keys import Keys
 from pagedserve.runtime.metric_names import WORKER_SERIES, SnapshotCollector
+from pagedserve.shared.keys import Keys
 
 V = "vllm:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.shared.errors import InvalidRequestError
-from pagedserve.shared.prompts import is_token_id
 from pagedserve.gateway.structured_fields import FIELDS as STRUCTURED_FIELDS, structured_outputs
 from pagedserve.gateway.tool_calls import ToolRequest, template_messages, tool_request
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.prompts import is_token_id
 from pagedserve.shared.sampling import BOUNDS, SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
 

@@ -22,18 +22,18 @@ from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.openapi import openapi_spec
 from pagedserve.gateway.router import Router, RoutingPolicy
 from pagedserve.gateway.schemas import ApiError, Limits, ParsedRequest
+from pagedserve.gateway.settings import GatewaySettings
 from pagedserve.gateway.worker_directory import WorkerDirectory, Workers
-from pagedserve.runtime.replies import ReplyDispatcher
-from pagedserve.shared.keys import Keys
-from pagedserve.shared.errors import InvalidRequestError
-from pagedserve.shared.prompts import check_token_ids, encode_chat
 from pagedserve.runtime.producer import Producer
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.redis_io import stop_tasks
+from pagedserve.runtime.replies import ReplyDispatcher
 from pagedserve.runtime.structured_grammar import check_structured
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.keys import Keys
+from pagedserve.shared.prompts import check_token_ids, encode_chat
 from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling_defaults import generation_defaults
-from pagedserve.gateway.settings import GatewaySettings
 
 log = structlog.get_logger("pagedserve.gateway")
 

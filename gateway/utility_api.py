@@ -8,9 +8,9 @@ from aiohttp import web
 
 from pagedserve.gateway.openai_api import STATE, read_json
 from pagedserve.gateway.schemas import ApiError, chat_messages, completion_prompt
-from pagedserve.shared.prompts import check_token_ids
-from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.runtime.version import installed_version
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.prompts import check_token_ids
 
 
 async def _body(request: web.Request) -> dict:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedserve.serve_args import add_serve_parser
 from pagedserve.runtime.version import installed_version
+from pagedserve.serve_args import add_serve_parser
 
 BENCHES = {
     "kv-memory": "pagedserve.bench.kv_memory",
@@ -105,8 +105,8 @@ def serve(args: argparse.Namespace) -> int:
     import threading
 
     from pagedserve.runtime.logging import configure_logging
-    from pagedserve.worker.engine_flags import engine_argv
     from pagedserve.stack import LocalStack, StackError
+    from pagedserve.worker.engine_flags import engine_argv
 
     configure_logging()
     stop = threading.Event()
@@ -134,9 +134,9 @@ def serve(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace):
     from pagedserve.runtime.logging import configure_logging
-    from pagedserve.worker.model_source import model_or_demo
     from pagedserve.worker.engine import Engine
     from pagedserve.worker.engine_config import EngineConfig
+    from pagedserve.worker.model_source import model_or_demo
 
     configure_logging()
     return Engine(EngineConfig(model=model_or_demo(args.model), dtype=args.dtype))

@@ -20,9 +20,9 @@ import urllib.request
 from pathlib import Path
 
 from pagedserve.embedded_redis import RedisServer, find_redis_binary, free_port
+from pagedserve.runtime.env import redis_url_from_env
 from pagedserve.shared.keys import served_name
 from pagedserve.worker.model_source import model_or_demo
-from pagedserve.runtime.env import redis_url_from_env
 
 GRACE_S = 15.0
 MAX_RESTARTS = 5

@@ -19,12 +19,12 @@ import uuid
 from typing import AsyncIterator
 
 from pagedserve.runtime.mailbox import Mailbox
+from pagedserve.runtime.producer import Producer
 from pagedserve.runtime.redis_client import connect
+from pagedserve.runtime.redis_io import REDIS_DOWN
 from pagedserve.runtime.replies import ReplyDispatcher
 from pagedserve.shared.keys import Keys
-from pagedserve.runtime.producer import Producer
 from pagedserve.shared.protocol import ReplyTarget, WireEvent, WireRequest, decode_events
-from pagedserve.runtime.redis_io import REDIS_DOWN
 from pagedserve.shared.sampling import SamplingParams
 
 

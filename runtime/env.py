@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping
 
-
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 

@@ -24,8 +24,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import structlog
 
-from pagedserve.shared.protocol import MAX_ID_LEN, Resume, WireEvent, WireRequest, can_resume
 from pagedserve.runtime.redis_io import REDIS_DOWN
+from pagedserve.shared.protocol import MAX_ID_LEN, Resume, WireEvent, WireRequest, can_resume
 
 log = structlog.get_logger("pagedserve.mailbox")
 MAILBOX_LIMIT = 10_000

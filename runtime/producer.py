@@ -8,9 +8,9 @@ from typing import Sequence
 
 import redis.asyncio as aioredis
 
+from pagedserve.runtime.redis_client import pipelines_publish
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import WireCancel, WireRequest
-from pagedserve.runtime.redis_client import pipelines_publish
 
 
 class Producer:

@@ -8,8 +8,7 @@ from typing import Callable
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 log = structlog.get_logger("pagedserve.redis")
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)

@@ -19,11 +19,11 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.runtime.mailbox import Mailbox, failure
 from pagedserve.runtime.producer import Producer
-from pagedserve.shared.protocol import WireRequest, decode_events
 from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.protocol import WireRequest, decode_events
 
 log = structlog.get_logger("pagedserve.dispatch")
 VANISHED = "the request's queue entry vanished (did Redis restart without persistence?)"

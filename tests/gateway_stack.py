@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from pagedserve.gateway.app import create_app
 from pagedserve.embedded_redis import RedisServer, free_port
+from pagedserve.gateway.app import create_app
 from pagedserve.gateway.settings import GatewaySettings
 from tests.service_helpers import MODEL_NAME, settings_for
 

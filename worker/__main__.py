@@ -8,13 +8,13 @@ from pagedserve.runtime.logging import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.worker.model_source import model_or_demo
-    from pagedserve.worker.serve.settings import worker_settings
     from pagedserve.worker.engine import Engine
     from pagedserve.worker.engine_config import EngineConfig
+    from pagedserve.worker.model_source import model_or_demo
     from pagedserve.worker.serve.bridge import ConsumerNameTaken
     from pagedserve.worker.serve.process import serve_on_main_thread
     from pagedserve.worker.serve.service import WorkerService
+    from pagedserve.worker.serve.settings import worker_settings
 
     settings = worker_settings(argv)
     configure_logging()

@@ -11,29 +11,29 @@ read the outputs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
 from typing import Hashable, Sequence as Seq
 
 import structlog
 import torch
 
 from pagedserve.kernels.ops import select_ops
-from pagedserve.shared.sampling_defaults import generation_defaults
 from pagedserve.runtime.env import cache_dir
 from pagedserve.shared.prompts import check_token_ids
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.step_cost import StepCost
+from pagedserve.shared.sampling_defaults import generation_defaults
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.detokenizer import Detokenizer
 from pagedserve.worker.core.engine_stats import engine_stats
 from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.core.kv_snapshot import kv_snapshot
-from pagedserve.worker.engine_config import EngineConfig, available_ram
 from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.core.plan import StepResult
 from pagedserve.worker.core.request import Request
 from pagedserve.worker.core.scheduler import Scheduler
+from pagedserve.worker.core.step_cost import StepCost
+from pagedserve.worker.engine_config import EngineConfig, available_ram
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.grammar import GrammarCompiler

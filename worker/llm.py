@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 
 from pagedserve.shared.prompts import encode_chat
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
-from pagedserve.worker.core.outputs import RequestOutput
 
 Prompt = str | Seq[int]
 

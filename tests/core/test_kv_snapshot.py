@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgpack
 
 from pagedserve.shared.sampling import SamplingParams
-from tests.core.test_scheduler import make, step
 from pagedserve.worker.core.kv_snapshot import MAX_REQUESTS, MAX_TABLE_ENTRIES, SNAPSHOT_BUDGET, kv_snapshot
 from pagedserve.worker.core.pool_picture import decode
+from tests.core.test_scheduler import make, step
 
 
 def assert_values_count_the_tables(cells, rows: list[dict], device: str = "gpu") -> None:

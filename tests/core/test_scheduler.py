@@ -4,10 +4,10 @@ import pytest
 
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
-from tests.kv_simulator import KVSimulator, reference_output
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.request import FinishReason, RequestStatus
 from pagedserve.worker.core.scheduler import Scheduler
+from tests.kv_simulator import KVSimulator, reference_output
 
 
 class Clock:

@@ -7,11 +7,11 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from pagedserve.shared.sampling import SamplingParams
-from tests.conftest import examples
-from tests.kv_simulator import KVSimulator, reference_output
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.request import FinishReason
 from pagedserve.worker.core.scheduler import Scheduler
+from tests.conftest import examples
+from tests.kv_simulator import KVSimulator, reference_output
 
 EOS = 0
 

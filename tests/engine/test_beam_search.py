@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve import LLM
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.engine.test_parity import run_checked
-from pagedserve import LLM
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
+from pagedserve import LLM
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve import LLM
 from pagedserve.worker.runner.loader import UnsupportedModelError
 
 

@@ -11,10 +11,10 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
-from tests.conftest import random_prompts
-from tests.engine.test_parity import VOCAB, assert_parity
 from pagedserve.worker.runner.loader import UnsupportedModelError
 from pagedserve.worker.runner.models.moe import SparseMoE
+from tests.conftest import random_prompts
+from tests.engine.test_parity import VOCAB, assert_parity
 
 MOE = ["mixtral", "qwen2-moe", "qwen3-moe", "olmoe"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
 from tests.conftest import random_prompts
-from pagedserve import LLM
 
 VOCAB = 512
 

@@ -4,8 +4,8 @@ finish, for greedy, seeded, penalised and stop-string requests."""
 
 import pytest
 
-from pagedserve.shared.sampling import SamplingParams
 from pagedserve import LLM
+from pagedserve.shared.sampling import SamplingParams
 
 PROMPT = [30, 31, 32, 33]
 

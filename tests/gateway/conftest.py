@@ -7,9 +7,9 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.embedded_redis import RedisServer
-from tests.gateway_stack import Stack
-from pagedserve.worker.engine_config import EngineConfig
 from pagedserve.worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from tests.gateway_stack import Stack
 
 
 @pytest.fixture(scope="module")

@@ -128,9 +128,9 @@ def test_version_and_models_say_what_is_served(stack):
 def test_a_prompt_past_the_workers_max_model_len_is_a_400_at_the_gateway(stack):
     """A worker started with a smaller --max-model-len reports it with its heartbeat; a gateway
     holds prompts to the smallest live one instead of letting the worker fail them."""
-    import redis
-
     from dataclasses import replace
+
+    import redis
 
     from pagedserve.shared.worker_info import WorkerInfo
 

@@ -6,7 +6,6 @@ the figures of the last run."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 

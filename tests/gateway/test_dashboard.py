@@ -10,8 +10,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from pagedserve.gateway.metrics import GatewayMetrics
-from pagedserve.shared.keys import Keys
 from pagedserve.runtime.metric_names import WORKER_SERIES
+from pagedserve.shared.keys import Keys
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pagedserve.json"
 

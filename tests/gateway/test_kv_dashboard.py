@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 
 from pagedserve.gateway.openai_api import STATE
 from pagedserve.shared.keys import Keys
+from pagedserve.worker.core.pool_picture import decode
 from tests.core.test_kv_snapshot import assert_values_count_the_tables
 from tests.gateway.dashboard_feed import LOAD, frames, hold_load
-from pagedserve.worker.core.pool_picture import decode
 
 
 def shows_every_kind_of_sharing(snap: dict) -> bool:

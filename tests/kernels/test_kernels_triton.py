@@ -153,9 +153,9 @@ def test_fused_moe_matches_the_grouped_loop(device, dtype, tokens, experts, top_
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model", ["llama-gqa", "mixtral"])  # mixtral: the fused MoE kernel in the model
 def test_engine_on_the_triton_backend_matches_transformers(zoo, device, model):
+    from pagedserve import LLM
     from pagedserve.shared.sampling import SamplingParams
     from tests.conftest import random_prompts
-    from pagedserve import LLM
 
     cases = random_prompts(seed=7, count=4, max_len=40, vocab=512, max_new=6)
     llm = LLM(zoo.path(model), dtype="float32", device=device, attention_backend="triton", block_size=8,
@@ -171,8 +171,8 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     """What a CUDA graph replays (static buffers padded to a bucket, slot -1 rows, the decode grid
     launched for max_model_len) computes the eager step's logits. On the CPU this runs the graph's
     forward without capturing it; on CUDA the parity tests in tests/engine/test_gpu.py replay it."""
-    from pagedserve.shared.sampling import SamplingParams
     from pagedserve import LLM
+    from pagedserve.shared.sampling import SamplingParams
     from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
 
     llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,

@@ -2,8 +2,8 @@
 
 import torch
 
-from pagedserve.kernels.ops import reference_ops
 from pagedserve import LLM
+from pagedserve.kernels.ops import reference_ops
 from pagedserve.worker.engine_config import EngineConfig
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.memory_profile import profile_blocks_needed, worst_case_step

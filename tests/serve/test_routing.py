@@ -18,18 +18,18 @@ from aiohttp import web
 
 from pagedserve.gateway.app import create_app
 from pagedserve.gateway.kv_index import KvIndex
+from pagedserve.runtime.redis_client import connect
 from pagedserve.shared.block_hash import block_hash, cache_salt, prefix_hashes
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
-from tests.gateway_stack import gateway_settings
-from pagedserve.runtime.redis_client import connect
-from tests.service_helpers import MODEL_NAME, apoll, settings_for
-from pagedserve.worker.engine_config import EngineConfig
 from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from tests.gateway_stack import gateway_settings
+from tests.service_helpers import MODEL_NAME, apoll, settings_for
 
 KEYS = Keys()
 
@@ -153,8 +153,8 @@ def test_requests_go_to_the_worker_holding_their_prefix(redis_url, zoo, routing)
 def test_a_dead_workers_routed_entries_are_served_by_another(redis_url, zoo):
     """Entries on the own stream of a worker that stopped beating, one never read and one it had
     been handed, are moved to the shared stream and served by a live worker."""
-    from pagedserve.runtime.replies import ReplyDispatcher
     from pagedserve.runtime.producer import Producer
+    from pagedserve.runtime.replies import ReplyDispatcher
 
     async def scenario():
         r = connect(redis_url)

@@ -15,10 +15,10 @@ from pagedserve.runtime.client import QueueClient
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import VERSION
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
 from tests.conftest import examples
 from tests.service_helpers import MODEL_NAME, apoll, collect, running_worker, settings_for
-from pagedserve.worker.engine_config import EngineConfig
-from pagedserve.worker.engine import Engine
 
 KEYS = Keys()
 LEAVES = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)

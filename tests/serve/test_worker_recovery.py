@@ -12,15 +12,15 @@ import time
 
 import redis.asyncio as aioredis
 
+from pagedserve import LLM
+from pagedserve.embedded_redis import RedisServer
 from pagedserve.runtime.client import QueueClient
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.embedded_redis import RedisServer
-from tests.service_helpers import MODEL_NAME, apoll, collect, running_worker, settings_for
-from pagedserve import LLM
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
+from tests.service_helpers import MODEL_NAME, apoll, collect, running_worker, settings_for
 
 KEYS = Keys()
 

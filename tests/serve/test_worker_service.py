@@ -9,17 +9,17 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from pagedserve import LLM
 from pagedserve.runtime.client import QueueClient
-from pagedserve.shared.keys import Keys
 from pagedserve.runtime.redis_client import connect
+from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import VERSION, pack
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.worker_info import WorkerInfo
-from tests.conftest import random_prompts
-from tests.service_helpers import MODEL_NAME, ChannelTap, apoll, collect, running_worker, settings_for
-from pagedserve import LLM
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
+from tests.conftest import random_prompts
+from tests.service_helpers import MODEL_NAME, ChannelTap, apoll, collect, running_worker, settings_for
 
 
 @pytest.fixture(scope="module")

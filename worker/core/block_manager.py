@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 from pagedserve.shared.block_hash import block_hash
-from pagedserve.worker.core.config import BLOCK_SIZE
 from pagedserve.worker.core.block_pool import BlockPool
+from pagedserve.worker.core.config import BLOCK_SIZE
 
 NO_BLOCK = -1  # a table entry whose block was released: wholly outside every layer's sliding window
 

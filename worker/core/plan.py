@@ -16,7 +16,6 @@ from typing import Mapping
 from pagedserve.shared.sampling import SamplingParams
 
 
-
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq_id: int

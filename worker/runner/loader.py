@@ -17,8 +17,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from pagedserve.worker.model_source import max_model_len, resolve_model_dir
 from pagedserve.kernels.ops import AttentionOps
+from pagedserve.worker.model_source import max_model_len, resolve_model_dir
 from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.prepack import fast_cpu_linears

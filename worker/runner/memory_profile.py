@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.plan import ScheduledSeq, StepPlan
-from pagedserve.worker.runner.sampler import SampleRow, Sampler
+from pagedserve.worker.runner.sampler import Sampler, SampleRow
 
 
 def worst_case_step(runner, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, vocab: int) -> None:

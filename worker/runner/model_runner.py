@@ -16,11 +16,11 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.runner.attention import AttentionMetadata
-from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.core.plan import ScheduledSeq, StepPlan, StepResult
+from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
+from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampler import Sampler
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from pagedserve.worker.core.step_cost import StepCost
 from pagedserve.worker.core.plan import SampledToken, StepPlan, StepResult
+from pagedserve.worker.core.step_cost import StepCost
 
 FIRST_TOKEN = 10  # simulated tokens stay clear of the special ids at the start of the vocabulary
 

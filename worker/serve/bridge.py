@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from pagedserve.runtime.redis_client import pipelines_publish
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import ReplyTarget, WireEvent, encode_events
-from pagedserve.runtime.redis_client import pipelines_publish
 from pagedserve.worker.serve.bridge_scripts import KEEP_HELD, MOVE_ROUTED, TAKE_NAME
 
 STREAMED_TTL_S = 24 * 3600

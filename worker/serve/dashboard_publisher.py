@@ -20,8 +20,8 @@ import msgpack
 import redis.asyncio as aioredis
 import structlog
 
-from pagedserve.shared.keys import Keys
 from pagedserve.runtime.redis_io import REDIS_DOWN
+from pagedserve.shared.keys import Keys
 
 log = structlog.get_logger("pagedserve.worker")
 ENGINE_WAIT_S = 2.0  # a step longer than this: skip the tick rather than fall behind

@@ -13,8 +13,8 @@ from typing import Awaitable, Callable
 
 import structlog
 
-from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.runtime.redis_io import REDIS_DOWN
+from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.serve.bridge import RedisBridge
 

@@ -18,9 +18,9 @@ import structlog
 
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.protocol import WireRequest
-from pagedserve.worker.engine import Engine
 from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.core.outputs import RequestOutput
+from pagedserve.worker.engine import Engine
 
 log = structlog.get_logger("pagedserve.worker")
 OnOutputs = Callable[[list[RequestOutput], list[tuple[str, str]]], None]

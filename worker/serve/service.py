@@ -37,28 +37,27 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
+from pagedserve.runtime.redis_client import connect
+from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
+from pagedserve.runtime.supervision import supervise
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.prompts import encode_chat
 from pagedserve.shared.protocol import WireCancel, WireRequest
 from pagedserve.shared.worker_info import WorkerInfo
-from pagedserve.runtime.redis_client import connect
-from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
-from pagedserve.runtime.supervision import supervise
-from pagedserve.worker.serve.settings import WorkerSettings
-from pagedserve.worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
-from pagedserve.worker.serve.intake import Rejected, admit, salvage_reply
 from pagedserve.worker.engine import Engine
+from pagedserve.worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
 from pagedserve.worker.serve.dashboard_publisher import DashboardPublisher
-from pagedserve.worker.serve.kv_publisher import KvPublisher
-from pagedserve.worker.serve.loop import EngineLoop
 from pagedserve.worker.serve.events import InFlight, TokenPieces, error_event, lost_event
 from pagedserve.worker.serve.inflight import InFlightTable
+from pagedserve.worker.serve.intake import Rejected, admit, salvage_reply
+from pagedserve.worker.serve.kv_publisher import KvPublisher
+from pagedserve.worker.serve.loop import EngineLoop
 from pagedserve.worker.serve.metrics import WorkerMetrics, worker_metrics
+from pagedserve.worker.serve.settings import WorkerSettings
 from pagedserve.worker.serve.stats_log import StatsLine
 
 log = structlog.get_logger("pagedserve.worker")
