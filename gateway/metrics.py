@@ -1,5 +1,5 @@
 """Prometheus metrics with vLLM's V1 names and types: latencies and token counts measured by the
-gateway, the workers' numbers (``shared.metric_names``) combined over the model's workers, read
+gateway, the workers' numbers (``runtime/metric_names.py``) combined over the model's workers, read
 from Redis at scrape time."""
 
 from __future__ import annotations

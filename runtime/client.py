@@ -7,7 +7,7 @@
 Replies come on this client's own pub/sub channel (subscribed before anything is pushed), or, with
 ``durable=True``, on a result stream that survives a disconnect and can be re-read. On the channel
 path a request whose worker dies mid-stream, or whose entry Redis lost, is sent again and goes on
-(``shared/mailbox.py``); durable requests end with the error instead.
+(``runtime/mailbox.py``); durable requests end with the error instead.
 Leaving the iteration early cancels the request.
 """
 

@@ -1,5 +1,5 @@
 """The one way requests and cancels reach the workers: XADD onto the model's request stream, and
-PUBLISH on its cancel channel. Used by the gateway and by queue producers (``shared.client``)."""
+PUBLISH on its cancel channel. Used by the gateway and by queue producers (``runtime/client.py``)."""
 
 from __future__ import annotations
 

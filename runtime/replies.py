@@ -1,5 +1,5 @@
 """One pub/sub reader per process fans reply events out to per-request mailboxes
-(``shared/mailbox.py``), and a watch keeps requests from waiting on entries Redis lost.
+(``runtime/mailbox.py``), and a watch keeps requests from waiting on entries Redis lost.
 
 Subscribe before enqueue: ``open(request)`` then ``send(boxes)``, which waits for the subscription
 before pushing, so no early event is missed. Every request is kept until its terminal event. Once a

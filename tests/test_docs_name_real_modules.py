@@ -33,3 +33,15 @@ def test_names_given_with_a_file_are_in_it():
              for name in re.findall(r"`(\w+)`", inside)]
     assert len(pairs) >= 10
     assert [f"{path}: {name}" for path, name in pairs if name not in (ROOT / path).read_text()] == []
+
+
+def test_the_files_docstrings_and_comments_name_exist():
+    """A module's ``folder/file.py`` pointers (docstrings, comments) lead somewhere real."""
+    missing = []
+    for folder in ("pagedserve", "shared", "runtime", "worker", "gateway", "kernels", "bench", "tests"):
+        for source in (ROOT / folder).rglob("*.py"):
+            for path in re.findall(r"``((?:pagedserve|shared|runtime|worker|gateway|kernels|bench|tests)/[\w/]+\.py)``",
+                                   source.read_text()):
+                if not (ROOT / path).exists():
+                    missing.append(f"{source.relative_to(ROOT)}: {path}")
+    assert missing == []

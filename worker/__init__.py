@@ -1,7 +1,7 @@
 """The worker: ``core`` (bookkeeping, no torch) -> ``runner`` (torch) -> ``engine`` -> ``serve`` (Redis).
 
 The documented offline API is ``from pagedserve import LLM, SamplingParams``; this package keeps
-``from worker import LLM`` working (loaded lazily, so ``worker.core`` imports without torch).
+``from pagedserve.worker import LLM`` working (loaded lazily, so ``pagedserve.worker.core`` imports without torch).
 """
 
 from pagedserve.shared.sampling import SamplingParams

@@ -152,7 +152,7 @@ class Engine:
         return engine_stats(self.scheduler)
 
     def limits(self) -> dict[str, int]:
-        """The facts fixed when the engine started that a gateway needs (``shared.worker_info``):
+        """The facts fixed when the engine started that a gateway needs (``shared/worker_info.py``):
         its context, the token ids it accepts, how it hashes blocks, its capacity."""
         config = self.scheduler.config
         return {"max_model_len": config.max_model_len, "vocab_size": self.info.config.vocab_size,

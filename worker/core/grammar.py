@@ -1,7 +1,7 @@
 """What the scheduler needs of a structured-output constraint, without knowing the library.
 
 A request with ``params.structured`` carries a ``Future`` of a pristine ``GrammarState`` (compiled
-off the engine's loop, ``worker.runner.grammar``); it stays in the waiting queue until that is
+off the engine's loop, ``worker/runner/grammar.py``); it stays in the waiting queue until that is
 done. When it starts, each sequence gets its own copy, advanced over any output tokens it already
 has (a resumed request). Forks copy the parent's state (never shared: each child advances its
 own). Preemption keeps a sequence's tokens, so its state stays valid through recompute and swap.

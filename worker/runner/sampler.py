@@ -4,7 +4,7 @@ Order per row, as transformers' warpers and vLLM apply it: ``min_tokens`` (EOS a
 masked), repetition penalty (prompt and output tokens), presence and frequency penalties (output
 tokens); then greedy argmax, or temperature, top-k, top-p over the renormalised top-k
 distribution, min-p, and a draw. Rows with a grammar (structured outputs) have every token it
-forbids set to -inf after the penalties (``worker.runner.grammar``). Every per-row parameter is a tensor built once per step from the
+forbids set to -inf after the penalties (``worker/runner/grammar.py``). Every per-row parameter is a tensor built once per step from the
 rows; token histories become one padded matrix, scattered into masks and counts, so no Python
 loop touches vocabulary-sized work. Reported logprobs are of the raw model distribution
 (``log_softmax`` before any processing), like vLLM's default; they reach the host once per step.

@@ -3,7 +3,7 @@ GPUs: each step takes the time the real model would (a sleep from a calibrated c
 every sampling row gets a token made from its sequence, so the scheduler, block manager, prefix
 cache, KV events and Redis I/O all run for real while the forward pass costs no CPU.
 
-``StepCost`` (``shared/step_cost.py``): ``base + per_seq * sequences + per_token * tokens``
+``StepCost`` (``worker/core/step_cost.py``): ``base + per_seq * sequences + per_token * tokens``
 seconds per step, fitted to the real model by ``bench/scale.py --calibrate``. Beam search is not simulated (its requests fail).
 """
 

@@ -3,7 +3,7 @@
 The engine runs in one thread (``EngineLoop``), the Redis I/O in another, on an asyncio loop; a
 step never waits on Redis and Redis I/O never waits on a step. The CLI computes on the main
 thread (``worker/serve/process.py``); ``run()`` (tests, embedding) is a coroutine that computes
-on a worker thread. The I/O tasks, each supervised (``shared/supervision.py``: logged, restarted
+on a worker thread. The I/O tasks, each supervised (``runtime/supervision.py``: logged, restarted
 with backoff, the worker exits 1 when one keeps failing):
 
 - reader: claims its own pending entries at start, then reads new entries while it has room and
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -47,7 +46,6 @@ from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.prompts import encode_chat
 from pagedserve.shared.protocol import WireCancel, WireRequest
-from pagedserve.shared.worker_info import WorkerInfo
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
 from pagedserve.worker.serve.dashboard_publisher import DashboardPublisher
@@ -56,7 +54,8 @@ from pagedserve.worker.serve.inflight import InFlightTable
 from pagedserve.worker.serve.intake import Rejected, admit, salvage_reply
 from pagedserve.worker.serve.kv_publisher import KvPublisher
 from pagedserve.worker.serve.loop import EngineLoop
-from pagedserve.worker.serve.metrics import WorkerMetrics, worker_metrics
+from pagedserve.worker.serve.metrics import WorkerMetrics
+from pagedserve.worker.serve.self_report import SelfReport
 from pagedserve.worker.serve.settings import WorkerSettings
 from pagedserve.worker.serve.stats_log import StatsLine
 
@@ -69,23 +68,21 @@ class WorkerService:
         self.engine = engine
         self.model = settings.served_model_name
         self.keys = Keys(settings.key_prefix)
-        self.limits = engine.limits()  # fixed while it runs: read once, sent with every heartbeat
         self.inflight = InFlightTable(settings.max_inflight, settings.read_ahead, TokenPieces(engine.tokenizer))
         self.redis = connect(settings.redis_url)
         self.bridge = RedisBridge(self.redis, self.keys, self.model, settings.consumer)
         self.kv = KvPublisher(self.bridge, settings.consumer, settings.kv_events_interval_s, settings.kv_resync_s,
                               lambda: self.engine_loop.resync_kv(), lambda: self._retrying("kv events", self.redis.ping))
         self.dashboard = DashboardPublisher(self.redis, self.keys, self.model, settings.consumer, settings.dashboard_interval_s,
-                                            lambda: self.engine_loop.want_picture(), self._dashboard_figures)
+                                            lambda: self.engine_loop.want_picture(), lambda: self.report.dashboard_figures())
         self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread, on_kv=self.kv.from_engine_thread,
                                       on_picture=self.dashboard.from_engine_thread)
-        self.queue_depth = 0  # the model's stream, as the last upkeep read it
         self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
         self.stopping = asyncio.Event()
+        self.report = SelfReport(settings.consumer, self.model, engine.limits(), self.inflight, self.engine_loop, self.stopping)
         self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._rate_mark = (time.monotonic(), 0)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.prometheus = WorkerMetrics(settings.metrics_port, self.model, settings.metrics_host) if settings.metrics_port else None
@@ -115,7 +112,7 @@ class WorkerService:
             # must not share one; a crashed predecessor's key expires within three heartbeats.
             ttl = self.settings.heartbeat_s * 3
             await self._retrying("claim consumer name",
-                                 lambda: self.bridge.wait_for_name(ttl, ttl + 1, self._worker_info({}).encode()))
+                                 lambda: self.bridge.wait_for_name(ttl, ttl + 1, self.report.worker_info({}).encode()))
         except ConsumerNameTaken:
             self.engine_loop.finish()
             await self.redis.aclose()
@@ -277,8 +274,8 @@ class WorkerService:
 
     async def _upkeep(self) -> None:
         """Heartbeat and metrics; then take over entries of dead workers while there is room."""
-        metrics = self._metrics()
-        metrics["queue_depth"] = self.queue_depth = await self.redis.xlen(self.bridge.stream)
+        metrics = self.report.metrics()
+        metrics["queue_depth"] = self.report.queue_depth = await self.redis.xlen(self.bridge.stream)
         metrics["dead_letters"] = await self.redis.xlen(self.keys.dead_letter(self.model))
         stats = self.stats_line.due(metrics)
         if stats:
@@ -287,7 +284,7 @@ class WorkerService:
             self.prometheus.update(metrics)
         beating = self.inflight.beating()
         held = await self.bridge.heartbeat(beating, self.settings.heartbeat_s * 3, metrics,
-                                           self._worker_info(metrics).encode())
+                                           self.report.worker_info(metrics).encode())
         for request_id in self.inflight.let_go(set(beating) - held):
             self.engine_loop.abort(request_id)
         free = self.inflight.free()
@@ -301,23 +298,6 @@ class WorkerService:
             moved = await self.bridge.adopt_dead_routed()
             if moved:
                 log.info("moved a dead worker's routed entries to the model's stream", entries=moved)
-
-    def _worker_info(self, metrics: dict) -> WorkerInfo:
-        """What the gateways route and admit by: the engine's limits and, from ``metrics``, its load."""
-        return WorkerInfo(self.settings.consumer, self.model, **self.limits,
-                          running=int(metrics.get("num_requests_running", 0)),
-                          waiting=int(metrics.get("num_requests_waiting", 0)), draining=self.stopping.is_set())
-
-    def _metrics(self) -> dict:
-        now = time.monotonic()
-        sent = self.inflight.tokens_out
-        (then, count), self._rate_mark = self._rate_mark, (now, sent)
-        rate = (sent - count) / max(1e-6, now - then)
-        return worker_metrics(self.engine_loop.snapshot, len(self.inflight), self.engine_loop.queued, sent, rate)
-
-    def _dashboard_figures(self) -> dict:
-        return {"tokens_out": self.inflight.tokens_out, "in_flight": len(self.inflight), "queue_depth": self.queue_depth,
-                "draining": self.stopping.is_set()}
 
     async def _cancels(self) -> None:
         await listen_forever(self.redis, self.keys.cancel(self.model), self._cancel, stop=self._io_stop)
