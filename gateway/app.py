@@ -153,7 +153,7 @@ async def ready(request: web.Request) -> web.Response:
         await state.redis.ping()
     except Exception as err:  # any failure to reach Redis means not ready
         return web.json_response({"status": "redis unreachable", "error": str(err)}, status=503)
-    if state.settings.served_model_name not in await state.live_models():
+    if not await state.serving():
         return web.json_response({"status": "no live worker"}, status=503)
     return web.json_response({"status": "ready"})
 

@@ -135,8 +135,8 @@ class GatewayService:
                 prompts = [check_token_ids(ids, live.vocab_size) for ids in prompts]
         except InvalidRequestError as err:
             raise ApiError(400, str(err), err.field) from None
+        limit = live.context_limit
         for ids in prompts:
-            limit = live.context_limit
             if limit is not None and len(ids) + parsed.params.max_tokens > limit:
                 raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you "
                                f"requested {len(ids) + parsed.params.max_tokens} tokens ({len(ids)} in the prompt, "
@@ -149,7 +149,7 @@ class GatewayService:
         """503 without a live worker for the model; 429 when its stream would grow past the limit
         with this request's ``entries``."""
         model = self.settings.served_model_name
-        if not (await self.workers.workers(model)).infos:
+        if not await self.serving():
             raise ApiError(503, f"no worker is serving {model!r} right now", None, "no_worker",
                            "service_unavailable", {"Retry-After": "5"})
         depth = await self.redis.xlen(self.keys.requests(model))
@@ -181,6 +181,10 @@ class GatewayService:
     @staticmethod
     def new_id(chat: bool) -> str:
         return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+    async def serving(self) -> bool:
+        """Whether a live worker serves this gateway's model."""
+        return bool((await self.workers.workers(self.settings.served_model_name)).infos)
 
     async def live_models(self) -> list[str]:
         return await self.workers.models()

@@ -44,7 +44,7 @@ class WorkerDirectory:
     keys: Keys
     ttl_s: float = TTL_S
     _read: dict[str, Workers] = field(default_factory=dict)
-    _bad: set[str] = field(default_factory=set)
+    _bad: set[bytes] = field(default_factory=set)  # keys already logged as unreadable
 
     async def workers(self, model: str) -> Workers:
         known = self._read.get(model)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedserve.runtime.env import checked, env_default
+from pagedserve.runtime.env import checked, env_default, with_env_help
 from pagedserve.worker.engine_flags import add_engine_args
 
 _port = checked(int, lambda v: 0 < v < 65536, "a TCP port in 1-65535")
@@ -34,9 +34,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         ("--tool-call-parser", dict(choices=["hermes", "llama3_json"], default=e("tool_call_parser", "hermes"),
                                     help="the model's tool-call format for tool_choice auto")),
     ]
-    for flag, options in rows:
-        action = serve.add_argument(flag, **options)
-        action.help += f" (default: %(default)s; env PAGEDSERVE_{action.dest.upper()})"
+    with_env_help([serve.add_argument(flag, **options) for flag, options in rows])
     serve.add_argument("--api-key", action="append", default=None,
                        help="bearer key clients must send (repeatable; env PAGEDSERVE_API_KEY, comma-separated)")
     add_engine_args(serve, environ)

@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 from pagedserve.kernels.backends import BACKENDS
 from pagedserve.runtime.env import checked, fraction, non_negative, positive
-from pagedserve.worker.core.config import BLOCK_SIZE, PreemptionMode
+from pagedserve.worker.core.config import BLOCK_SIZE, PREEMPTION_MODES, PreemptionMode
 from pagedserve.worker.core.step_cost import StepCost
 
 CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
-CPU_KV_CAP = 1 << 30
 GIB = 1 << 30
+CPU_KV_CAP = GIB
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class EngineConfig:
     max_num_batched_tokens: int = flag(2048, kind=positive(int))
     max_model_len: int | None = flag(None, "default: the model's", kind=positive(int))
     enable_prefix_caching: bool = flag(True, "share KV blocks of identical prompt prefixes", switch="both")
-    preemption_mode: PreemptionMode = flag("recompute", choices=("recompute", "swap"))
+    preemption_mode: PreemptionMode = flag("recompute", choices=PREEMPTION_MODES)
     seed: int = 0
     enforce_eager: bool = flag(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs", switch="on")
     gpu_memory_utilization: float = flag(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from pagedserve.shared.block_hash import cache_salt
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 
 PreemptionMode = Literal["recompute", "swap"]
+PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 BLOCK_SIZE = 16  # tokens per KV block unless configured otherwise
 
 
@@ -34,7 +35,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(self.num_cpu_blocks, bool) or not isinstance(self.num_cpu_blocks, int) or self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
     def prefix_key(self, extra_key, num_tokens: int):

@@ -163,8 +163,8 @@ class RedisBridge:
 
     async def heartbeat(self, entry_ids: list[str], ttl_s: float, metrics: dict, info: bytes) -> set[str]:
         """Reset the idle time of those in-flight entries this consumer still holds, renew the
-        liveness key and the WorkerInfo (``info``, encoded); returns the ids still held (an entry Redis lost, or that another worker
-        claimed, is not touched: taking it back would run it twice)."""
+        liveness key and the WorkerInfo (``info``, encoded); returns the ids still held (an entry
+        Redis lost, or that another worker claimed, is not touched: taking it back would run it twice)."""
         pipe = self.r.pipeline(transaction=False)
         calls = []  # the stream of each script call
         for stream, ids in self._by_stream(entry_ids).items():

@@ -97,6 +97,9 @@ def lost_event(req: WireRequest) -> WireEvent:
 def _logprobs(o: CompletionOutput, piece: Callable[[int], str]) -> list[dict] | None:
     if o.logprobs is None or not o.new_token_ids:
         return None
-    return [{"token_id": t.token_id, "token": piece(t.token_id), "logprob": t.logprob, "top": t.top_logprobs or {},
-             "top_tokens": {i: piece(i) for i in t.top_logprobs or {}}}
-            for t in o.logprobs[-len(o.new_token_ids):]]
+    entries = []
+    for t in o.logprobs[-len(o.new_token_ids):]:
+        top = t.top_logprobs or {}
+        entries.append({"token_id": t.token_id, "token": piece(t.token_id), "logprob": t.logprob, "top": top,
+                        "top_tokens": {i: piece(i) for i in top}})
+    return entries
