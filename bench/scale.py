@@ -42,7 +42,7 @@ from pagedserve.runtime.replies import ReplyDispatcher
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.model_source import model_or_demo
+from pagedserve.worker.model_source import model_or_default
 
 MODEL = "demo"
 KEYS = Keys()
@@ -75,7 +75,7 @@ def calibrate() -> str:
 
     from pagedserve import LLM
 
-    llm = LLM(model_or_demo(None), device="cpu", dtype="float32", num_gpu_blocks=4096, enable_prefix_caching=False)
+    llm = LLM(model_or_default(MODEL), device="cpu", dtype="float32", num_gpu_blocks=4096, enable_prefix_caching=False)
     engine, rows, seconds = llm.engine, [], []
     rng = random.Random(0)
     for batch, prompt_len in ((1, 16), (4, 16), (16, 16), (32, 16), (1, 256), (2, 512), (1, 1024)):

@@ -132,7 +132,8 @@ def print_table(res: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=None, help="gateway base URL (default: start a local stack)")
-    ap.add_argument("--model", default=None, help="served model name (with --url) or model to start (without)")
+    ap.add_argument("--model", default=None, help="served model name (with --url) or model to start (without; "
+                                                   "default: the random-weight demo model, as the figures use)")
     ap.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--rate", type=float, default=float("inf"), help="requests per second (inf: burst)")
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.url is None:  # a throw-away redis-server + worker + gateway
             from pagedserve.stack import LocalStack
 
-            local = stack.enter_context(LocalStack(model=args.model, workers=1))
+            local = stack.enter_context(LocalStack(model=args.model or "demo", workers=1))
             args.url, args.model = local.url, local.served_model_name
         res = asyncio.run(run(args))
     print(json.dumps(res))

@@ -13,7 +13,7 @@ import signal
 
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
-from pagedserve.worker.model_source import model_or_demo
+from pagedserve.worker.model_source import model_or_default
 from pagedserve.worker.serve.service import WorkerService
 from pagedserve.worker.serve.settings import WorkerSettings
 
@@ -23,7 +23,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--names", required=True, help="comma-separated consumer names, one worker each")
     p.add_argument("--simulate", required=True)
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default="demo")
     p.add_argument("--served-model-name", default="demo")
     p.add_argument("--num-gpu-blocks", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=32)
@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def main(args: argparse.Namespace) -> int:
-    model = model_or_demo(args.model)
+    model = model_or_default(args.model)
     services = []
     for name in args.names.split(","):
         engine = Engine(EngineConfig(model=model, simulate=args.simulate, num_gpu_blocks=args.num_gpu_blocks,

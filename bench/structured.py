@@ -22,7 +22,7 @@ import time
 from pagedserve.bench.table import print_table
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
-from pagedserve.worker.model_source import model_or_demo
+from pagedserve.worker.model_source import model_or_default
 
 ENDLESS = StructuredOutputs(regex=r"([a-z]+ )*")
 SCHEMA = {"type": "object", "properties": {
@@ -102,7 +102,7 @@ def compile_times(llm, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    ap.add_argument("--model", default="demo", help="model directory or GGUF file (default: the random-weight demo model)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -110,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from pagedserve import LLM
 
-    llm = LLM(model_or_demo(args.model), dtype=args.dtype)
+    llm = LLM(model_or_default(args.model), dtype=args.dtype)
     prompts = [f"request {i}: explain paged attention " + "and blocks " * (i % 9) for i in range(args.requests)]
     rows = throughput(llm, prompts, args.max_tokens, args.repeats)
     compile_ = compile_times(llm, args.repeats)
     print(json.dumps({"bench": "structured", "requests": args.requests, "max_tokens": args.max_tokens,
-                      "model": args.model or "demo", "throughput": rows, **compile_}))
+                      "model": args.model, "throughput": rows, **compile_}))
     print_table(rows, [("case", lambda r: r["case"]), ("output tokens", lambda r: r["tokens"]),
                        ("tok/s", lambda r: r["tokens_per_s"]), ("vs its baseline", lambda r: r["ratio"])])
     print(f"compile: cold {compile_['compile_cold_ms']} ms, cached {compile_['compile_cached_ms']} ms; time to first "

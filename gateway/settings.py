@@ -42,7 +42,7 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
     environ = os.environ if environ is None else environ
     e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
     p = argparse.ArgumentParser(prog="pagedserve gateway", description="OpenAI-compatible HTTP gateway in front of Redis.")
-    p.add_argument("--model", default=e("model", None), help="tokenizer/config source (default: the demo model)")
+    p.add_argument("--model", default=e("model", None), help="tokenizer/config source: a model directory, GGUF file or hub id (default: the default model)")
     p.add_argument("--served-model-name", default=e("served_model_name", None), help="model name clients use (default: --model)")
     p.add_argument("--redis-url", default=e("redis_url", DEFAULT_REDIS_URL))
     p.add_argument("--host", default=e("host", "127.0.0.1"))

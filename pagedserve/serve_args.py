@@ -9,6 +9,7 @@ import os
 
 from pagedserve.runtime.env import checked, env_default, with_env_help
 from pagedserve.worker.engine_flags import add_engine_args
+from pagedserve.worker.model_source import MODEL_HELP
 
 _port = checked(int, lambda v: 0 < v < 65536, "a TCP port in 1-65535")
 _workers = checked(int, lambda v: v >= 1, "at least 1")
@@ -24,7 +25,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                     "--workers workers. Ctrl-C or SIGTERM drains and stops everything.",
         epilog="example: pagedserve serve ./my-llama --dtype bfloat16 --max-model-len 4096 --port 8000")
     serve.add_argument("model", nargs="?", default=e("model", None),
-                       help="local directory or hub id (default: the built-in demo model; env PAGEDSERVE_MODEL)")
+                       help=f"{MODEL_HELP}; env PAGEDSERVE_MODEL")
     serve.add_argument("--model", dest="model_option", default=None, help="the same as MODEL, for `up --model M`")
     rows = [
         ("--host", dict(default=e("host", "127.0.0.1"), help="address of the HTTP gateway")),

@@ -22,7 +22,7 @@ from pathlib import Path
 from pagedserve.embedded_redis import RedisServer, find_redis_binary, free_port
 from pagedserve.runtime.env import redis_url_from_env
 from pagedserve.shared.keys import served_name
-from pagedserve.worker.model_source import model_or_demo
+from pagedserve.worker.model_source import model_dir
 
 GRACE_S = 15.0
 MAX_RESTARTS = 5
@@ -79,8 +79,10 @@ class LocalStack:
             redis_url = self.redis.url
         model_args = ["--model", self.model] if self.model else []
         common = [*model_args, "--redis-url", redis_url, "--served-model-name", self.served_model_name]
-        if not self.model:
-            model_or_demo(None)  # build it once here, not in every child at the same time
+        try:
+            model_dir(self.model)  # fetch, build or convert it once here, not in every child at the same time
+        except (ValueError, RuntimeError, OSError) as err:  # no such model, not fetchable, a corrupt file
+            raise StackError(str(err)) from None
         self._worker_env = worker_environment(os.environ, self.workers)
         for i in range(self.workers):
             self._spawn("worker", *common, "--consumer", f"{os.uname().nodename}-w{i}", *self.extra_worker_args,

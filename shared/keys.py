@@ -100,10 +100,11 @@ class Keys:
         return f"{self.model_space(model)}:metrics:{consumer}"
 
 
-DEMO_NAME = "demo"
+DEMO_NAME = "demo"  # the random-weight demo model (``--model demo``), for tests and benchmarks
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served when no model is named (worker/default_model.py)
 
 
 def served_name(model: str | None, served_model_name: str | None) -> str:
     """The name clients use, which names the model's streams: the explicit one, else the model
-    as given, else ``demo`` (the demo model)."""
-    return served_model_name or model or DEMO_NAME
+    as given, else the default model's name."""
+    return served_model_name or model or DEFAULT_MODEL_NAME

@@ -1,5 +1,6 @@
 """Shared fixtures: small random-weight models of each family, built once per session, and
-Hugging Face transformers greedy references for them."""
+Hugging Face transformers greedy references for them; the real default model (SmolLM2-135M-Instruct)
+with transformers' reading of its GGUF as the reference (``tests/real_model.py``)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ MODEL_SPECS = {
 class ModelZoo:
     """Builds each test model on first use, in the session's temporary directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, specs: dict[str, dict] = MODEL_SPECS) -> None:
         self.root = root
+        self.specs = specs
         self._paths: dict[str, Path] = {}
         self._hf: dict[str, object] = {}
         self._refs: dict[tuple, list[int]] = {}
@@ -59,7 +61,7 @@ class ModelZoo:
         if name not in self._paths:
             from pagedserve.worker.demo_model import build_model
 
-            self._paths[name] = build_model(self.root / name, **MODEL_SPECS[name], seed=len(self._paths))
+            self._paths[name] = build_model(self.root / name, **self.specs[name], seed=len(self._paths))
         return self._paths[name]
 
     def hf_greedy(self, name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -105,6 +107,24 @@ def random_prompts(seed: int, count: int, max_len: int, vocab: int, max_new: int
         length = 1 if i == 0 else rng.randint(1, max_len)
         out.append(([rng.randint(10, vocab - 1) for _ in range(length)], rng.randint(1, max_new)))
     return out
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct, the default model, from the cache ``pagedserve pull`` fills (the test
+    set-up runs it). Where it is not cached the test is skipped with the reason, unless
+    ``PAGEDSERVE_REQUIRE_REAL_MODEL=1`` (CI), where that is a failure."""
+    import os
+
+    from pagedserve.worker.default_model import PackagedModelError, packaged_model_file
+    from tests.real_model import RealModel
+
+    try:
+        return RealModel(packaged_model_file(download=False))
+    except PackagedModelError as err:
+        if os.environ.get("PAGEDSERVE_REQUIRE_REAL_MODEL") == "1":
+            pytest.fail(f"PAGEDSERVE_REQUIRE_REAL_MODEL=1 but {err}")
+        pytest.skip(f"real-model test: {err}")
 
 
 @pytest.fixture

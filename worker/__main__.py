@@ -10,7 +10,7 @@ from pagedserve.runtime.logging import configure_logging
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.worker.engine import Engine
     from pagedserve.worker.engine_config import EngineConfig
-    from pagedserve.worker.model_source import model_or_demo
+    from pagedserve.worker.model_source import model_or_default
     from pagedserve.worker.serve.bridge import ConsumerNameTaken
     from pagedserve.worker.serve.process import serve_on_main_thread
     from pagedserve.worker.serve.service import WorkerService
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = worker_settings(argv)
     configure_logging()
     try:
-        engine = Engine(EngineConfig(model=model_or_demo(settings.model), **settings.engine))
+        engine = Engine(EngineConfig(model=model_or_default(settings.model), **settings.engine))
     except (ValueError, OSError) as err:  # a missing model, bad engine settings, no memory for the KV pool
         print(f"pagedserve worker: cannot start: {err}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Offline generation: ``LLM(model).generate(prompts, params)``, no Redis, no server.
 
     from pagedserve.worker import LLM, SamplingParams
-    llm = LLM("path/or/hub-id", dtype="float32", num_gpu_blocks=512)
+    llm = LLM()  # the default model; or LLM("path/to/model", ...), LLM("model.gguf"), LLM("demo")
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text)
 """
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -18,13 +19,16 @@ from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.model_source import model_or_default
 
 Prompt = str | Seq[int]
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs) -> None:
-        self.engine = Engine(EngineConfig(model=str(model), **kwargs))
+    def __init__(self, model: str | Path | None = None, **kwargs) -> None:
+        """``model``: a model directory, a ``.gguf`` file, a hub id, ``"demo"``, or None (the
+        default model, SmolLM2-135M-Instruct; ``worker/model_source.py``)."""
+        self.engine = Engine(EngineConfig(model=model_or_default(model), **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -1,10 +1,18 @@
 """Where a model comes from, for the worker, the offline API and (through ``pagedserve gateway``)
-the gateway's tokenizer: a local directory, a hub id (resolved to a local snapshot), or, when none
-is named, the demo model built locally on first use. Also the context length its config gives."""
+the gateway's tokenizer: a local directory, a GGUF file (or a directory holding one and no
+config), a hub id (resolved to a local snapshot), ``demo`` (the random-weight demo model, built
+locally on first use), or, when none is named, the default real model (``worker/default_model.py``).
+Also the context length its config gives."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from pagedserve.shared.keys import DEFAULT_MODEL_NAME, DEMO_NAME
+
+
+MODEL_HELP = f"a model directory, a .gguf file, a hub id, or {DEMO_NAME} (random weights, for tests); " \
+             f"default: {DEFAULT_MODEL_NAME}, fetched once"
 
 
 def max_model_len(config) -> int:
@@ -18,18 +26,23 @@ def max_model_len(config) -> int:
     return length
 
 
-def model_or_demo(model: str | Path | None) -> str:
-    """``model`` as given, or the demo model's directory (built on first use) when it is None."""
+def model_or_default(model: str | Path | None) -> str:
+    """``model`` as given; ``demo``: the demo model's directory (built on first use); None: the
+    default model's GGUF (fetched on first use)."""
     if model is not None and str(model) != "":
-        return str(model)
-    from pagedserve.worker.demo_model import demo_model_dir
+        if str(model) == DEMO_NAME:
+            from pagedserve.worker.demo_model import demo_model_dir
 
-    return str(demo_model_dir())
+            return str(demo_model_dir())
+        return str(model)
+    from pagedserve.worker.default_model import packaged_model_file
+
+    return str(packaged_model_file())
 
 
 def model_dir(model: str | Path | None) -> str:
-    """The local directory of ``model`` (None: the demo model's)."""
-    return str(resolve_model_dir(model_or_demo(model)))
+    """The local directory of ``model`` (None: the default model's; a GGUF: the directory made for it)."""
+    return str(resolve_model_dir(model_or_default(model)))
 
 
 class ModelNotFound(ValueError):
@@ -37,13 +50,28 @@ class ModelNotFound(ValueError):
 
 
 def resolve_model_dir(model: str | Path) -> Path:
-    """A local directory as is; anything else is a hub id, downloaded (or found) in the HF cache."""
+    """A local model directory as is; a GGUF file, or a directory holding one GGUF and no config,
+    as the directory made for it; anything else is a hub id, downloaded (or found) in the HF cache."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        return path
     text = str(model)
-    if path.exists():
-        raise ModelNotFound(f"{text} is a file, not a model directory")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if (path / "config.json").exists() or not ggufs:
+            return path
+        if len(ggufs) > 1:
+            raise ModelNotFound(f"{text} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs[:4])}): "
+                                "name one of them")
+        path = ggufs[0]
+    if path.is_file():
+        from pagedserve.worker.gguf_file import GGUFError, is_gguf
+        from pagedserve.worker.gguf_model_dir import gguf_model_dir
+
+        if not is_gguf(path):
+            raise ModelNotFound(f"{text} is a file but not a GGUF model: pass a model directory or a .gguf file")
+        try:
+            return gguf_model_dir(path)
+        except GGUFError as err:
+            raise ModelNotFound(str(err)) from None
     if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1:
         raise ModelNotFound(f"no model directory at {path.resolve()}")
     from huggingface_hub import snapshot_download

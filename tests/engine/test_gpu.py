@@ -113,7 +113,7 @@ def test_the_whole_stack_streams_from_a_gpu_worker(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("REDIS_URL", raising=False)
-    with LocalStack() as stack:
+    with LocalStack(model="demo") as stack:
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="x")
         chunks = list(client.chat.completions.create(model=stack.served_model_name, stream=True, max_tokens=8,
                                                      messages=[{"role": "user", "content": "hello"}]))

@@ -12,10 +12,10 @@ def run_cli(*args, env=None, timeout=300):
 
 def test_generate_builds_the_demo_model_once_and_streams_text(tmp_path):
     env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path)}
-    first = run_cli("generate", "--max-tokens", "5", "hello", env=env)
+    first = run_cli("generate", "--model", "demo", "--max-tokens", "5", "hello", env=env)
     assert first.returncode == 0, first.stderr
     assert (tmp_path / "demo-llama-v2" / "config.json").exists()
-    second = run_cli("generate", "--max-tokens", "5", "hello", env=env)
+    second = run_cli("generate", "--model", "demo", "--max-tokens", "5", "hello", env=env)
     assert second.returncode == 0 and second.stdout == first.stdout  # deterministic model, greedy
 
 
@@ -30,7 +30,8 @@ def test_bad_values_are_one_clear_line(tmp_path):
 
 def test_chat_answers_each_line_until_eof(tmp_path):
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "chat", "--max-tokens", "4", "--temperature", "0"],
+    result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "chat", "--model", "demo", "--max-tokens", "4",
+                             "--temperature", "0"],
                             input="hello\nand again\n", capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("> ") == 3  # two answered prompts, then EOF at the third
@@ -48,7 +49,7 @@ def test_start_up_failures_are_one_clear_line_and_a_non_zero_exit(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        busy = run_cli("gateway", "--port", str(port), env=env)
+        busy = run_cli("gateway", "--model", "demo", "--port", str(port), env=env)
     assert busy.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr, busy.stderr
     for result in (missing, hub, busy):  # the error is the last line, after at most a few log lines
         assert "Traceback" not in result.stderr and result.stderr.strip().splitlines()[-1].startswith("pagedserve")

@@ -58,7 +58,7 @@ def test_up_serves_revives_a_killed_worker_and_sigterm_leaves_nothing(tmp_path):
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
     env.pop("REDIS_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "up", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "up", "demo", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)
@@ -107,7 +107,7 @@ def test_ctrl_c_in_a_terminal_drains_the_request_in_flight_and_stops_redis_last(
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
     env.pop("REDIS_URL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "demo", "--port", str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)

@@ -1,7 +1,8 @@
 """Incremental detokenization with stop strings.
 
 Text is released only when it is final: never half of a multi-byte character (a decode that ends
-in U+FFFD waits for more tokens) and never text that could be the start of a stop string. When a
+in U+FFFD waits for more tokens, unless the sequence ends there: then its text is what ``decode``
+gives, replacement character included) and never text that could be the start of a stop string. When a
 stop string appears, the text before it is released and the string itself is dropped.
 """
 
@@ -43,6 +44,8 @@ class Detokenizer:
             for end in range(state.tokens_seen + 1, len(token_ids) + 1):
                 self._decode_one(state, token_ids[:end], skip_special)
             state.tokens_seen = len(token_ids)
+            if final:
+                self._flush(state, token_ids, skip_special)
             if stop:
                 self._find_stop(state, stop)
         safe = len(state.text) if (final or state.stopped) else len(state.text) - _held_back(state.text, stop)
@@ -56,6 +59,14 @@ class Detokenizer:
         full = decode(ids[state.prefix_offset :], skip_special_tokens=skip_special)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             state.text += full[len(prefix) :]
+            state.prefix_offset, state.read_offset = state.read_offset, len(ids)
+
+    def _flush(self, state: DetokenizerState, ids: list[int], skip_special: bool) -> None:
+        """The sequence ended inside a character: its bytes are text now, as ``decode`` gives them."""
+        if state.read_offset < len(ids):
+            decode = self.tokenizer.decode
+            prefix = decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special)
+            state.text += decode(ids[state.prefix_offset :], skip_special_tokens=skip_special)[len(prefix) :]
             state.prefix_offset, state.read_offset = state.read_offset, len(ids)
 
     @staticmethod

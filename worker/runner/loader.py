@@ -1,24 +1,29 @@
 """Load a model of a supported family (``worker/runner/models/families.py``) and its tokenizer from
-a local directory or a hub id.
+a local directory, a hub id or a GGUF file.
 
 Config and tokenizer come through transformers (``AutoConfig``, ``AutoTokenizer``), weights from
-the safetensors shards, by name (the family's ``rename`` maps checkpoint names; per-expert tensors
-are stacked), straight into the paged model. A hub id is resolved to a local snapshot first, so
-both take the same path.
+the safetensors shards or the GGUF's tensors (dequantized, under checkpoint names), by name (the
+family's ``rename`` maps checkpoint names; per-expert tensors are stacked), straight into the paged
+model. A hub id is resolved to a local snapshot first and a GGUF to a model directory
+(``worker/gguf_model_dir.py``), so all take the same path.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.model_source import max_model_len, resolve_model_dir
+from pagedserve.worker.gguf_file import open_gguf
+from pagedserve.worker.model_source import max_model_len, model_or_default, resolve_model_dir
+from pagedserve.worker.runner.gguf_weights import gguf_tensors
 from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.prepack import fast_cpu_linears
@@ -40,10 +45,10 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
 
 
-def inspect_model(model: str | Path, dtype: str | torch.dtype = "auto") -> ModelInfo:
+def inspect_model(model: str | Path | None, dtype: str | torch.dtype = "auto") -> ModelInfo:
     from transformers import AutoConfig
 
-    path = resolve_model_dir(model)
+    path = resolve_model_dir(model_or_default(model))
     config = AutoConfig.from_pretrained(path)
     names = list(getattr(config, "architectures", None) or [])
     family = FAMILIES.get(getattr(config, "model_type", None))
@@ -58,7 +63,7 @@ def _resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        found = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
         found = str(found).replace("torch.", "") if found else "float32"
         return DTYPES.get(found, torch.float32)
     if dtype not in DTYPES:
@@ -80,34 +85,29 @@ def _eos_ids(path: Path, config) -> frozenset[int]:
 
 
 def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> CausalLM:
-    """Build the model without initialising it, then fill every parameter from safetensors."""
+    """Build the model without initialising it, then fill every parameter from the checkpoint."""
     family = info.family
     with torch.device("meta"):
         model = family.model(info.config, family.arch, ops, family.feed_forward)
     shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
     expected = set(shapes)
-    files = sorted(info.path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {info.path}")
     state: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     # disable=None: a bar only on a terminal, never interleaved with a service's JSON log lines
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False, disable=None) as bar:
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    target = family.rename(name)
-                    if isinstance(target, tuple):  # one expert's matrix: stacked below
-                        prefix, expert, part = target
-                        experts.setdefault((prefix, part), {})[expert] = f.get_tensor(name)
-                    elif isinstance(target, Fused):  # several parameters in one tensor: split by their sizes
-                        pieces = f.get_tensor(name).split([shapes[t][0] for t in target.targets], dim=0)
-                        for part, piece in zip(target.targets, pieces):
-                            state[part] = piece.to(device=device, dtype=info.dtype)
-                            bar.update(1)
-                    elif target in expected:
-                        state[target] = f.get_tensor(name).to(device=device, dtype=info.dtype)
-                        bar.update(1)
+        for name, load in checkpoint_tensors(info.path):
+            target = family.rename(name)
+            if isinstance(target, tuple):  # one expert's matrix: stacked below
+                prefix, expert, part = target
+                experts.setdefault((prefix, part), {})[expert] = load()
+            elif isinstance(target, Fused):  # several parameters in one tensor: split by their sizes
+                pieces = load().split([shapes[t][0] for t in target.targets], dim=0)
+                for part, piece in zip(target.targets, pieces):
+                    state[part] = piece.to(device=device, dtype=info.dtype)
+                    bar.update(1)
+            elif target in expected:
+                state[target] = load().to(device=device, dtype=info.dtype)
+                bar.update(1)
     state.update(_stack_experts(experts, device, info.dtype))
     if model.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -120,6 +120,22 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device) -> Ca
     model.rotary = type(model.rotary)(info.config, model.head_dim).to(device)  # buffers were on meta
     fast_cpu_linears(model, device, info.dtype)
     return model.eval()
+
+
+def checkpoint_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    """``(checkpoint name, load)`` for every tensor of the model at ``path``: its safetensors
+    shards, else its one GGUF file (dequantized, under the checkpoint's names)."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, partial(f.get_tensor, name)
+        return
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) != 1:
+        raise FileNotFoundError(f"no *.safetensors weights (nor one *.gguf file) in {path}")
+    yield from gguf_tensors(open_gguf(ggufs[0]))
 
 
 def _stack_experts(parts: dict[tuple[str, str], dict[int, torch.Tensor]], device: torch.device,

@@ -12,11 +12,12 @@ from typing import Mapping
 from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive
 from pagedserve.shared.keys import served_name
 from pagedserve.worker.engine_flags import add_engine_args, engine_kwargs
+from pagedserve.worker.model_source import MODEL_HELP
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    model: str | None  # None: the demo model (worker/model_source.py, model_or_demo)
+    model: str | None  # None: the default model (worker/model_source.py, model_or_default)
     redis_url: str
     served_model_name: str
     consumer: str
@@ -40,7 +41,7 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
     environ = os.environ if environ is None else environ
     e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
     p = argparse.ArgumentParser(prog="pagedserve worker", description="Serve one model from a Redis request stream.")
-    p.add_argument("--model", default=e("model", None), help="local directory or hub id (default: the demo model)")
+    p.add_argument("--model", default=e("model", None), help=MODEL_HELP)
     p.add_argument("--redis-url", default=e("redis_url", DEFAULT_REDIS_URL))
     p.add_argument("--served-model-name", default=e("served_model_name", None), help="stream name (default: --model)")
     p.add_argument("--consumer", default=e("consumer", socket.gethostname()),
