@@ -3,7 +3,9 @@ prefill read K/V through the block tables, with no gathered copy of any context.
 
 The kernel takes, for every query token, its sequence and how many positions it sees (the whole
 context for a decode token, the positions up to its own for a prefill token). Float32 and bfloat16
-run natively; other dtypes and shapes past the kernel's limits go to the torch reference.
+run natively, over a cache of the same dtype or a quantized one (one-byte codes decoded through the
+format's table inside the loop, ``kernels/kv_format.py``); other dtypes and shapes past the
+kernel's limits go to the torch reference.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.checks import check_same, check_tables
+from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.native_build import load_library
 
 _I64 = ctypes.c_int64
@@ -25,17 +28,25 @@ class NativeAttention:
     """Decode and prefill launchers over one loaded library; the torch reference (with its own
     workspace) for what the kernel does not take."""
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, kv_format: KVFormat = AUTO) -> None:
         self._lib = load_library("paged_attention", cache_dir)
-        self._kernels = {torch.float32: self._lib.paged_attention_f32, torch.bfloat16: self._lib.paged_attention_bf16}
+        self.kv_format = kv_format
+        if kv_format.quantized:
+            self._kernels = {torch.float32: self._lib.paged_attention_f32_q8, torch.bfloat16: self._lib.paged_attention_bf16_q8}
+            self._table = kv_format.table("cpu").contiguous()
+        else:
+            self._kernels = {torch.float32: self._lib.paged_attention_f32, torch.bfloat16: self._lib.paged_attention_bf16}
+            self._table = None
         limits = [_I64(), _I64(), _I64()]
         self._lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
         self._max_dim, self._max_group, self._max_block = (x.value for x in limits)
         self._workspace = reference.Workspace()
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        heads, (_, block_size, kv_heads, dim) = q.shape[1], k_cache.shape
-        return (q.device.type == "cpu" and q.dtype in self._kernels and k_cache.dtype == q.dtype
+        heads, (_, block_size, kv_heads, _) = q.shape[1], k_cache.shape
+        dim = self.kv_format.head_dim(k_cache)
+        return (q.device.type == "cpu" and q.dtype in self._kernels
+                and k_cache.dtype == self.kv_format.storage_dtype(q.dtype)
                 and heads % kv_heads == 0 and heads // kv_heads <= self._max_group and dim <= self._max_dim
                 and block_size <= self._max_block)
 
@@ -43,7 +54,7 @@ class NativeAttention:
         """Same contract as ``reference.paged_attention_decode``."""
         if not self.supports(q, k_cache):
             return reference.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len,
-                                                    self._workspace, window, softcap)
+                                                    self._workspace, window, softcap, self.kv_format)
         check_tables(block_tables, seq_lens, q.shape[0])
         token_seq = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
         return self._run(q, k_cache, v_cache, block_tables, token_seq, seq_lens, scale, window, softcap)
@@ -53,7 +64,8 @@ class NativeAttention:
         """Same contract as ``reference.prefill_attention``."""
         if not self.supports(q, k_cache):
             return reference.prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                               max_query_len, max_seq_len, self._workspace, window, softcap)
+                                               max_query_len, max_seq_len, self._workspace, window, softcap,
+                                               self.kv_format)
         check_tables(block_tables, seq_lens, query_start_loc.shape[0] - 1)
         starts = query_start_loc.long()
         q_lens = starts[1:] - starts[:-1]
@@ -68,8 +80,8 @@ class NativeAttention:
         if k_cache.shape != v_cache.shape or v_cache.dtype != k_cache.dtype:
             raise ValueError(f"K and V caches differ: {tuple(k_cache.shape)} {k_cache.dtype} and "
                              f"{tuple(v_cache.shape)} {v_cache.dtype}")
-        if q.shape[-1] != k_cache.shape[-1]:
-            raise ValueError(f"q head_dim {q.shape[-1]} != cache head_dim {k_cache.shape[-1]}")
+        if q.shape[-1] != self.kv_format.head_dim(k_cache):
+            raise ValueError(f"q head_dim {q.shape[-1]} != cache head_dim {self.kv_format.head_dim(k_cache)}")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("caches must be contiguous")
         check_same(q.device, k_cache.device, v_cache.device, block_tables.device)
@@ -85,6 +97,7 @@ class NativeAttention:
             _PTR(q.data_ptr()), _PTR(k_cache.data_ptr()), _PTR(v_cache.data_ptr()), _PTR(tables.data_ptr()),
             _I64(tables.stride(0)), _PTR(token_seq.data_ptr()), _PTR(ctx_len.data_ptr()), _PTR(out.data_ptr()),
             _I64(num_tokens), _I64(heads), _I64(kv_heads), _I64(dim), _I64(block_size), ctypes.c_float(scale),
-            _I64(window), ctypes.c_float(softcap), ctypes.c_int(torch.get_num_threads()),
+            _I64(window), ctypes.c_float(softcap), _PTR(self._table.data_ptr() if self._table is not None else None),
+            ctypes.c_int(torch.get_num_threads()),
         )
         return out

@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.backends import BACKENDS
+from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.moe_reference import grouped_moe
 from pagedserve.kernels.native_attention import NativeAttention
 from pagedserve.kernels.native_build import NativeKernelUnavailable
@@ -38,7 +39,8 @@ class AttentionOps:
     backend: str = "torch"  # "triton" kernels can be captured in CUDA graphs; the reference cannot
 
 
-def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path | None = None) -> AttentionOps:
+def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path | None = None,
+               kv_format: KVFormat = AUTO) -> AttentionOps:
     """``auto``: Triton kernels on CUDA when triton imports (a warning and the torch references
     when it does not), the native C kernels on the CPU when they build (a warning and the torch
     references when they do not); ``triton`` and ``native`` fail clearly where they cannot run.
@@ -46,6 +48,9 @@ def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path |
     the system's temporary directory)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if kv_format.quantized and (backend == "triton" or (backend == "auto" and device.type == "cuda")):
+        raise ValueError(f"kv_cache_dtype {kv_format.name} runs on the CPU backends (native, torch) so far; "
+                         "the Triton kernels read only a cache at the model's dtype (kv_cache_dtype auto)")
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         try:
             return triton_ops()
@@ -55,29 +60,32 @@ def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path |
             log.warning("triton unavailable: using the torch attention reference", device=str(device), error=str(err))
     elif backend == "native" or (backend == "auto" and device.type == "cpu"):
         try:
-            return native_ops(kernel_cache or Path(tempfile.gettempdir()) / "pagedserve-kernels")
+            return native_ops(kernel_cache or Path(tempfile.gettempdir()) / "pagedserve-kernels", kv_format)
         except NativeKernelUnavailable as err:
             if backend == "native":
                 raise ValueError(f"attention backend 'native' cannot be built here: {err}") from err
             log.warning("native CPU kernels unavailable: using the torch attention reference", error=str(err))
-    return reference_ops()
+    return reference_ops(kv_format)
 
 
-def reference_ops() -> AttentionOps:
+def reference_ops(kv_format: KVFormat = AUTO) -> AttentionOps:
     """The torch references, with their own gather workspace (layers run one after another)."""
     workspace = reference.Workspace()
     return AttentionOps(
-        reference.store_kv, partial(reference.paged_attention_decode, workspace=workspace),
-        partial(reference.prefill_attention, workspace=workspace), reference.copy_blocks, reference.swap_blocks,
+        partial(reference.store_kv, kv_format=kv_format),
+        partial(reference.paged_attention_decode, workspace=workspace, kv_format=kv_format),
+        partial(reference.prefill_attention, workspace=workspace, kv_format=kv_format), reference.copy_blocks,
+        reference.swap_blocks,
     )
 
 
-def native_ops(kernel_cache: Path) -> AttentionOps:
+def native_ops(kernel_cache: Path, kv_format: KVFormat = AUTO) -> AttentionOps:
     """The C attention kernels for this CPU (built into ``kernel_cache`` on first use); K/V stores
     and block copies stay the torch ones, which are single index copies already, and the
     mixture-of-experts block the grouped torch loop."""
-    attention = NativeAttention(kernel_cache)
-    return AttentionOps(reference.store_kv, attention.decode, attention.prefill, reference.copy_blocks,
+    attention = NativeAttention(kernel_cache, kv_format)
+    return AttentionOps(partial(reference.store_kv, kv_format=kv_format), attention.decode, attention.prefill,
+                        reference.copy_blocks,
                         reference.swap_blocks, backend="native")
 
 

@@ -1,6 +1,8 @@
 """Plain PyTorch versions of the paged-KV kernels: the CPU path, and the oracle for the Triton ones.
 
-Cache layout (one K and one V tensor per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Cache layout (one K and one V tensor per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``
+(a quantized cache: uint8 rows of ``head_dim + 2``, ``kernels/kv_format.py``; the gathered context is
+decoded to float32 before attending).
 Block tables are ``int32 [num_seqs, max_blocks]``; a slot is ``block * block_size + offset``;
 a negative slot means "skip" (padding). Attention accumulates in float32.
 Everything is vectorised over the batch: no Python loop per sequence or token (decode splits a
@@ -12,18 +14,24 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from pagedserve.kernels.kv_format import AUTO, KVFormat
+
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_format: KVFormat = AUTO,
 ) -> None:
-    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots."""
+    """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the cache slots
+    (quantized into rows with their scale when ``kv_format`` says so)."""
     slots = slot_mapping.long()
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
-    heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, heads, dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    if kv_format.quantized:
+        key, value = kv_format.quantize(key), kv_format.quantize(value)
+    heads, width = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, heads, width).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, heads, width).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 class Workspace:
@@ -110,6 +118,7 @@ def paged_attention_decode(
     workspace: Workspace | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    kv_format: KVFormat = AUTO,
 ) -> torch.Tensor:
     """One query token per sequence over its whole context. ``q``/``out``: ``[num_seqs, num_heads, head_dim]``.
     ``max_seq_len``: ``seq_lens.max()`` when the caller knows it (saves reading it back).
@@ -119,19 +128,31 @@ def paged_attention_decode(
         return torch.empty_like(q)
     buckets = length_buckets(seq_lens)
     if buckets == [None]:
-        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_seq_len, window, softcap)
+        return _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_seq_len, window, softcap,
+                       kv_format)
     out = torch.empty_like(q)
     for idx in buckets:
         out[idx] = _decode(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale, workspace, window=window,
-                           softcap=softcap)
+                           softcap=softcap, kv_format=kv_format)
     return out
 
 
+def gather_values(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, workspace: Workspace | None,
+                  slot: str, kv_format: KVFormat) -> torch.Tensor:
+    """``gather_context``, decoded to float32 when the cache is quantized."""
+    rows = gather_context(cache, block_tables, max_len, workspace, slot)
+    if not kv_format.quantized:
+        return rows
+    out = workspace.take(slot + "f", (*rows.shape[:-1], kv_format.head_dim(cache)), rows, torch.float32) \
+        if workspace is not None else None
+    return kv_format.dequantize(rows, out)
+
+
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_len: int | None = None,
-            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+            window: int = 0, softcap: float = 0.0, kv_format: KVFormat = AUTO) -> torch.Tensor:
     max_len = max_len if max_len is not None else int(seq_lens.max())
-    k = gather_context(k_cache, block_tables, max_len, workspace, "k")
-    v = gather_context(v_cache, block_tables, max_len, workspace, "v")
+    k = gather_values(k_cache, block_tables, max_len, workspace, "k", kv_format)
+    v = gather_values(v_cache, block_tables, max_len, workspace, "v", kv_format)
     positions = torch.arange(max_len, device=q.device)
     lens = seq_lens[:, None].long()
     allowed = positions[None, :] < lens
@@ -153,6 +174,7 @@ def prefill_attention(
     workspace: Workspace | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    kv_format: KVFormat = AUTO,
 ) -> torch.Tensor:
     """Causal attention for variable-length query chunks whose earlier tokens are already cached
     (``window`` > 0: each query sees only its last ``window`` positions, itself included).
@@ -177,8 +199,8 @@ def prefill_attention(
     allowed = (k_pos[None, None, :] <= q_pos[:, :, None]) & valid_q[:, :, None]
     if window > 0:
         allowed &= k_pos[None, None, :] > q_pos[:, :, None] - window
-    k = gather_context(k_cache, block_tables, max_len, workspace, "k")
-    v = gather_context(v_cache, block_tables, max_len, workspace, "v")
+    k = gather_values(k_cache, block_tables, max_len, workspace, "k", kv_format)
+    v = gather_values(v_cache, block_tables, max_len, workspace, "v", kv_format)
     out = _attend(padded, k, v, allowed, scale, workspace, softcap)
     return out[valid_q].to(q.dtype)
 

@@ -17,6 +17,7 @@
     pagedserve bench structured [args]           structured outputs: throughput cost, compile time
     pagedserve bench scale [args]                1-32 simulated workers: shared vs prefix routing
     pagedserve bench dashboard [args]            the KV dashboard's snapshot: time and bytes by pool size
+    pagedserve bench kv-quality [args]           a quantized KV cache against the exact one, on real weights
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ BENCHES = {
     "structured": "pagedserve.bench.structured",
     "scale": "pagedserve.bench.scale",
     "dashboard": "pagedserve.bench.dashboard_snapshot",
+    "kv-quality": "pagedserve.bench.kv_quality",
 }
 
 

@@ -17,7 +17,7 @@ from pagedserve.shared.structured import StructuredOutputs
 MAX_LOGPROBS = 20
 MAX_SEQS = 64  # beam_width and best_of
 MAX_TOKEN_ID = 2**31
-OPTIONAL = frozenset({"seed", "logprobs", "best_of"})  # None means "not set"
+OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs", "best_of"})  # None means "not set"
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ BOUNDS: dict[str, Bound] = {
     "repetition_penalty": Bound(float, 0.0, 100.0, low_open=True),
     "seed": Bound(int, -(2**63), 2**63 - 1),
     "logprobs": Bound(int, 0, MAX_LOGPROBS),
+    "prompt_logprobs": Bound(int, 0, MAX_LOGPROBS),
     "best_of": Bound(int, 1, MAX_SEQS),  # and >= n
     "beam_width": Bound(int, 1, MAX_SEQS),
     "length_penalty": Bound(float, -10.0, 10.0),
@@ -70,6 +71,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     logprobs: int | None = None  # top-N alternatives per sampled token (the sampled one is always included)
+    # for every prompt position after the first: the logprob of the prompt's own token there and the
+    # top-N alternatives (vLLM's field; such a prompt is computed in full, never taken from the prefix cache)
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False

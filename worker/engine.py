@@ -18,6 +18,7 @@ from typing import Hashable, Sequence as Seq
 import structlog
 import torch
 
+from pagedserve.kernels.kv_format import kv_format
 from pagedserve.kernels.ops import select_ops
 from pagedserve.runtime.env import cache_dir
 from pagedserve.shared.prompts import check_token_ids
@@ -70,12 +71,13 @@ class Engine:
             block_bytes, num_gpu, num_cpu = 0, config.num_gpu_blocks or 4096, config.num_cpu_blocks or 0
             self.runner = SimulatedRunner(StepCost.parse(config.simulate), info.config.vocab_size, eos)
         else:
-            ops = select_ops(device, config.attention_backend, cache_dir() / "kernels")
+            kv = kv_format(config.kv_cache_dtype)
+            ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", kv)
             model = load_weights(info, ops, device)
-            block_bytes = kv_block_bytes(model, config.block_size, info.dtype)
+            block_bytes = kv_block_bytes(model, config.block_size, info.dtype, kv)
 
             def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
-                return ModelRunner(model, ops, device, info.dtype, config.block_size, num_gpu, num_cpu,
+                return ModelRunner(model, ops, device, info.dtype, kv, config.block_size, num_gpu, num_cpu,
                                    Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs)
 
             num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)

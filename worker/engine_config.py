@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pagedserve.kernels.backends import BACKENDS
+from pagedserve.kernels.backends import BACKENDS, KV_CACHE_DTYPES
 from pagedserve.runtime.env import checked, fraction, non_negative, positive
 from pagedserve.worker.core.config import BLOCK_SIZE, PREEMPTION_MODES, PreemptionMode
 from pagedserve.worker.core.step_cost import StepCost
@@ -54,6 +54,9 @@ class EngineConfig:
         "auto", "auto: Triton kernels on CUDA, the C kernel compiled for this CPU elsewhere (torch if it cannot be "
         "built); torch: the plain PyTorch reference", choices=BACKENDS)
     block_size: int = flag(BLOCK_SIZE, kind=positive(int))
+    kv_cache_dtype: str = flag("auto", "how K/V are stored: auto (the model's dtype) or one byte per element, with a "
+                               "bfloat16 scale per token and KV head (fp8 = fp8_e4m3; CPU backends so far)",
+                               choices=KV_CACHE_DTYPES)
     kv_cache_memory: int | None = flag(None, "bytes for the KV pool", kind=positive(int))
     num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (overrides --kv-cache-memory)",
                                       kind=positive(int))

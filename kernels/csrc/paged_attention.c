@@ -8,8 +8,10 @@
  * One task per (token, KV head) computes all the query heads that share that KV head (GQA),
  * block by block with an online softmax, in float32 whatever the storage type.
  *
- * Layouts (contiguous): q/out [T, Hq, D]; k/v cache [num_blocks, block_size, Hkv, D];
- * block_tables int32 [S, table_stride]. Built and loaded by kernels/native.py (ctypes).
+ * Layouts (contiguous): q/out [T, Hq, D]; k/v cache [num_blocks, block_size, Hkv, D], or, for a
+ * quantized cache (kernels/kv_format.py), uint8 rows [num_blocks, block_size, Hkv, D + 2]: D one-byte
+ * codes, decoded through `lut` (256 floats), then the row's bfloat16 scale; block_tables int32
+ * [S, table_stride]. Built and loaded by kernels/native_attention.py (ctypes).
  */
 #include <math.h>
 #include <stdint.h>
@@ -61,6 +63,27 @@ static inline float fast_expf(float x) {
 static inline float f32_load(const float *x) { return *x; }
 static inline void f32_store(float *x, float f) { *x = f; }
 
+/* The bfloat16 scale at the end of a quantized row (unaligned: read through memcpy). */
+static inline float scale_load(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return bf16_load(&h);
+}
+
+/* One cache row (a position's head_dim values of one KV head) into float32. */
+static inline void f32_row(float *dst, const float *src, int64_t n, const float *lut) {
+    (void)lut;
+    for (int64_t d = 0; d < n; d++) dst[d] = src[d];
+}
+static inline void bf16_row(float *dst, const uint16_t *src, int64_t n, const float *lut) {
+    (void)lut;
+    for (int64_t d = 0; d < n; d++) dst[d] = bf16_load(src + d);
+}
+static inline void byte_row(float *dst, const uint8_t *src, int64_t n, const float *lut) {
+    const float s = scale_load(src + n);
+    for (int64_t d = 0; d < n; d++) dst[d] = lut[src[d]] * s;
+}
+
 /* Limits the caller checks before choosing this kernel (kernels/native.py mirrors them). */
 int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_size) {
     *head_dim = MAX_HEAD_DIM;
@@ -69,13 +92,17 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
     return 0;
 }
 
-#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE)                                                          \
-    void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,                   \
+/* T: the type of q and out; C: the cache's element type, EXTRA the elements a row holds past its
+ * head_dim values (the scale of a quantized row), ROW the loader of one row. */
+#define DEFINE_PAGED_ATTENTION(NAME, T, LOAD, STORE, C, EXTRA, ROW)                                          \
+    void NAME(const T *q, const C *k_cache, const C *v_cache, const int32_t *block_tables,                   \
               int64_t table_stride, const int32_t *token_seq, const int32_t *ctx_len, T *out,                \
               int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,                 \
-              int64_t block_size, float scale, int64_t window, float softcap, int num_threads) {                                            \
+              int64_t block_size, float scale, int64_t window, float softcap, const float *lut,              \
+              int num_threads) {                                                                             \
         const int64_t group = num_heads / num_kv_heads;                                                      \
-        const int64_t row_stride = num_kv_heads * head_dim; /* one position to the next in a block */       \
+        const int64_t width = head_dim + (EXTRA);                                                            \
+        const int64_t row_stride = num_kv_heads * width; /* one position to the next in a block */          \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")                \
         for (int64_t t = 0; t < num_tokens; t++) {                                                           \
             for (int64_t h = 0; h < num_kv_heads; h++) {                                                     \
@@ -98,10 +125,10 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
                     const int64_t in_block = start % block_size, left = block_size - in_block;               \
                     const int64_t n = ctx - start < left ? ctx - start : left;                               \
                     const int64_t base = (((int64_t)table[start / block_size] * block_size + in_block)       \
-                                          * num_kv_heads + h) * head_dim;                                    \
-                    const T *kb = k_cache + base, *vb = v_cache + base;                                      \
+                                          * num_kv_heads + h) * width;                                       \
+                    const C *kb = k_cache + base, *vb = v_cache + base;                                      \
                     for (int64_t i = 0; i < n; i++) {                                                        \
-                        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(kb + i * row_stride + d);       \
+                        ROW(row, kb + i * row_stride, head_dim, lut);                                        \
                         for (int64_t g = 0; g < group; g++) {                                                \
                             const float *qg = qf + g * head_dim;                                             \
                             float s = 0.0f;                                                                  \
@@ -126,7 +153,7 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
                         for (int64_t d = 0; d < head_dim; d++) ag[d] *= rescale;                             \
                     }                                                                                        \
                     for (int64_t i = 0; i < n; i++) {                                                        \
-                        for (int64_t d = 0; d < head_dim; d++) row[d] = LOAD(vb + i * row_stride + d);       \
+                        ROW(row, vb + i * row_stride, head_dim, lut);                                        \
                         for (int64_t g = 0; g < group; g++) {                                                \
                             const float w = p[g * block_size + i];                                           \
                             float *ag = acc + g * head_dim;                                                  \
@@ -145,5 +172,7 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
         }                                                                                                    \
     }
 
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, f32_load, f32_store)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_PAGED_ATTENTION(paged_attention_f32, float, f32_load, f32_store, float, 0, f32_row)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, 0, bf16_row)
+DEFINE_PAGED_ATTENTION(paged_attention_f32_q8, float, f32_load, f32_store, uint8_t, 2, byte_row)
+DEFINE_PAGED_ATTENTION(paged_attention_bf16_q8, uint16_t, bf16_load, bf16_store, uint8_t, 2, byte_row)

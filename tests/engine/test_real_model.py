@@ -75,6 +75,28 @@ def test_logprobs_equal_transformers_log_softmax(llm, real_model):
     assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4, list(zip(got, expected))
 
 
+def test_prompt_logprobs_equal_transformers_in_chunks_after_a_cache_hit_and_a_preemption(real_model):
+    """Every prompt position's logprob of its own token, and the top-2: a prompt prefilled in
+    chunks of 48, asked again (its blocks are cached, but it is computed in full), and squeezed by
+    other requests into a preemption."""
+    prompt = real_model.chat_ids(" ".join(CHAT_PROMPTS[:8]))
+    expected = real_model.hf_logprobs(prompt[:1], prompt[1:])
+    llm = LLM(real_model.gguf, device="cpu", dtype="float32", num_gpu_blocks=16, max_num_batched_tokens=48, seed=0)
+    params = greedy(4, prompt_logprobs=2)
+    others = [real_model.chat_ids(p) for p in CHAT_PROMPTS[8:]]
+    runs = [run_checked(llm, [prompt], [params])[0], run_checked(llm, [prompt], [params])[0],
+            run_checked(llm, [*others, prompt], [greedy(60)] * len(others) + [params])[len(others)]]  # arrives last,
+    assert llm.engine.scheduler.stats.num_preemptions > 0  # so it is the one preempted
+    for out in runs:
+        entries = out.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        assert [e.token_id for e in entries[1:]] == prompt[1:]
+        assert max(abs(e.logprob - x) for e, x in zip(entries[1:], expected)) < 1e-4
+        for e in entries[1:]:
+            assert e.token_id in e.top_logprobs and 2 <= len(e.top_logprobs) <= 3
+            assert max(e.top_logprobs.values()) >= e.logprob
+
+
 @pytest.mark.parametrize("question", ["안녕하세요! 자기소개 해주세요.", "用中文介绍一下北京。",
                                       "Reply with three emoji that describe happiness 😀"])
 def test_streamed_text_equals_decode_across_multibyte_characters(llm, real_model, question):

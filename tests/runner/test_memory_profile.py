@@ -3,6 +3,7 @@
 import torch
 
 from pagedserve import LLM
+from pagedserve.kernels.kv_format import AUTO
 from pagedserve.kernels.ops import reference_ops
 from pagedserve.worker.engine_config import EngineConfig
 from pagedserve.worker.runner.beam_search import BeamSearcher
@@ -17,7 +18,7 @@ def test_the_worst_case_step_runs_within_its_scratch_pool(zoo):
     model, cpu = engine.runner.model, torch.device("cpu")
     blocks = profile_blocks_needed(300, 128, 16)
     assert blocks == 8
-    runner = ModelRunner(model, reference_ops(), cpu, torch.float32, 16, blocks, 0, Sampler(frozenset()), BeamSearcher(frozenset()))
+    runner = ModelRunner(model, reference_ops(), cpu, torch.float32, AUTO, 16, blocks, 0, Sampler(frozenset()), BeamSearcher(frozenset()))
     worst_case_step(runner, max_num_batched_tokens=300, max_num_seqs=9, max_model_len=128, vocab=model.config.vocab_size)
     assert runner.kv_pool.abs().sum() > 0  # the chunks wrote their K/V
 

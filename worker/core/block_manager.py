@@ -59,6 +59,9 @@ class PrefixHit:
     num_reclaimed: int  # how many of them are cached-free now, so taking them uses free capacity
 
 
+NO_HIT = PrefixHit((), (), 0)
+
+
 class BlockManager:
     def __init__(
         self,

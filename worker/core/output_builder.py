@@ -37,7 +37,8 @@ class OutputBuilder:
                 best = sorted(outputs, key=lambda o: -o.cumulative_logprob)[: req.params.n]
                 outputs = [replace(o, index=i) for i, o in enumerate(best)]
         queued = None if req.first_scheduled is None else max(0.0, req.first_scheduled - req.arrival)
-        return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.error, queued)
+        prompt = [None, *req.prompt_logprobs] if req.finished and req.params.prompt_logprobs is not None else None
+        return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.error, queued, prompt)
 
     def _completion(self, req: Request, seq: Sequence) -> CompletionOutput:
         seen, text, delta = self._detokenize(req, seq)

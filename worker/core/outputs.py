@@ -27,3 +27,5 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     queued_s: float | None = None  # seconds from arrival to first scheduled (None: not run yet)
+    # with prompt_logprobs, once finished: None for the first prompt token, then one SampledToken a position
+    prompt_logprobs: list[SampledToken | None] | None = None

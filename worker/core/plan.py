@@ -32,6 +32,7 @@ class ScheduledSeq:
     beam_group: tuple[int, ...] = ()  # beam search: the request's live beams (seq ids), in order
     grammar: object = None  # the sequence's GrammarState when its output is constrained (sampling rows only)
     seq_len: int = 0  # the sequence's length now, computed or not (rope that changes with length reads it)
+    prompt_targets: tuple[int, ...] = ()  # prompt_logprobs: the prompt token after each of the first positions
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +89,7 @@ class BeamStep:
 class StepResult:
     samples: Mapping[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # seq id -> num_samples tokens
     beams: Mapping[str, BeamStep] = field(default_factory=dict)  # request id -> its step, when all beams had logits
+    prompt_logprobs: Mapping[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # seq id -> its targets'
 
 
 @dataclass

@@ -94,6 +94,7 @@ class Request:
     resumed: int = 0  # output tokens a client already had when this request was re-sent (Resume)
     first_scheduled: float | None = None  # when it first ran, on the scheduler's clock (queue time)
     grammar: Future | None = None  # the compiled constraint (a pristine GrammarState) while it is built
+    prompt_logprobs: list = field(default_factory=list)  # with params.prompt_logprobs: prompt positions 1.. so far
     _prompt_hashes: dict = field(default_factory=dict, repr=False)  # salt -> the prompt's block-hash chain
 
     def prompt_hashes(self, block_size: int, salt: Hashable) -> list[int]:

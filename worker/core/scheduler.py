@@ -25,7 +25,7 @@ from typing import Callable, Hashable, Sequence as Seq
 
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.block_manager import BlockManager, PrefixHit
+from pagedserve.worker.core.block_manager import NO_HIT, BlockManager, PrefixHit
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.detokenizer import Detokenizer
 from pagedserve.worker.core.grammar import grammar_error, start_state
@@ -219,7 +219,7 @@ class Scheduler:
                 return
             if not self._start_grammar(req):
                 continue
-            hits = {s.seq_id: self._match(req, s) for s in req.live_seqs}
+            hits = {s.seq_id: self._match(req, s) if req.params.prompt_logprobs is None else NO_HIT for s in req.live_seqs}
             reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
             sizes, budget, new_blocks = [], step.budget, 0
             for seq in req.live_seqs:
@@ -284,8 +284,15 @@ class Scheduler:
             self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
-            seq.grammar if samples else None, seq.num_tokens,
+            seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
         )
+
+    @staticmethod
+    def _prompt_targets(req: Request, seq: Sequence, start: int, count: int) -> tuple[int, ...]:
+        """prompt_logprobs: the prompt tokens that positions ``start..`` of this chunk predict."""
+        if req.params.prompt_logprobs is None or seq.index != 0 or start + 1 >= seq.prompt_len:
+            return ()
+        return tuple(req.prompt_ids[start + 1 : min(start + count + 1, seq.prompt_len)])
 
     def _preempt(self, req: Request, step: StepBuilder) -> None:
         ids = [s.seq_id for s in req.live_seqs]

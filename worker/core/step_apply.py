@@ -38,6 +38,8 @@ class StepApplier:
                                                    req.prompt_hashes(self.config.block_size, key))
             if self.sliding_window:  # the next query is at num_computed and sees positions > it - W
                 self.table.blocks.release_before(seq.seq_id, seq.num_computed - self.sliding_window + 1)
+            if item.prompt_targets:
+                _record_prompt_logprobs(req, item.start, result.prompt_logprobs[item.seq_id])
             if item.num_samples == 0 or req.params.use_beam_search:
                 continue  # beam requests take their next tokens from ``result.beams``
             tokens = list(result.samples[item.seq_id])
@@ -108,3 +110,13 @@ def _grammar_stop(grammar, token: int) -> FinishReason | None:
     if not grammar.consume_token(token):
         return FinishReason.ERROR
     return FinishReason.STOP if grammar.is_stopped() else None
+
+
+def _record_prompt_logprobs(req: Request, start: int, entries: tuple[SampledToken, ...]) -> None:
+    """Keep the entries of prompt positions not recorded yet (a prompt computed again after a
+    preemption gives them a second time). Entry k is position k + 1's token."""
+    skip = len(req.prompt_logprobs) - start
+    if skip < 0:
+        raise ValueError(f"request {req.request_id}: prompt logprobs from position {start + 1}, "
+                         f"{len(req.prompt_logprobs)} recorded")
+    req.prompt_logprobs.extend(entries[skip:])

@@ -10,13 +10,14 @@ no scheduling decision.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
+from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.core.plan import ScheduledSeq, StepPlan, StepResult
+from pagedserve.worker.core.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
 from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
@@ -28,17 +29,21 @@ from pagedserve.worker.runner.sampler import Sampler
 class StepLogits:
     logits: torch.Tensor  # float32 [num_rows, vocab]
     items: tuple[ScheduledSeq, ...]  # the sampling sequence of each row
+    prompt: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # prompt_logprobs, by seq id
 
 
-def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V, all layers, for one block."""
-    elem = torch.empty((), dtype=dtype, device="meta").element_size()
-    return 2 * len(model.model.layers) * block_size * model.num_kv_heads * model.head_dim * elem
+PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are taken at once
+
+
+def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype, kv: KVFormat = AUTO) -> int:
+    """Bytes of K and V, all layers, for one block (a quantized row's scale included)."""
+    elem = kv.bytes_per_element(dtype)
+    return 2 * len(model.model.layers) * block_size * model.num_kv_heads * kv.row_width(model.head_dim) * elem
 
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype,
+        self, model: CausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype, kv: KVFormat,
         block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler, beams: BeamSearcher,
         graph_limits: GraphLimits | None = None,
     ) -> None:
@@ -46,7 +51,8 @@ class ModelRunner:
         self.sampler, self.beams = sampler, beams
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         layers = len(model.model.layers)
-        shape = (2 * layers, num_gpu_blocks, block_size, model.num_kv_heads, model.head_dim)
+        shape = (2 * layers, num_gpu_blocks, block_size, model.num_kv_heads, kv.row_width(model.head_dim))
+        dtype = kv.storage_dtype(dtype)
         with tqdm(total=2, desc="allocating KV cache", unit="pool", leave=False, disable=None) as bar:
             # K and V of every layer in one tensor, so block copies and swaps are one operation.
             self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
@@ -103,7 +109,7 @@ class ModelRunner:
             samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
-        return StepResult(samples, beams)
+        return StepResult(samples, beams, step.prompt)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -114,7 +120,8 @@ class ModelRunner:
         if not items:
             return StepLogits(torch.empty(0, 0, device=self.device), ())
         sampling = [i for i, s in enumerate(items) if s.num_samples]
-        if self.graphs is not None and self.graphs.can_run(items):
+        wants_prompt = any(s.prompt_targets for s in items)
+        if self.graphs is not None and not wants_prompt and self.graphs.can_run(items):
             logits = self.graphs.run(items)
             rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
             return StepLogits(logits[rows], tuple(items[i] for i in sampling))
@@ -132,7 +139,25 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches,
         )
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=dev)
-        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling))
+        prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
+                  for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
+        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, first: int, item: ScheduledSeq) -> tuple[SampledToken, ...]:
+        """Each chunk position's log-softmax at the prompt token after it, and the top-N, in slices
+        of rows (a long chunk's full logits would be chunk x vocab floats at once)."""
+        top_n, targets = item.params.prompt_logprobs, item.prompt_targets
+        out: list[SampledToken] = []
+        for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            hi = min(lo + PROMPT_LOGPROB_ROWS, len(targets))
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo : first + hi]).float(), dim=-1)
+            wanted = torch.tensor(targets[lo:hi], dtype=torch.int64, device=logprobs.device)
+            chosen = logprobs.gather(1, wanted[:, None])[:, 0].tolist()
+            best = logprobs.topk(top_n, dim=-1) if top_n else None
+            for k, (token, logprob) in enumerate(zip(targets[lo:hi], chosen)):
+                alternatives = dict(zip(best.indices[k].tolist(), best.values[k].tolist())) if best is not None else {}
+                out.append(SampledToken(token, logprob, {**alternatives, token: logprob}))
+        return tuple(out)
 
     def _metadata(self, items: list[ScheduledSeq], num_decodes: int, slots: list[int]) -> AttentionMetadata:
         dev = self.device

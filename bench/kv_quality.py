@@ -1,0 +1,65 @@
+"""What a quantized KV cache costs in quality, on real weights: the default model (SmolLM2-135M-
+Instruct) reads a public-domain text (``bench/texts/declaration.txt``, 2,024 tokens) teacher-forced
+through ``prompt_logprobs``, once per ``--kv-cache-dtype``, prefilled in chunks so that every chunk
+attends over the cache the earlier ones left. Against the model-dtype cache: next-token top-1
+agreement and perplexity.
+
+    python -m pagedserve.bench.kv_quality [--model M] [--chunk 512] [--dtypes auto int8 fp8_e4m3 fp8_e5m2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from importlib import resources
+
+from pagedserve.bench.table import print_table
+from pagedserve.kernels.backends import KV_CACHE_DTYPES
+from pagedserve.shared.sampling import SamplingParams
+
+
+def text() -> str:
+    return resources.files("pagedserve.bench").joinpath("texts/declaration.txt").read_text(encoding="utf-8")
+
+
+def read(model: str | None, kv_cache_dtype: str, chunk: int, dtype: str = "float32") -> list:
+    """The prompt logprob entries (top-1 alternatives included) of the text under one cache dtype."""
+    from pagedserve import LLM
+
+    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=chunk, num_gpu_blocks=256)
+    ids = llm.tokenizer.encode(text(), add_special_tokens=False)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    return out.prompt_logprobs[1:]
+
+
+def compare(reference: list, quantized: list) -> dict:
+    def top1(entry) -> int:
+        return max(entry.top_logprobs.items(), key=lambda kv: kv[1])[0]
+
+    agree = sum(top1(a) == top1(b) for a, b in zip(reference, quantized)) / len(reference)
+    ppl = math.exp(-sum(e.logprob for e in quantized) / len(quantized))
+    ref_ppl = math.exp(-sum(e.logprob for e in reference) / len(reference))
+    return {"positions": len(quantized), "top1_agreement": round(agree, 4), "perplexity": round(ppl, 3),
+            "perplexity_change": round(ppl / ref_ppl - 1, 4)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: the default model")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+                    choices=KV_CACHE_DTYPES)
+    args = ap.parse_args(argv)
+    reference = read(args.model, "auto", args.chunk)
+    rows = [{"kv_cache_dtype": name, **compare(reference, reference if name == "auto" else read(args.model, name, args.chunk))}
+            for name in args.dtypes]
+    print(json.dumps({"bench": "kv_quality", "model": args.model or "default", "chunk": args.chunk, "results": rows}))
+    print_table(rows, [(k, lambda r, k=k: r[k]) for k in ("kv_cache_dtype", "positions", "top1_agreement", "perplexity",
+                                                          "perplexity_change")])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

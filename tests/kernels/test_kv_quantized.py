@@ -1,0 +1,106 @@
+"""A quantized KV cache (``kernels/kv_format.py``): codes and scales round trip within the format's
+step, and every CPU backend attends over the quantized blocks exactly as plain attention over the
+whole cache decoded up front (block sizes 1/7/16, GQA and MHA, sliding window, soft cap)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import reference
+from pagedserve.kernels.kv_format import FORMATS, kv_format
+from pagedserve.kernels.native_attention import NativeAttention
+from pagedserve.kernels.native_build import NativeKernelUnavailable
+from pagedserve.kernels.ops import reference_ops
+from tests.paged_cases import make_case
+
+QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
+RELATIVE_STEP = {"int8": 1 / 127, "fp8_e4m3": 2**-3, "fp8_e5m2": 2**-2}  # of the row's absmax / of the value
+
+
+@pytest.fixture(scope="module")
+def native_for(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kernels")
+
+    def build(name: str) -> NativeAttention:
+        try:
+            return NativeAttention(folder, kv_format(name))
+        except NativeKernelUnavailable as err:
+            pytest.skip(f"no native kernels here: {err}")
+
+    return build
+
+
+def test_the_names_are_vllms_plus_int8():
+    assert kv_format("fp8") is FORMATS["fp8_e4m3"] and not kv_format("auto").quantized
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, int8"):
+        kv_format("fp4")
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_rows_round_trip_within_a_step(name):
+    fmt = kv_format(name)
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[0] = 0  # an all-zero row decodes to zeros
+    rows = fmt.quantize(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (50, 3, 66)
+    back = fmt.dequantize(rows)
+    absmax = x.abs().amax(-1, keepdim=True)
+    if name == "int8":
+        bound = absmax * (RELATIVE_STEP[name] / 2 + 4e-3)  # half a step; the largest may clamp by the scale's rounding
+    else:
+        bound = x.abs() * RELATIVE_STEP[name] / 2 + absmax * 4e-3 + absmax / fmt.largest * 2**-6  # and subnormals
+    assert bool((back - x).abs().le(bound).all())
+    assert bool(back[0].eq(0).all())
+
+
+def quantized_case(name: str, block_size: int, kv_heads: int, lengths: list[int]):
+    """A paged case whose caches went through ``store_kv`` quantized, and the same caches decoded."""
+    fmt = kv_format(name)
+    plain = make_case(lengths, block_size, kv_heads, 64)
+    k_rows, v_rows = (torch.zeros((*c.shape[:3], 66), dtype=torch.uint8) for c in (plain.k_cache, plain.v_cache))
+    slots = torch.arange(plain.k_cache.shape[0] * block_size)
+    flat = lambda c: c.reshape(-1, kv_heads, 64)  # noqa: E731
+    reference.store_kv(flat(plain.k_cache), flat(plain.v_cache), k_rows, v_rows, slots, kv_format=fmt)
+    plain.k_cache, plain.v_cache = fmt.dequantize(k_rows), fmt.dequantize(v_rows)
+    return plain, k_rows, v_rows
+
+
+def backends(name: str, native_for):
+    ops = reference_ops(kv_format(name))
+    native = native_for(name)
+    return {"torch": (ops.decode, ops.prefill), "native": (native.decode, native.prefill)}
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (16, 0.0), (0, 2.0)])
+def test_every_backend_reads_quantized_blocks_as_the_decoded_cache(native_for, name, block_size, heads, kv_heads,
+                                                                   window, softcap):
+    lengths = [1, 9, 16, 17, 40, 97]
+    case, k_rows, v_rows = quantized_case(name, block_size, kv_heads, lengths)
+    q = torch.randn(len(lengths), heads, 64) * (3.0 if softcap else 1.0)
+    expected = reference.paged_attention_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125,
+                                                window=window, softcap=softcap)
+    starts = torch.tensor([0, 1, 3, 8, 9, 25, 41], dtype=torch.int32)  # chunks of 1, 2, 5, 1, 16, 16 tokens
+    qp = torch.randn(41, heads, 64)
+    expected_prefill = reference.prefill_attention(qp, case.k_cache, case.v_cache, case.block_tables, starts,
+                                                   case.seq_lens, 0.125, window=window, softcap=softcap)
+    for backend, (decode, prefill) in backends(name, native_for).items():
+        out = decode(q, k_rows, v_rows, case.block_tables, case.seq_lens, 0.125, window=window, softcap=softcap)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=f"{backend} decode")
+        out = prefill(qp, k_rows, v_rows, case.block_tables, starts, case.seq_lens, 0.125, window=window,
+                      softcap=softcap)
+        torch.testing.assert_close(out, expected_prefill, atol=2e-5, rtol=2e-5, msg=f"{backend} prefill")
+
+
+def test_bfloat16_queries_read_a_quantized_cache_natively(native_for):
+    case, k_rows, v_rows = quantized_case("int8", 16, 2, [5, 40, 97])
+    q = torch.randn(3, 4, 64).to(torch.bfloat16)
+    native = native_for("int8")
+    assert native.supports(q, k_rows)
+    out = native.decode(q, k_rows, v_rows, case.block_tables, case.seq_lens, 0.125)
+    expected = reference.paged_attention_decode(q.float(), case.k_cache, case.v_cache, case.block_tables,
+                                                case.seq_lens, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
