@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.kernels.backends import KV_CACHE_DTYPES
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.demo_model import build_model
 from pagedserve.worker.gguf_model_dir import LINK as GGUF_LINK
@@ -43,18 +44,20 @@ def workload(seed: int, count: int, vocab: int) -> list[tuple[list[int], int]]:
     ]
 
 
-def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batched: int, eager: bool) -> dict:
+def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batched: int, eager: bool,
+                   kv_cache_dtype: str = "auto") -> dict:
     from pagedserve import LLM
 
     llm = LLM(path, dtype=dtype, kv_cache_memory=kv_bytes, max_num_batched_tokens=max_batched, max_num_seqs=256,
-              enforce_eager=eager)
+              enforce_eager=eager, kv_cache_dtype=kv_cache_dtype)
     llm.generate(work[0][0], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up (kernel compilation on CUDA)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     start = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params, use_tqdm=True)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    name = "pagedserve" + (" (CUDA graphs)" if llm.engine.runner.graphs is not None else "")
+    name = "pagedserve" + (" (CUDA graphs)" if llm.engine.runner.graphs is not None else "") + \
+        (f" kv {kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
     return {"engine": name, "seconds": round(seconds, 2), "output_tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 1), "preemptions": llm.engine.stats()["num_preemptions_total"]}
 
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--no-baseline", action="store_true", help="skip transformers (pagedserve alone)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model is not None:
@@ -112,21 +117,23 @@ def main(argv: list[str] | None = None) -> int:
             build_model(model_dir, "llama", **model, seed=0, device=device, dtype=args.dtype)
     kv_bytes = args.kv_cache_memory if args.kv_cache_memory or device == "cuda" else 3 << 30
     work = workload(args.seed, args.requests, model.get("padded_vocab_size") or model["vocab_size"])
-    ours = run_pagedserve(model_dir, work, args.dtype, kv_bytes, args.max_num_batched_tokens, args.enforce_eager)
-    base = run_transformers(model_dir, work, args.dtype, args.hf_batch, device)
+    ours = run_pagedserve(model_dir, work, args.dtype, kv_bytes, args.max_num_batched_tokens, args.enforce_eager,
+                          args.kv_cache_dtype)
+    base = None if args.no_baseline else run_transformers(model_dir, work, args.dtype, args.hf_batch, device)
     result = {
         "bench": "offline_throughput", "requests": args.requests, "dtype": args.dtype, "device": device,
         "threads": torch.get_num_threads(), "preset": None if args.model else args.preset, "model": model,
-        "results": [ours, base],
-        "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 2),
+        "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_memory": kv_bytes, "results": [r for r in (ours, base) if r],
+        "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 2) if base else None,
     }
     print(json.dumps(result))
     if args.out:
         args.out.write_text(json.dumps(result) + "\n")
-    print(f"{'engine':<36} {'seconds':>8} {'out tokens':>10} {'tok/s':>8}")
-    for r in (ours, base):
-        print(f"{r['engine']:<36} {r['seconds']:>8} {r['output_tokens']:>10} {r['tokens_per_s']:>8}")
-    print(f"ratio pagedserve / static batching: {result['ratio']}x")
+    print(f"{'engine':<36} {'seconds':>8} {'out tokens':>10} {'tok/s':>8} {'preemptions':>11}")
+    for r in result["results"]:
+        print(f"{r['engine']:<36} {r['seconds']:>8} {r['output_tokens']:>10} {r['tokens_per_s']:>8} {r.get('preemptions', ''):>11}")
+    if base:
+        print(f"ratio pagedserve / static batching: {result['ratio']}x")
     return 0
 
 

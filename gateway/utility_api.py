@@ -82,6 +82,8 @@ async def models(request: web.Request) -> web.Response:
     for name in await state.live_models():
         entry = {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": name, "parent": None}
         if name == state.settings.served_model_name:
-            entry["max_model_len"] = await state.context_limit()
+            workers = await state.workers.workers(name)
+            entry["max_model_len"] = workers.context_limit
+            entry["kv_cache_dtype"] = ",".join(workers.kv_cache_dtypes)  # the live workers' (one, unless mixed)
         data.append(entry)
     return web.json_response({"object": "list", "data": data})

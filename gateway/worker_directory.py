@@ -34,6 +34,10 @@ class Workers:
         return min((w.max_model_len for w in self.infos), default=None)
 
     @property
+    def kv_cache_dtypes(self) -> list[str]:
+        return sorted({w.kv_cache_dtype for w in self.infos})
+
+    @property
     def vocab_size(self) -> int | None:
         return min((w.vocab_size for w in self.infos), default=None)
 

@@ -9,7 +9,7 @@ so everything that moves whole blocks (copy-on-write, swap, the prefix cache, sl
 release) carries it without knowing it is there, and a block's bytes are simply its tensor's.
 Scales are per token and head (absmax / the format's largest value), set once when the token is
 stored: no calibration, no requantization when a block fills up. Codes are decoded through a
-256-entry table (the C kernel uses the same one).
+256-entry table (the C kernel uses the same one for fp8; int8 it converts arithmetically).
 """
 
 from __future__ import annotations

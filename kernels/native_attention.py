@@ -20,6 +20,7 @@ from pagedserve.kernels.checks import check_same, check_tables
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.native_build import load_library
 
+QUANTIZED_KERNELS = {"int8": "i8"}  # format -> kernel suffix; the others decode by table
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -32,7 +33,9 @@ class NativeAttention:
         self._lib = load_library("paged_attention", cache_dir)
         self.kv_format = kv_format
         if kv_format.quantized:
-            self._kernels = {torch.float32: self._lib.paged_attention_f32_q8, torch.bfloat16: self._lib.paged_attention_bf16_q8}
+            suffix = QUANTIZED_KERNELS.get(kv_format.name, "q8")  # arithmetic decoding where there is one, else the table
+            self._kernels = {torch.float32: getattr(self._lib, f"paged_attention_f32_{suffix}"),
+                             torch.bfloat16: getattr(self._lib, f"paged_attention_bf16_{suffix}")}
             self._table = kv_format.table("cpu").contiguous()
         else:
             self._kernels = {torch.float32: self._lib.paged_attention_f32, torch.bfloat16: self._lib.paged_attention_bf16}

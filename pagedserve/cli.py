@@ -18,6 +18,7 @@
     pagedserve bench scale [args]                1-32 simulated workers: shared vs prefix routing
     pagedserve bench dashboard [args]            the KV dashboard's snapshot: time and bytes by pool size
     pagedserve bench kv-quality [args]           a quantized KV cache against the exact one, on real weights
+    pagedserve bench kv-decode [args]            decode attention over an 8-bit cache vs the model-dtype one
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ BENCHES = {
     "scale": "pagedserve.bench.scale",
     "dashboard": "pagedserve.bench.dashboard_snapshot",
     "kv-quality": "pagedserve.bench.kv_quality",
+    "kv-decode": "pagedserve.bench.kv_decode",
 }
 
 

@@ -23,6 +23,8 @@ class WorkerInfo:
     block_size: int  # with rope_switch: how it hashes a prompt's blocks (prefix routing)
     rope_switch: int
     max_num_seqs: int
+    kv_cache_dtype: str = "auto"  # how its KV cache stores K/V (--kv-cache-dtype)
+    kv_bytes_per_token: int = 0  # the KV cache's bytes for one token, all layers, scales included
     running: int = 0
     waiting: int = 0  # requests read (or taken from its own stream) but not running yet
     draining: bool = False  # stopping: it takes nothing new

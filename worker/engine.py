@@ -83,6 +83,7 @@ class Engine:
             num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
             num_cpu = config.cpu_blocks(block_bytes)
             self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
+        self.kv_bytes_per_token = block_bytes // config.block_size
         self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -99,7 +100,8 @@ class Engine:
         log.info(
             "kv cache allocated", sampling_defaults=self.sampling_defaults or "none", device=str(device), dtype=str(info.dtype).replace("torch.", ""),
             gpu_blocks=num_gpu, cpu_blocks=num_cpu, block_size=config.block_size,
-            kv_bytes=num_gpu * block_bytes, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
+            kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype,
+            kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
 
     def _pool_blocks(self, make_runner, block_bytes: int, device: torch.device, max_len: int, vocab: int) -> int:
@@ -153,16 +155,20 @@ class Engine:
         """The engine's numbers (``worker/core/engine_stats.py``); on the engine thread."""
         return engine_stats(self.scheduler)
 
-    def limits(self) -> dict[str, int]:
+    def limits(self) -> dict[str, int | str]:
         """The facts fixed when the engine started that a gateway needs (``shared/worker_info.py``):
-        its context, the token ids it accepts, how it hashes blocks, its capacity."""
+        its context, the token ids it accepts, how it hashes blocks, its capacity, its KV cache's
+        format and bytes per token."""
         config = self.scheduler.config
         return {"max_model_len": config.max_model_len, "vocab_size": self.info.config.vocab_size,
-                "block_size": config.block_size, "rope_switch": config.rope_switch, "max_num_seqs": config.max_num_seqs}
+                "block_size": config.block_size, "rope_switch": config.rope_switch, "max_num_seqs": config.max_num_seqs,
+                "kv_cache_dtype": self.config.kv_cache_dtype, "kv_bytes_per_token": self.kv_bytes_per_token}
 
     def kv_snapshot(self) -> dict:
-        """What the KV dashboard shows of this engine (``worker/core/kv_snapshot.py``)."""
-        return kv_snapshot(self.scheduler)
+        """What the KV dashboard shows of this engine (``worker/core/kv_snapshot.py``), with how its
+        cache stores K/V."""
+        return {**kv_snapshot(self.scheduler), "kv_cache_dtype": self.config.kv_cache_dtype,
+                "kv_bytes_per_token": self.kv_bytes_per_token}
 
     def record_kv_events(self, events: KvEvents | None) -> None:
         """Have ``events`` told each block hash the prefix cache publishes or drops (for routing)."""

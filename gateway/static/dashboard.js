@@ -157,8 +157,9 @@
     drawPool(w.view.gpu, w.gpu, "gpu");
     drawPool(w.view.cpu, w.cpu, "cpu");
     const per = (pool) => (pool.group > 1 ? ` (a cell: ${pool.group} blocks, its most shared)` : "");
+    const cache = w.snap.kv_cache_dtype ? ` · KV ${w.snap.kv_cache_dtype}, ${w.snap.kv_bytes_per_token} bytes a token` : "";
     w.view.root.querySelector(".gpu-caption").textContent = `GPU pool: ${f.total} blocks of ${w.snap.block_size} tokens${per(w.gpu)}` +
-      ` · snapshot taken in ${w.snap.took_ms} ms`;
+      `${cache} · snapshot taken in ${w.snap.took_ms} ms`;
     w.view.root.querySelector(".cpu-caption").textContent = f.cpu_total ? `CPU pool (swap): ${f.cpu_total} blocks${per(w.cpu)}` : "no CPU swap space";
     const windowed = w.history.find((p) => p.t >= last.t - 10) || last;
     const recentQueries = last.queries - windowed.queries;

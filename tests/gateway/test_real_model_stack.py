@@ -19,7 +19,9 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": 
 def client(real_model):
     from openai import OpenAI
 
-    with LocalStack(model=str(real_model.gguf), extra_worker_args=("--num-gpu-blocks", "512")) as stack:
+    # the 8-bit cache through the stack too: the answers below hold on it
+    with LocalStack(model=str(real_model.gguf), extra_worker_args=("--num-gpu-blocks", "512", "--kv-cache-dtype", "int8")) \
+            as stack:
         yield OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0), stack.served_model_name
 
 
@@ -31,7 +33,9 @@ def chat(client, content: str, **fields):
 
 def test_the_model_is_listed_under_the_name_it_was_served_as(client, real_model):
     sdk, model = client
-    assert model == str(real_model.gguf) and [m.id for m in sdk.models.list().data] == [model]
+    (card,) = sdk.models.list().data
+    assert model == str(real_model.gguf) and card.id == model
+    assert card.model_extra["max_model_len"] == 8192 and card.model_extra["kv_cache_dtype"] == "int8"
 
 
 @pytest.mark.parametrize("question", ["What is the capital of France?", "用中文介绍一下北京。"])
