@@ -68,7 +68,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
         events = _merged(boxes, deadline)
         if parsed.stream:
             return await _stream(request, state, parsed, renderer, events, tally, [len(p) for p in prompts])
-        return await _collect(state, parsed, renderer, events, len(prompts), tally)
+        return await _collect(state, parsed, renderer, events, prompts, tally)
     finally:
         await asyncio.shield(state.cancel([b.wire_id for b in boxes if not b.done], "client gone"))
         for box in boxes:
@@ -129,10 +129,12 @@ def _account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tal
         state.metrics.requests.labels(parsed.model, event.finish_reason or "unknown").inc()
 
 
-async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, num_prompts: int, tally: Tally) -> web.Response:
+async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, prompts: list[list[int]],
+                   tally: Tally) -> web.Response:
     n = parsed.params.n
-    choices = [Choice(i) for i in range(num_prompts * n)]
+    choices = [Choice(i) for i in range(len(prompts) * n)]
     prompt_tokens = completion_tokens = 0
+    prompt_entries: dict[int, list] = {}
     async for index, event in events:
         _account(state, parsed, event, tally, time.monotonic())
         if event.done and event.finish_reason == "error":
@@ -142,8 +144,29 @@ async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, num
         if event.done and event.usage:
             prompt_tokens += event.usage["prompt_tokens"]
             completion_tokens += event.usage["completion_tokens"]
+        if event.prompt_logprobs is not None:
+            prompt_entries[index] = event.prompt_logprobs
     state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - tally.started)
+    if parsed.echo:
+        _echo(state, parsed, choices, prompts, prompt_entries)
     return web.json_response(renderer.response(choices, usage(prompt_tokens, completion_tokens)))
+
+
+def _echo(state, parsed: ParsedRequest, choices: list[Choice], prompts: list[list[int]],
+          prompt_entries: dict[int, list]) -> None:
+    """Put each prompt before its choices: its text as sent (decoded when sent as token ids) and,
+    with logprobs, its tokens' entries (the first token has no logprob)."""
+    sent = parsed.prompt if isinstance(parsed.prompt, list) else [parsed.prompt]
+    for index, ids in enumerate(prompts):
+        text = sent[index] if isinstance(sent[index], str) else state.tokenizer.decode(ids)
+        entries = []
+        if parsed.params.prompt_logprobs is not None:
+            wire = prompt_entries.get(index) or [None]
+            first = {"token_id": ids[0], "token": state.tokenizer.decode(ids[:1]), "logprob": None, "top": None,
+                     "top_tokens": {}}
+            entries = [first, *wire[1:]]
+        for k in range(parsed.params.n):
+            choices[index * parsed.params.n + k].echo(text, entries)
 
 
 async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, events, tally: Tally,

@@ -11,7 +11,8 @@ from pagedserve.gateway.schemas import MAX_USER_LEN, PRIORITY_RANGE, Limits
 from pagedserve.shared.sampling import BOUNDS, MAX_TOKEN_ID
 
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": 256}
-_BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items() if name not in ("logprobs", "best_of")}
+_BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items()
+            if name not in ("logprobs", "best_of", "prompt_logprobs")}  # prompt_logprobs: echo + logprobs over HTTP
 _SAMPLING = {
     **_BOUNDED,
     "stop": {"oneOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": 4}]},
@@ -143,7 +144,8 @@ def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits(), serv
         "components": {"schemas": {
             **RESPONSES,
             "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "allOf": [_BEAM_RULE], "properties": {
-                **sampling, **_nullable({"logprobs": BOUNDS["logprobs"].json_schema(), "best_of": capped["best_of"]}),
+                **sampling, **_nullable({"logprobs": BOUNDS["logprobs"].json_schema(), "best_of": capped["best_of"],
+                                         "echo": {"type": "boolean"}}),
                 "prompt": prompt}},
             "ChatRequest": {"type": "object", "required": ["model", "messages"], "allOf": [_BEAM_RULE, _TOP_LOGPROBS_RULE],
                             "properties": {

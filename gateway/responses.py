@@ -22,6 +22,11 @@ class Choice:
         self.logprobs.extend(delta.logprobs or [])
         self.finish_reason = delta.finish_reason or self.finish_reason
 
+    def echo(self, prompt: str, entries: list[dict]) -> None:
+        """``echo``: the prompt's text (and its tokens' logprob entries) before the generated ones."""
+        self.text = prompt + self.text
+        self.logprobs[:0] = entries
+
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -101,7 +106,9 @@ class Renderer:
             offsets.append(pos)
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{e["top_tokens"][t]: lp for t, lp in e["top"].items()} for e in entries], "text_offset": offsets}
+                "top_logprobs": [None if e["top"] is None else {e["top_tokens"][t]: lp for t, lp in e["top"].items()}
+                                 for e in entries],  # None: an echoed prompt's first token
+                "text_offset": offsets}
 
 
 def tool_finish(reason: str | None) -> str | None:

@@ -1,7 +1,8 @@
 """OpenAI request bodies -> validated internal requests. Every problem is an ``ApiError`` (a 4xx in
 OpenAI's error shape) naming the parameter. Fields nobody here knows are accepted and reported back
 (``ParsedRequest.ignored``, logged once per name by the route), as vLLM does; OpenAI fields whose
-effect we cannot give (``echo``, ``suffix``, ``tools``…) are accepted only at their no-op value."""
+effect we cannot give (``suffix``, ``tools`` on completions, ``echo`` on chat…) are accepted only at
+their no-op value."""
 
 from __future__ import annotations
 
@@ -30,15 +31,16 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", 
           "frequency_penalty", "repetition_penalty", "logprobs", "stream", "stream_options", "user", "priority",
           "timeout", "min_tokens", "ignore_eos", "stop_token_ids"}
 BEAM = {"use_beam_search", "beam_width", "length_penalty", "early_stopping"}  # extension fields
-COMPLETION_FIELDS = COMMON | BEAM | STRUCTURED_FIELDS | {"prompt", "best_of"}
+COMPLETION_FIELDS = COMMON | BEAM | STRUCTURED_FIELDS | {"prompt", "best_of", "echo"}
 CHAT_FIELDS = COMMON | BEAM | STRUCTURED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
                                                    "tool_choice", "parallel_tool_calls"}
 # OpenAI fields whose effect pagedserve does not give: accepted at these no-op values, a 400 otherwise.
 INERT_VALUES = {
-    "echo": (None, False), "suffix": (None, ""), "logit_bias": (None, {}),
+    "suffix": (None, ""), "logit_bias": (None, {}),
     "functions": (None, []), "function_call": (None, "none", "auto"),  # the deprecated forms of tools
 }
 COMPLETION_INERT = {"tools": (None, []), "tool_choice": (None, "none", "auto")}  # tools are for chat
+CHAT_INERT = {"echo": (None, False)}  # echo is for completions
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of"} | BEAM
@@ -76,6 +78,7 @@ class ParsedRequest:
     ignored: tuple[str, ...] = ()  # body fields nobody here knows, accepted without effect
     tools: ToolRequest | None = None  # chat: the tools the template sees and how calls are made
     constraint_field: str | None = None  # the field params.structured came from (a 400 about it names it)
+    echo: bool = False  # completions: the prompt comes back before each choice's text (and logprobs)
 
 
 def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -> ParsedRequest:
@@ -84,10 +87,11 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         raise ApiError(400, "the request body must be a JSON object")
     body = {k: int(v) if k in INTEGER_FIELDS and is_token_id(v) and isinstance(v, float) else v for k, v in body.items()}
     allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for key, inert in (INERT_VALUES if chat else {**INERT_VALUES, **COMPLETION_INERT}).items():
+    inert_fields = {**INERT_VALUES, **(CHAT_INERT if chat else COMPLETION_INERT)}
+    for key, inert in inert_fields.items():
         if key in body and body[key] not in inert:
             raise ApiError(400, f"{key!r} is not supported (accepted only as {inert[1]!r})", key, "unsupported_parameter")
-    ignored = tuple(sorted(k for k in body if k not in allowed and k not in INERT_VALUES and k not in COMPLETION_INERT))
+    ignored = tuple(sorted(k for k in body if k not in allowed and k not in inert_fields))
     model = _typed(body, "model", str, required=True)
     prompt = chat_messages(body) if chat else completion_prompt(body)
     stream = _typed(body, "stream", bool, default=False)
@@ -112,6 +116,11 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens):
             raise ApiError(400, f"{name} must be an integer in [1, {limits.max_tokens}]", name)
     sampling["logprobs"] = _logprobs(body, chat)
+    echo = not chat and _typed(body, "echo", bool, default=False)
+    if echo and stream:
+        raise ApiError(400, "echo is not supported with stream (send it without streaming)", "echo", "unsupported_parameter")
+    if echo and sampling["logprobs"] is not None:  # the prompt's tokens get logprobs too (lm-evaluation-harness)
+        sampling["prompt_logprobs"] = sampling["logprobs"]
     sampling["structured"], constraint_field, tools = _constraints(body, chat)
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
@@ -131,7 +140,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         raise ApiError(400, "timeout must be in (0, 3600] seconds", "timeout")
     return ParsedRequest(chat, model, prompt, params, stream, bool(options.get("include_usage")), priority, timeout,
                          user, bool(options.get("include_usage") and options.get("continuous_usage_stats")), ignored, tools,
-                         constraint_field)
+                         constraint_field, echo)
 
 
 def _constraints(body: dict, chat: bool) -> tuple[StructuredOutputs | None, str | None, ToolRequest | None]:

@@ -154,6 +154,8 @@ class WireEvent:
     usage: dict | None = None  # on the terminal event: prompt_tokens, completion_tokens
     resumable: bool = False  # on a takeover's error: the client may re-send with ``resume``
     queue_s: float | None = None  # on a request's first event: seconds from created to first scheduled
+    # on the terminal event of a request with prompt_logprobs: None, then an entry (as in OutputDelta) per position
+    prompt_logprobs: list[dict | None] | None = None
 
     def to_wire(self) -> dict:
         return {"v": VERSION, **asdict(self)}
@@ -163,7 +165,14 @@ class WireEvent:
         msg = _versioned(msg)
         outputs = [OutputDelta(**o) for o in msg.get("outputs", [])]
         return cls(msg["id"], msg["seq"], outputs, msg.get("done", False), msg.get("finish_reason"),
-                   msg.get("error"), msg.get("usage"), bool(msg.get("resumable", False)), _seconds(msg.get("queue_s")))
+                   msg.get("error"), msg.get("usage"), bool(msg.get("resumable", False)), _seconds(msg.get("queue_s")),
+                   _prompt_logprobs(msg.get("prompt_logprobs")))
+
+
+def _prompt_logprobs(value: Any) -> list[dict | None] | None:
+    if value is not None and not (isinstance(value, list) and all(e is None or isinstance(e, dict) for e in value)):
+        raise ProtocolError("prompt_logprobs must be a list of entries", "prompt_logprobs")
+    return value
 
 
 def encode_events(events: list[WireEvent]) -> bytes:

@@ -70,3 +70,31 @@ def test_a_tool_call_comes_back_parsed_with_arguments_that_validate(client):
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, WEATHER)
     assert "Paris" in arguments["city"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, real_model):
+    """lm-evaluation-harness's loglikelihood request: echo + logprobs; the prompt's tokens come back
+    with the logprobs the offline engine gives them on the same (int8) cache."""
+    import httpx
+
+    from pagedserve import LLM
+    from pagedserve.shared.sampling import SamplingParams
+
+    sdk, model = client
+    text = "The capital of France is Paris, and the capital of Italy is Rome."
+    body = {"model": model, "prompt": text, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    r = httpx.post(str(sdk.base_url).rstrip("/") + "/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"].startswith(text)
+    lp = choice["logprobs"]
+    ids = real_model.tokenizer.encode(text, add_special_tokens=False)
+    assert len(lp["tokens"]) == len(ids) + 1 and "".join(lp["tokens"][: len(ids)]) == text
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    offline = LLM(real_model.gguf, device="cpu", dtype="float32", kv_cache_dtype="int8", num_gpu_blocks=64)
+    expected = offline.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                                use_tqdm=False)[0].prompt_logprobs
+    assert max(abs(a - b.logprob) for a, b in zip(lp["token_logprobs"][1 : len(ids)], expected[1:])) < 1e-4
+    assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
+    plain = httpx.post(str(sdk.base_url).rstrip("/") + "/completions", json={**body, "logprobs": None}, timeout=120).json()
+    assert plain["choices"][0]["text"] == choice["text"] and plain["choices"][0]["logprobs"] is None

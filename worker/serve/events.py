@@ -80,8 +80,12 @@ def event_for(flight: InFlight, out: RequestOutput, piece: Callable[[int], str])
     if not flight.queue_reported and out.queued_s is not None:  # once: the stream's wait plus the engine's
         flight.queue_reported = True
         queue_s = round(max(0.0, flight.accepted_at - flight.request.created) + out.queued_s, 6)
+    prompt = None
+    if out.finished and out.prompt_logprobs is not None:
+        prompt = [None] + [_entry(t, piece) for t in out.prompt_logprobs[1:]]
     return WireEvent(out.request_id, flight.take_seq(), deltas, out.finished,
-                     request_finish_reason(out) if out.finished else None, out.error, usage, queue_s=queue_s)
+                     request_finish_reason(out) if out.finished else None, out.error, usage, queue_s=queue_s,
+                     prompt_logprobs=prompt)
 
 
 def error_event(request_id: str, seq: int, message: str, resumable: bool = False) -> WireEvent:
@@ -97,9 +101,11 @@ def lost_event(req: WireRequest) -> WireEvent:
 def _logprobs(o: CompletionOutput, piece: Callable[[int], str]) -> list[dict] | None:
     if o.logprobs is None or not o.new_token_ids:
         return None
-    entries = []
-    for t in o.logprobs[-len(o.new_token_ids):]:
-        top = t.top_logprobs or {}
-        entries.append({"token_id": t.token_id, "token": piece(t.token_id), "logprob": t.logprob, "top": top,
-                        "top_tokens": {i: piece(i) for i in top}})
-    return entries
+    return [_entry(t, piece) for t in o.logprobs[-len(o.new_token_ids):]]
+
+
+def _entry(t, piece: Callable[[int], str]) -> dict:
+    """A token's logprob entry on the wire, with its text and its alternatives' texts."""
+    top = t.top_logprobs or {}
+    return {"token_id": t.token_id, "token": piece(t.token_id), "logprob": t.logprob, "top": top,
+            "top_tokens": {i: piece(i) for i in top}}
