@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pagedserve.gateway.openapi_responses import RESPONSES
 from pagedserve.gateway.schemas import MAX_USER_LEN, PRIORITY_RANGE, Limits
-from pagedserve.shared.sampling import BOUNDS, MAX_TOKEN_ID
+from pagedserve.shared.sampling import BOUNDS, MAX_TOKEN_ID, NOT_REQUEST_FIELDS
 
 _STOP_STRING = {"type": "string", "minLength": 1, "maxLength": 256}
 _BOUNDED = {name: bound.json_schema() for name, bound in BOUNDS.items()
-            if name not in ("logprobs", "best_of", "prompt_logprobs")}  # prompt_logprobs: echo + logprobs over HTTP
+            if name not in ("logprobs", "best_of") and name not in NOT_REQUEST_FIELDS}
 _SAMPLING = {
     **_BOUNDED,
     "stop": {"oneOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING, "maxItems": 4}]},

@@ -55,6 +55,7 @@ BOUNDS: dict[str, Bound] = {
     "beam_width": Bound(int, 1, MAX_SEQS),
     "length_penalty": Bound(float, -10.0, 10.0),
 }
+NOT_REQUEST_FIELDS = frozenset({"prompt_logprobs"})  # bounded here, but set over HTTP by echo + logprobs
 
 
 @dataclass(frozen=True)
