@@ -36,9 +36,6 @@ class GGUFFile:
         field = self.reader.fields.get(key.replace("{arch}", self.architecture))
         return default if field is None else field.contents()
 
-    def has_tensor(self, name: str) -> bool:
-        return any(t.name == name for t in self.reader.tensors)
-
 
 def is_gguf(path: Path) -> bool:
     """A file that starts with the GGUF magic (whatever its name ends with)."""
