@@ -116,11 +116,7 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limits.max_tokens):
             raise ApiError(400, f"{name} must be an integer in [1, {limits.max_tokens}]", name)
     sampling["logprobs"] = _logprobs(body, chat)
-    echo = not chat and _typed(body, "echo", bool, default=False)
-    if echo and stream:
-        raise ApiError(400, "echo is not supported with stream (send it without streaming)", "echo", "unsupported_parameter")
-    if echo and sampling["logprobs"] is not None:  # the prompt's tokens get logprobs too (lm-evaluation-harness)
-        sampling["prompt_logprobs"] = sampling["logprobs"]
+    echo = _echo(body, chat, stream, sampling)
     sampling["structured"], constraint_field, tools = _constraints(body, chat)
     try:
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
@@ -141,6 +137,16 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
     return ParsedRequest(chat, model, prompt, params, stream, bool(options.get("include_usage")), priority, timeout,
                          user, bool(options.get("include_usage") and options.get("continuous_usage_stats")), ignored, tools,
                          constraint_field, echo)
+
+
+def _echo(body: dict, chat: bool, stream: bool, sampling: dict) -> bool:
+    """Completions' ``echo``; with logprobs the prompt's tokens get them too (lm-evaluation-harness)."""
+    echo = not chat and _typed(body, "echo", bool, default=False)
+    if echo and stream:
+        raise ApiError(400, "echo is not supported with stream (send it without streaming)", "echo", "unsupported_parameter")
+    if echo and sampling["logprobs"] is not None:
+        sampling["prompt_logprobs"] = sampling["logprobs"]
+    return echo
 
 
 def _constraints(body: dict, chat: bool) -> tuple[StructuredOutputs | None, str | None, ToolRequest | None]:
