@@ -2,9 +2,9 @@
 (``int8``, ``fp8_e4m3``, ``fp8_e5m2``; ``fp8`` is ``fp8_e4m3``, as vLLM names them).
 
 A quantized cache keeps, for every (position, KV head), its ``head_dim`` one-byte codes and then
-the row's scale as a bfloat16 (2 bytes: float32's range, so no
-row's scale underflows; values are divided by the stored scale, so its rounding costs nothing): rows of ``head_dim + 2`` bytes in a ``uint8`` cache of
-shape ``[num_blocks, block_size, num_kv_heads, head_dim + 2]``. The scale lives beside its values,
+the row's scale as a bfloat16 (2 bytes; float32's range, so no row's scale underflows, and as
+values are divided by the stored scale its rounding costs nothing): rows of ``head_dim + 2`` bytes
+in a ``uint8`` cache of shape ``[num_blocks, block_size, num_kv_heads, head_dim + 2]``. The scale lives beside its values,
 so everything that moves whole blocks (copy-on-write, swap, the prefix cache, sliding-window
 release) carries it without knowing it is there, and a block's bytes are simply its tensor's.
 Scales are per token and head (absmax / the format's largest value), set once when the token is
@@ -14,6 +14,7 @@ stored: no calibration, no requantization when a block fills up. Codes are decod
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +68,13 @@ class KVFormat:
         return torch.mul(values, scale, out=out) if out is not None else values * scale
 
     def table(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """float32 ``[256]``: the value of every code byte."""
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        return codes.view(self.code).float().to(device)
+        """float32 ``[256]``: the value of every code byte (made once per format, not per call)."""
+        return _code_table(self.code).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_table(code: torch.dtype) -> torch.Tensor:
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(code).float()
 
 
 FORMATS = {

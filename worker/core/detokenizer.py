@@ -44,8 +44,8 @@ class Detokenizer:
             for end in range(state.tokens_seen + 1, len(token_ids) + 1):
                 self._decode_one(state, token_ids[:end], skip_special)
             state.tokens_seen = len(token_ids)
-            if final:
-                self._flush(state, token_ids, skip_special)
+            if final:  # the sequence ended inside a character: its bytes are text now, as decode gives them
+                self._decode_one(state, token_ids, skip_special, partial=True)
             if stop:
                 self._find_stop(state, stop)
         safe = len(state.text) if (final or state.stopped) else len(state.text) - _held_back(state.text, stop)
@@ -53,20 +53,14 @@ class Detokenizer:
         state.emitted = max(state.emitted, safe)
         return delta
 
-    def _decode_one(self, state: DetokenizerState, ids: list[int], skip_special: bool) -> None:
+    def _decode_one(self, state: DetokenizerState, ids: list[int], skip_special: bool, partial: bool = False) -> None:
+        """Text of the tokens past ``read_offset``, once it does not end inside a character
+        (``partial``: even then)."""
         decode = self.tokenizer.decode
         prefix = decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special)
         full = decode(ids[state.prefix_offset :], skip_special_tokens=skip_special)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (partial or not full.endswith("\ufffd")):
             state.text += full[len(prefix) :]
-            state.prefix_offset, state.read_offset = state.read_offset, len(ids)
-
-    def _flush(self, state: DetokenizerState, ids: list[int], skip_special: bool) -> None:
-        """The sequence ended inside a character: its bytes are text now, as ``decode`` gives them."""
-        if state.read_offset < len(ids):
-            decode = self.tokenizer.decode
-            prefix = decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special)
-            state.text += decode(ids[state.prefix_offset :], skip_special_tokens=skip_special)[len(prefix) :]
             state.prefix_offset, state.read_offset = state.read_offset, len(ids)
 
     @staticmethod

@@ -22,7 +22,7 @@ from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
 from pagedserve.worker.runner.models.layers import CausalLM
-from pagedserve.worker.runner.sampler import Sampler
+from pagedserve.worker.runner.sampler import Sampler, scored_token
 
 
 @dataclass(frozen=True)
@@ -153,10 +153,9 @@ class ModelRunner:
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo : first + hi]).float(), dim=-1)
             wanted = torch.tensor(targets[lo:hi], dtype=torch.int64, device=logprobs.device)
             chosen = logprobs.gather(1, wanted[:, None])[:, 0].tolist()
-            best = logprobs.topk(top_n, dim=-1) if top_n else None
-            for k, (token, logprob) in enumerate(zip(targets[lo:hi], chosen)):
-                alternatives = dict(zip(best.indices[k].tolist(), best.values[k].tolist())) if best is not None else {}
-                out.append(SampledToken(token, logprob, {**alternatives, token: logprob}))
+            top = logprobs.topk(top_n, dim=-1) if top_n else None  # read to the host once a slice
+            tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [None] * (hi - lo)
+            out.extend(scored_token(token, logprob, best, True) for token, logprob, best in zip(targets[lo:hi], chosen, tops))
         return tuple(out)
 
     def _metadata(self, items: list[ScheduledSeq], num_decodes: int, slots: list[int]) -> AttentionMetadata:

@@ -61,7 +61,8 @@ class Sampler:
         token_list, picked_list = tokens.tolist(), picked.tolist()  # the step's one move to the host
         out, i = [], 0
         for r in rows:
-            out.append([_token(token_list[i + k], picked_list[i + k], tops.get(i + k), r.params) for k in range(r.num_samples)])
+            out.append([scored_token(token_list[i + k], picked_list[i + k], tops.get(i + k), r.params.logprobs is not None)
+                        for k in range(r.num_samples)])
             i += r.num_samples
         return out
 
@@ -159,12 +160,14 @@ def _top_logprobs(raw_logprobs: torch.Tensor, params: Sequence[SamplingParams]) 
     return {i: (ids[j][: params[i].logprobs], values[j][: params[i].logprobs]) for j, i in enumerate(wanted)}
 
 
-def _token(token: int, logprob: float, top: tuple[list[int], list[float]] | None, params: SamplingParams) -> SampledToken:
-    alternatives = None
-    if params.logprobs is not None:
-        alternatives = dict(zip(*top)) if top else {}
-        alternatives[token] = logprob
-    return SampledToken(token, logprob, alternatives)
+def scored_token(token: int, logprob: float, top: tuple[list[int], list[float]] | None, alternatives: bool) -> SampledToken:
+    """``token`` with its logprob and, when ``alternatives``, the top ``(ids, logprobs)`` with the
+    token itself always among them (sampled tokens, and prompt tokens for ``prompt_logprobs``)."""
+    found = None
+    if alternatives:
+        found = dict(zip(*top)) if top else {}
+        found[token] = logprob
+    return SampledToken(token, logprob, found)
 
 
 def _mix(seed: int, seq_index: int, position: int) -> int:
