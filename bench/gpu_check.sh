@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check for the device tool (at most 8 minutes: each step has its own time limit): every
-# GPU-marked test, the decode kernel benchmark, and offline throughput of a ~1.1B-parameter
+# The GPU check for the device tool (at most 9 minutes: each step has its own time limit): every
+# GPU-marked test (the quantized-cache kernels' among them), the decode kernel benchmark, decode
+# attention over int8 and fp8 caches against bfloat16 (Hopper), and offline throughput of a ~1.1B-parameter
 # random-weight Llama in bfloat16 (built on the GPU from a config; nothing downloaded), with CUDA
 # graphs and eagerly, against transformers on the same GPU.
 # Writes logs and JSON under $OUT (default ./out). Needs the project installed (`make test` set-up,
@@ -17,6 +18,8 @@ timeout 240 "$py" -m pytest -m gpu tests -p no:cacheprovider -rA --junitxml="$ou
 tail -n 40 "$out/gpu_tests.txt"
 timeout 45 "$py" -m pagedserve.bench.kernel_bench --out "$out/kernel_bench.json" > "$out/kernel_bench.txt" 2>&1 || status=1
 tail -n 15 "$out/kernel_bench.txt"
+timeout 30 "$py" -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 > "$out/kv_decode.txt" 2>&1 || status=1
+tail -n 4 "$out/kv_decode.txt"
 for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then launched eagerly
     timeout 100 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 128 --hf-batch 64 \
         --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \

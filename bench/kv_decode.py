@@ -1,9 +1,10 @@
 """The decode step's attention over an 8-bit KV cache against the model-dtype one, on the CPU's C
-kernel: 32 sequences at each context length, GQA 9/3 with heads of 64 (SmolLM2's shape), the
-median of ``--repeats`` calls. An 8-bit cache reads a quarter (float32) or half (bfloat16) of the
-bytes; the codes are decoded through a table inside the loop.
+kernel (``--backend native``) or the Triton kernel on CUDA (``--backend triton --device cuda``):
+32 sequences at each context length, GQA 9/3 with heads of 64 (SmolLM2's shape), the median of
+``--repeats`` calls. An 8-bit cache reads a quarter (float32) or half (bfloat16) of the bytes; the
+codes are decoded inside the kernel's loop.
 
-    python -m pagedserve.bench.kv_decode [--contexts 64 1024 4096] [--dtype float32]
+    python -m pagedserve.bench.kv_decode [--contexts 64 1024 4096] [--dtype float32] [--backend native] [--device cpu]
 """
 
 from __future__ import annotations
@@ -19,38 +20,44 @@ from pathlib import Path
 import torch
 
 from pagedserve.bench.table import print_table
-from pagedserve.kernels import reference
 from pagedserve.kernels.kv_format import kv_format
-from pagedserve.kernels.native_attention import NativeAttention
+from pagedserve.kernels.ops import AttentionOps, select_ops
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 
-def caches(name: str, seqs: int, context: int, dtype: torch.dtype):
+def caches(ops: AttentionOps, seqs: int, context: int, dtype: torch.dtype, device: torch.device):
     """K/V caches holding ``seqs`` contexts of ``context`` tokens (stored through ``store_kv``)."""
-    fmt = kv_format(name)
+    fmt = ops.kv_format
     blocks = seqs * -(-context // BLOCK)
     shape = (blocks, BLOCK, KV_HEADS, fmt.row_width(DIM))
-    k, v = (torch.zeros(shape, dtype=fmt.storage_dtype(dtype)) for _ in range(2))
-    gen = torch.Generator().manual_seed(0)
-    values = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
-    reference.store_kv(values, values, k, v, torch.arange(blocks * BLOCK), kv_format=fmt)
-    tables = torch.arange(blocks, dtype=torch.int32).view(seqs, -1)
+    k, v = (torch.zeros(shape, dtype=fmt.storage_dtype(dtype), device=device) for _ in range(2))
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    values = torch.randn(blocks * BLOCK, KV_HEADS, DIM, generator=gen, device="cpu").to(dtype).to(device)
+    ops.store_kv(values, values, k, v, torch.arange(blocks * BLOCK, device=device))
+    tables = torch.arange(blocks, dtype=torch.int32, device=device).view(seqs, -1)
     return k, v, tables
 
 
-def time_decode(kernel: NativeAttention, name: str, seqs: int, context: int, dtype: torch.dtype, repeats: int) -> float:
-    k, v, tables = caches(name, seqs, context, dtype)
-    q = torch.randn(seqs, HEADS, DIM).to(dtype)
-    lens = torch.full((seqs,), context, dtype=torch.int32)
-    assert kernel.supports(q, k)
-    kernel.decode(q, k, v, tables, lens, 0.125)  # warm-up
+def time_decode(ops: AttentionOps, seqs: int, context: int, dtype: torch.dtype, device: torch.device,
+                repeats: int) -> float:
+    k, v, tables = caches(ops, seqs, context, dtype, device)
+    q = torch.randn(seqs, HEADS, DIM, device="cpu").to(dtype).to(device)
+    lens = torch.full((seqs,), context, dtype=torch.int32, device=device)
+    ops.decode(q, k, v, tables, lens, 0.125, max_seq_len=context)  # warm-up (and the Triton compile)
     times = []
     for _ in range(repeats):
+        _synchronize(device)
         start = time.perf_counter()
-        kernel.decode(q, k, v, tables, lens, 0.125)
+        ops.decode(q, k, v, tables, lens, 0.125, max_seq_len=context)
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,16 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--backend", default="native", choices=["native", "triton"])
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
-    dtype = getattr(torch, args.dtype)
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     folder = Path(tempfile.gettempdir()) / "pagedserve-kernels"
-    kernels = {name: NativeAttention(folder, kv_format(name)) for name in ("auto", "int8", "fp8_e4m3")}
+    kernels = {name: select_ops(device, args.backend, folder, kv_format(name)) for name in ("auto", "int8", "fp8_e4m3")}
     rows = []
     for context in args.contexts:
-        ms = {name: time_decode(kernel, name, args.seqs, context, dtype, args.repeats) for name, kernel in kernels.items()}
+        ms = {name: time_decode(ops, args.seqs, context, dtype, device, args.repeats) for name, ops in kernels.items()}
         rows.append({"context": context, **{f"{name}_ms": round(t, 3) for name, t in ms.items()},
                      "int8_speedup": round(ms["auto"] / ms["int8"], 2), "fp8_speedup": round(ms["auto"] / ms["fp8_e4m3"], 2)})
-    print(json.dumps({"bench": "kv_decode", "dtype": args.dtype, "seqs": args.seqs, "threads": torch.get_num_threads(),
+    print(json.dumps({"bench": "kv_decode", "backend": args.backend, "device": args.device, "dtype": args.dtype, "seqs": args.seqs, "threads": torch.get_num_threads(),
                       "results": rows}))
     print_table(rows, [(k, lambda r, k=k: r[k]) for k in rows[0]])
     return 0

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.table import print_table
+from pagedserve.kernels.backends import KV_CACHE_DTYPES
 from pagedserve.kernels.ops import BACKENDS
 from pagedserve.shared.sampling import SamplingParams
 
@@ -54,10 +55,12 @@ def peer_lines(path: Path | None, model: str, dtype: str, count: int = 64) -> li
     return list(newest.values())
 
 
-def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: str = "auto", count: int = 64) -> dict:
+def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: str = "auto", count: int = 64,
+                   kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None) -> dict:
     from pagedserve import LLM
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=64, enforce_eager=eager, attention_backend=backend)
+    llm = LLM(model, dtype=dtype, max_num_seqs=64, enforce_eager=eager, attention_backend=backend,
+              kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory)
     vocab = llm.engine.info.config.vocab_size
     work = w64(vocab, count)
     llm.generate([[5 + i] * 40 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -74,7 +77,9 @@ def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: 
     assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, work)), "an output has the wrong length"
     return {"engine": "pagedserve", "mode": "LLM.generate", "dtype": dtype, "out_tok_s": round(tokens / seconds, 1),
             "elapsed_s": round(seconds, 2), "elapsed_all_s": [round(t, 2) for t in times], "output_tokens": tokens,
-            "enforce_eager": eager, "attention_backend": llm.engine.runner.ops.backend, "num_requests": count}
+            "enforce_eager": eager, "attention_backend": llm.engine.runner.ops.backend, "num_requests": count,
+            "kv_cache_dtype": kv_cache_dtype, "kv_cache_memory": kv_cache_memory,
+            "preemptions_per_pass": llm.engine.stats()["num_preemptions_total"] // repeats}  # the warm-up preempts nothing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto", choices=BACKENDS)
     ap.add_argument("--num-requests", type=int, default=64,
                     help="the first N requests of W64 (bench_vllm.py --num-requests N runs the same ones)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool (default: what fits)")
     args = ap.parse_args(argv)
     ours = run_pagedserve(args.model, args.dtype, args.repeats, args.enforce_eager, args.attention_backend,
-                          args.num_requests)
+                          args.num_requests, args.kv_cache_dtype, args.kv_cache_memory)
     peers = peer_lines(args.peer_json, args.model.name, args.dtype, args.num_requests)
     ratios = {f"{p['engine']} {p.get('mode', '')}".strip(): round(ours["out_tok_s"] / p["out_tok_s"], 2) for p in peers}
     print(json.dumps({"bench": "peer_ratio", "model": args.model.name, **ours, "ratio_to": ratios}))

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.kv_format import AUTO, KVFormat
+
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_format: KVFormat = AUTO) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"caches must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"cache dtype must be one of {CACHE_DTYPES}, the same for K and V")
+    allowed = (torch.uint8,) if kv_format.quantized else CACHE_DTYPES
+    if k_cache.dtype not in allowed or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"a kv_cache_dtype {kv_format.name} cache's dtype must be one of {allowed}, the same for K and V; "
+                         f"got {k_cache.dtype} and {v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("caches must be contiguous")
     block_size = k_cache.shape[1]
@@ -35,9 +39,9 @@ def check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, num_seqs: i
         raise ValueError(f"seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
 
 
-def check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+def check_heads(q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat = AUTO) -> int:
     """The GQA group size (query heads per KV head)."""
-    heads, kv_heads, dim = q.shape[-2], k_cache.shape[2], k_cache.shape[3]
+    heads, kv_heads, dim = q.shape[-2], k_cache.shape[2], kv_format.head_dim(k_cache)
     if q.shape[-1] != dim:
         raise ValueError(f"q head_dim {q.shape[-1]} != cache head_dim {dim}")
     if heads % kv_heads:

@@ -10,6 +10,12 @@ release) carries it without knowing it is there, and a block's bytes are simply 
 Scales are per token and head (absmax / the format's largest value), set once when the token is
 stored: no calibration, no requantization when a block fills up. Codes are decoded through a
 256-entry table (the C kernel uses the same one for fp8; int8 it converts arithmetically).
+
+Before a quantized cache stores its keys, q and k are turned by one fixed orthogonal matrix
+(``rotation``): scores are unchanged (q R . k R = q . k), and the few channels where keys carry
+most of their magnitude (the low-frequency rotary pairs) are spread over all of them, so a row's
+absmax no longer sets a step far coarser than most of its values need. Values have no such
+channels and are stored as they are. Measured on the default model in docs/engine.md.
 """
 
 from __future__ import annotations
@@ -50,15 +56,14 @@ class KVFormat:
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., head_dim]`` values -> ``[..., head_dim + 2]`` uint8 rows (codes, then the scale)."""
         xf = x.float()
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / self.largest).to(torch.bfloat16).float()
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: any scale
-        scaled = xf / scale
+        # An all-zero row gets the least normal scale (its codes are zeros whatever the scale).
+        scale = (xf.abs().amax(dim=-1, keepdim=True) / self.largest).clamp_min_(2**-126).to(torch.bfloat16)
+        scaled = xf / scale.float()
         if self.code == torch.int8:
             codes = scaled.round().clamp(-127, 127).to(torch.int8)
         else:
             codes = scaled.clamp(-self.largest, self.largest).to(self.code)
-        scale_bytes = scale.to(torch.bfloat16).view(torch.uint8)
-        return torch.cat([codes.view(torch.uint8), scale_bytes], dim=-1)
+        return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 
     def dequantize(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., head_dim + 2]`` uint8 rows -> float32 ``[..., head_dim]`` (into ``out`` if given)."""
@@ -67,6 +72,12 @@ class KVFormat:
         values = self.table(rows.device)[rows[..., :dim].long()]
         return torch.mul(values, scale, out=out) if out is not None else values * scale
 
+    def rotation(self, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """float32 ``[head_dim, head_dim]``, orthogonal: what q and k are multiplied by before a
+        quantized cache stores the keys (None at the model's dtype). The same on every machine (seeded,
+        made on the CPU), so the same tokens still give the same blocks."""
+        return _rotation(head_dim, torch.device(device)) if self.quantized else None
+
     def table(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """float32 ``[256]``: the value of every code byte (made once per format, not per call)."""
         return _code_table(self.code).to(device)
@@ -74,7 +85,22 @@ class KVFormat:
 
 @functools.lru_cache(maxsize=None)
 def _code_table(code: torch.dtype) -> torch.Tensor:
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(code).float()
+    return torch.arange(256, dtype=torch.int32, device="cpu").to(torch.uint8).view(code).float()
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+    """A Hadamard matrix with seeded random column signs where ``head_dim`` is a power of two (every
+    entry +-1/sqrt(head_dim): no channel can keep its magnitude), a seeded random orthogonal one
+    (Gaussian, QR) elsewhere."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    if head_dim & (head_dim - 1):
+        return torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64, device="cpu"))[0].float().to(device)
+    hadamard = torch.ones(1, 1, device="cpu")
+    while hadamard.shape[0] < head_dim:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
+    signs = torch.randint(0, 2, (head_dim,), generator=generator, device="cpu").float() * 2 - 1
+    return (hadamard * signs / head_dim ** 0.5).to(device)
 
 
 FORMATS = {

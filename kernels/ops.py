@@ -37,6 +37,7 @@ class AttentionOps:
     swap_blocks: Callable
     moe: Callable = grouped_moe  # (x, gate_up, down, top_index, top_weight) -> [T, H]
     backend: str = "torch"  # "triton" kernels can be captured in CUDA graphs; the reference cannot
+    kv_format: KVFormat = AUTO  # how store_kv writes the cache and the attention ops read it
 
 
 def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path | None = None,
@@ -48,12 +49,9 @@ def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path |
     the system's temporary directory)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    if kv_format.quantized and (backend == "triton" or (backend == "auto" and device.type == "cuda")):
-        raise ValueError(f"kv_cache_dtype {kv_format.name} runs on the CPU backends (native, torch) so far; "
-                         "the Triton kernels read only a cache at the model's dtype (kv_cache_dtype auto)")
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
         try:
-            return triton_ops()
+            return triton_ops(kv_format)
         except ImportError as err:
             if backend == "triton":
                 raise ValueError(f"attention backend 'triton' needs the triton package: {err}") from err
@@ -75,7 +73,7 @@ def reference_ops(kv_format: KVFormat = AUTO) -> AttentionOps:
         partial(reference.store_kv, kv_format=kv_format),
         partial(reference.paged_attention_decode, workspace=workspace, kv_format=kv_format),
         partial(reference.prefill_attention, workspace=workspace, kv_format=kv_format), reference.copy_blocks,
-        reference.swap_blocks,
+        reference.swap_blocks, kv_format=kv_format,
     )
 
 
@@ -86,10 +84,10 @@ def native_ops(kernel_cache: Path, kv_format: KVFormat = AUTO) -> AttentionOps:
     attention = NativeAttention(kernel_cache, kv_format)
     return AttentionOps(partial(reference.store_kv, kv_format=kv_format), attention.decode, attention.prefill,
                         reference.copy_blocks,
-                        reference.swap_blocks, backend="native")
+                        reference.swap_blocks, backend="native", kv_format=kv_format)
 
 
-def triton_ops() -> AttentionOps:
+def triton_ops(kv_format: KVFormat = AUTO) -> AttentionOps:
     """The Triton kernels, imported here: triton is absent on many CPU machines."""
     from pagedserve.kernels.copy_blocks import copy_blocks, swap_blocks
     from pagedserve.kernels.fused_moe import fused_moe
@@ -97,4 +95,6 @@ def triton_ops() -> AttentionOps:
     from pagedserve.kernels.prefill_attention import prefill_attention
     from pagedserve.kernels.store_kv import store_kv
 
-    return AttentionOps(store_kv, paged_attention_decode, prefill_attention, copy_blocks, swap_blocks, fused_moe, "triton")
+    return AttentionOps(partial(store_kv, kv_format=kv_format), partial(paged_attention_decode, kv_format=kv_format),
+                        partial(prefill_attention, kv_format=kv_format), copy_blocks, swap_blocks, fused_moe, "triton",
+                        kv_format)

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
-from pagedserve.kernels.paged_tiles import cap_scores, load_kv_tile
+from pagedserve.kernels.kv_format import AUTO, KVFormat
+from pagedserve.kernels.paged_tiles import cap_scores, code_constants, load_kv_tile
 
 TILE = 64
 PARTITION = 512
@@ -27,6 +28,7 @@ def _decode_partial(
     scale, stride_qs, stride_qh, stride_bt, stride_kb, stride_kt, stride_kh, max_splits, window, softcap,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
+    CODE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -48,7 +50,7 @@ def _decode_partial(
             pos = tile + tl.arange(0, TILE)
             valid = (pos < end) & (pos >= first)
             k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
-                                pos, valid, d, DIM, BLOCK_SIZE)
+                                pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
             scores = cap_scores(scores, softcap)
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -95,12 +97,13 @@ def _decode_reduce(
 def paged_attention_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None, window: int = 0, softcap: float = 0.0,
+    kv_format: KVFormat = AUTO,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.paged_attention_decode``."""
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, kv_format)
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [num_seqs, num_heads, head_dim] with unit last stride, got {tuple(q.shape)}")
-    group = check_heads(q, k_cache)
+    group = check_heads(q, k_cache, kv_format)
     check_tables(block_tables, seq_lens, q.shape[0])
     check_same(q.device, k_cache.device, block_tables.device, seq_lens.device)
     num_seqs, num_heads, dim = q.shape
@@ -118,6 +121,7 @@ def paged_attention_decode(
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         splits, window, float(softcap), GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), DIM=dim,
         DIM_PAD=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[1], TILE=TILE, PARTITION=PARTITION,
+        **code_constants(kv_format),
     )
     _decode_reduce[(num_seqs, num_heads)](
         part_out, part_max, part_sum, seq_lens, out, out.stride(0), out.stride(1), num_heads, splits, window,

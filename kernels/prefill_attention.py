@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
-from pagedserve.kernels.paged_tiles import cap_scores, load_kv_tile
+from pagedserve.kernels.kv_format import AUTO, KVFormat
+from pagedserve.kernels.paged_tiles import cap_scores, code_constants, load_kv_tile
 
 BLOCK_M = 16
 BLOCK_N = 32
@@ -25,7 +26,7 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh, window, softcap,
     GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     tile_m = tl.program_id(1)
@@ -51,7 +52,7 @@ def _prefill_kernel(
             pos = tile + tl.arange(0, BLOCK_N)
             valid = (pos < limit) & (pos >= lowest)  # before the window: never read (its blocks may be released)
             k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
-                                pos, valid, d, DIM, BLOCK_SIZE)
+                                pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
             scores = cap_scores(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap)
             allowed = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
             allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
@@ -74,12 +75,13 @@ def prefill_attention(
     max_seq_len: int | None = None,  # part of the ops contract; each program walks its own length
     window: int = 0,
     softcap: float = 0.0,
+    kv_format: KVFormat = AUTO,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.prefill_attention``."""
-    check_cache(k_cache, v_cache)
+    check_cache(k_cache, v_cache, kv_format)
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim] with unit last stride, got {tuple(q.shape)}")
-    group = check_heads(q, k_cache)
+    group = check_heads(q, k_cache, kv_format)
     num_seqs = seq_lens.shape[0]
     check_tables(block_tables, seq_lens, num_seqs)
     if query_start_loc.shape != (num_seqs + 1,):
@@ -96,6 +98,6 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window, float(softcap),
         GROUP=group, DIM=q.shape[2], DIM_PAD=triton.next_power_of_2(q.shape[2]),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **code_constants(kv_format),
     )
     return out

@@ -1,7 +1,8 @@
 """Triton: scatter the step's new K/V into their cache slots (slot < 0: skipped).
 
-One program per token copies its ``num_kv_heads * head_dim`` values for K and for V.
-Offsets are int64: a large pool has more than 2**31 elements.
+One program per token copies its ``num_kv_heads * head_dim`` values for K and for V; a quantized
+cache gets the rows ``kv_format.quantize`` makes (torch ops, the reference's own, so both backends
+write the same bytes and capture in a CUDA graph alike). Offsets are int64: a large pool has more than 2**31 elements.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.checks import check_cache, check_same
+from pagedserve.kernels.kv_format import AUTO, KVFormat
 
 
 @triton.jit
@@ -31,11 +33,12 @@ def _store_kv_kernel(
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_format: KVFormat = AUTO,
 ) -> None:
     """Same contract as ``kernels.reference.store_kv``."""
-    check_cache(k_cache, v_cache)
-    _, _, heads, dim = k_cache.shape
+    check_cache(k_cache, v_cache, kv_format)
+    heads, dim = k_cache.shape[2], kv_format.head_dim(k_cache)
     if key.dim() != 3 or key.shape[1:] != (heads, dim) or value.shape != key.shape:
         raise ValueError(f"key/value must be [num_tokens, {heads}, {dim}], got {tuple(key.shape)}, {tuple(value.shape)}")
     if slot_mapping.shape != (key.shape[0],):
@@ -43,9 +46,11 @@ def store_kv(
     check_same(key.device, k_cache.device, slot_mapping.device)
     if key.shape[0] == 0:
         return
+    if kv_format.quantized:
+        key, value = kv_format.quantize(key), kv_format.quantize(value)
     key = key.reshape(key.shape[0], -1).contiguous()
     value = value.reshape(value.shape[0], -1).contiguous()
-    row = heads * dim
+    row = key.shape[1]
     _store_kv_kernel[(key.shape[0],)](
         key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
         ROW=row, ROW_PAD=triton.next_power_of_2(row),

@@ -50,12 +50,25 @@ def families(values: dict[str, float], model: str) -> Iterator[Metric]:
         yield family
 
 
-class SnapshotCollector:
-    """A prometheus_client collector reporting the last values it was given."""
+def cache_config_info(model: str, limits: dict) -> Metric:
+    """vLLM's ``vllm:cache_config_info``: a gauge of 1 whose labels say how the worker's KV cache
+    is laid out (``Engine.limits()``: block size, the format of ``--kv-cache-dtype``, its bytes per token)."""
+    labels = {"model_name": model, "block_size": str(limits["block_size"]), "cache_dtype": str(limits["kv_cache_dtype"]),
+              "kv_bytes_per_token": str(limits["kv_bytes_per_token"])}
+    family = GaugeMetricFamily("vllm:cache_config_info", "how the KV cache is laid out", labels=list(labels))
+    family.add_metric(list(labels.values()), 1.0)
+    return family
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+
+class SnapshotCollector:
+    """A prometheus_client collector reporting the last values it was given (and, with ``limits``,
+    the cache's layout)."""
+
+    def __init__(self, model: str, limits: dict | None = None) -> None:
+        self.model, self.limits = model, limits
         self.values: dict[str, float] = {}
 
     def collect(self) -> Iterator[Metric]:
+        if self.limits is not None:
+            yield cache_config_info(self.model, self.limits)
         yield from families(self.values, self.model)

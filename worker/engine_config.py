@@ -55,7 +55,7 @@ class EngineConfig:
         "built); torch: the plain PyTorch reference", choices=BACKENDS)
     block_size: int = flag(BLOCK_SIZE, kind=positive(int))
     kv_cache_dtype: str = flag("auto", "how K/V are stored: auto (the model's dtype) or one byte per element, with a "
-                               "bfloat16 scale per token and KV head (fp8 = fp8_e4m3; CPU backends so far)",
+                               "bfloat16 scale per token and KV head (fp8 = fp8_e4m3)",
                                choices=KV_CACHE_DTYPES)
     kv_cache_memory: int | None = flag(None, "bytes for the KV pool", kind=positive(int))
     num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (overrides --kv-cache-memory)",

@@ -28,14 +28,16 @@ FEATURES = {
     "best_of": SamplingParams(n=2, best_of=3, max_tokens=12, ignore_eos=True),
     "structured": SamplingParams(n=2, temperature=1.0, max_tokens=12, structured=StructuredOutputs(regex="[a-z]{3,9}")),
     "beam": SamplingParams(use_beam_search=True, beam_width=3, n=2, temperature=0.0, max_tokens=12, ignore_eos=True),
+    "prompt_logprobs": SamplingParams(prompt_logprobs=2, max_tokens=4),
 }
 
 
-@pytest.fixture(scope="module")
-def tight_llm(zoo):
-    # 24 blocks of 4 tokens for 11 requests of ~20-tokens prompts: preemption (by swap) is certain.
+@pytest.fixture(scope="module", params=["auto", "int8"])
+def tight_llm(zoo, request):
+    # 24 blocks of 4 tokens for 13 requests of ~20-tokens prompts: preemption (by swap) is certain.
+    # int8: the quantized cache's code table and key rotation are made on first use, inside the step.
     return LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=24, block_size=4, num_cpu_blocks=256,
-               preemption_mode="swap", max_num_batched_tokens=64)
+               preemption_mode="swap", max_num_batched_tokens=64, kv_cache_dtype=request.param)
 
 
 def test_every_feature_steps_with_no_tensor_on_the_default_device(tight_llm):

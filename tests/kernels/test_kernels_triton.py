@@ -21,7 +21,8 @@ from pagedserve.kernels.moe_reference import grouped_moe  # noqa: E402
 from pagedserve.kernels.paged_attention import paged_attention_decode  # noqa: E402
 from pagedserve.kernels.prefill_attention import prefill_attention  # noqa: E402
 from pagedserve.kernels.store_kv import store_kv  # noqa: E402
-from tests.paged_cases import TOLERANCE, make_case  # noqa: E402
+from pagedserve.kernels.kv_format import kv_format  # noqa: E402
+from tests.paged_cases import TOLERANCE, make_case, quantized_case  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="runs on the GPU instead")),
@@ -101,6 +102,46 @@ def test_store_kv_with_skipped_slots(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("block_size,window,softcap", [(1, 0, 0.0), (16, 0, 0.0), (16, 16, 0.0), (1, 0, 2.0)])
+def test_quantized_cache_reads_as_the_decoded_cache(device, name, block_size, window, softcap):
+    """Decode (across a 512-token partition) and prefill over one-byte rows: what plain attention
+    over the whole cache decoded up front gives."""
+    lengths = [1, 9, 16, 17, 97, 600]
+    case, k_rows, v_rows = quantized_case(name, block_size, 2, lengths)
+    fmt, rows = kv_format(name), (k_rows.to(device), v_rows.to(device))
+    tables, lens = case.block_tables.to(device), case.seq_lens.to(device)
+    q = torch.randn(len(lengths), 6, 64) * (3.0 if softcap else 1.0)
+    out = paged_attention_decode(q.to(device), *rows, tables, lens, 0.125, window=window, softcap=softcap, kv_format=fmt)
+    expected = ref.paged_attention_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125,
+                                          window=window, softcap=softcap)
+    close(out, expected, torch.float32)
+    starts = torch.tensor([0, 1, 3, 8, 9, 25, 41], dtype=torch.int32)  # chunks of 1, 2, 5, 1, 16, 16 tokens
+    qp = torch.randn(41, 6, 64)
+    out = prefill_attention(qp.to(device), *rows, tables, starts.to(device), lens, 0.125, window=window,
+                            softcap=softcap, kv_format=fmt)
+    expected = ref.prefill_attention(qp, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125,
+                                     window=window, softcap=softcap)
+    close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_store_kv_writes_the_references_quantized_rows(device, name):
+    fmt = kv_format(name)
+    k_cache = torch.zeros(6, 4, 2, 82, dtype=torch.uint8, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(5, 2, 80) * 4, torch.randn(5, 2, 80)
+    slots = torch.tensor([3, -1, 23, 0, -1])
+    store_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device), kv_format=fmt)
+    k_ref, v_ref = torch.zeros_like(k_cache).cpu(), torch.zeros_like(v_cache).cpu()
+    ref.store_kv(key, value, k_ref, v_ref, slots, kv_format=fmt)
+    assert torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 cache's dtype must be one of"):
+        store_kv(key, value, torch.zeros(6, 4, 2, 80), torch.zeros(6, 4, 2, 80), slots, kv_format=kv_format("int8"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_copy_blocks_all_layers_in_one_launch(device):
     pool = torch.randn(6, 7, 4, 2, 16, device=device)  # 3 layers x (K, V), 7 blocks
     expected = pool.cpu().clone()
@@ -164,6 +205,24 @@ def test_engine_on_the_triton_backend_matches_transformers(zoo, device, model):
                         use_tqdm=False)
     for (prompt, n), out in zip(cases, outs):
         assert out.outputs[0].token_ids == zoo.hf_greedy(model, prompt, n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_engine_on_the_triton_backend_reads_an_int8_cache_as_the_torch_reference_does(zoo, device):
+    """The same bytes stored (one quantizer), the same rotation, attention read in registers: the
+    Triton engine's greedy tokens are the reference engine's over chunked prefill and a cached prefix."""
+    from pagedserve import LLM
+    from pagedserve.shared.sampling import SamplingParams
+    from tests.conftest import random_prompts
+
+    cases = random_prompts(seed=11, count=4, max_len=40, vocab=512, max_new=6)
+    prompts, params = [p for p, _ in cases], [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases]
+    tokens = {}
+    for backend, where in (("triton", device), ("torch", "cpu")):
+        llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=where, attention_backend=backend, block_size=8,
+                  num_gpu_blocks=64, max_num_batched_tokens=24, kv_cache_dtype="int8")
+        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens["triton"] == tokens["torch"]
 
 
 @pytest.mark.parametrize("device", DEVICES)

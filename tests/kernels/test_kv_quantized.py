@@ -12,7 +12,7 @@ from pagedserve.kernels.kv_format import FORMATS, kv_format
 from pagedserve.kernels.native_attention import NativeAttention
 from pagedserve.kernels.native_build import NativeKernelUnavailable
 from pagedserve.kernels.ops import reference_ops
-from tests.paged_cases import make_case
+from tests.paged_cases import quantized_case
 
 QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2"]
 RELATIVE_STEP = {"int8": 1 / 127, "fp8_e4m3": 2**-3, "fp8_e5m2": 2**-2}  # of the row's absmax / of the value
@@ -52,18 +52,6 @@ def test_rows_round_trip_within_a_step(name):
         bound = x.abs() * RELATIVE_STEP[name] / 2 + absmax * 4e-3 + absmax / fmt.largest * 2**-6  # and subnormals
     assert bool((back - x).abs().le(bound).all())
     assert bool(back[0].eq(0).all())
-
-
-def quantized_case(name: str, block_size: int, kv_heads: int, lengths: list[int]):
-    """A paged case whose caches went through ``store_kv`` quantized, and the same caches decoded."""
-    fmt = kv_format(name)
-    plain = make_case(lengths, block_size, kv_heads, 64)
-    k_rows, v_rows = (torch.zeros((*c.shape[:3], 66), dtype=torch.uint8) for c in (plain.k_cache, plain.v_cache))
-    slots = torch.arange(plain.k_cache.shape[0] * block_size)
-    flat = lambda c: c.reshape(-1, kv_heads, 64)  # noqa: E731
-    reference.store_kv(flat(plain.k_cache), flat(plain.v_cache), k_rows, v_rows, slots, kv_format=fmt)
-    plain.k_cache, plain.v_cache = fmt.dequantize(k_rows), fmt.dequantize(v_rows)
-    return plain, k_rows, v_rows
 
 
 def backends(name: str, native_for):

@@ -212,6 +212,9 @@ def test_worker_metrics_reach_redis_and_prometheus(redis_server, zoo, engine):
     assert {b"kv_cache_usage_perc", b"num_requests_running", b"queue_depth", b"generation_tokens_per_s"} <= set(stored)
     assert int(stored[b"generation_tokens_total"]) == 2
     assert 'vllm:num_requests_running{model_name="tiny"}' in text and "# TYPE vllm:num_preemptions_total counter" in text
+    per_token = engine.limits()["kv_bytes_per_token"]
+    assert (f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",kv_bytes_per_token="{per_token}",'
+            'model_name="tiny"} 1.0') in text
 
 
 def test_two_live_workers_cannot_share_a_consumer_name(redis_server, zoo, engine):

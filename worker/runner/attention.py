@@ -48,6 +48,15 @@ class PagedAttention:
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        rotation = self.ops.kv_format.rotation(q.shape[-1], q.device)  # None unless the cache is quantized
+        if rotation is None:
+            return self._attend(q, k, v, kv_cache, meta)
+        return self._attend(_turned(q, rotation), _turned(k, rotation), v, kv_cache, meta)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         d = meta.num_decodes
@@ -62,3 +71,8 @@ class PagedAttention:
                 max_seq_len=meta.prefill_max_seq_len, **self.extra,
             ))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _turned(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """``x @ rotation`` over the last dimension, in float32, back at ``x``'s dtype."""
+    return (x.float() @ rotation).to(x.dtype)

@@ -12,9 +12,10 @@ from pagedserve.runtime.metric_names import SnapshotCollector
 
 
 class WorkerMetrics:
-    def __init__(self, port: int, model: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, model: str, host: str = "127.0.0.1", limits: dict | None = None) -> None:
+        """``limits``: the engine's (``Engine.limits()``), for ``vllm:cache_config_info``."""
         self.registry = CollectorRegistry()
-        self._snapshot = SnapshotCollector(model)
+        self._snapshot = SnapshotCollector(model, limits)
         self.registry.register(self._snapshot)
         start_http_server(port, addr=host, registry=self.registry)
 

@@ -85,7 +85,8 @@ class WorkerService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.prometheus = WorkerMetrics(settings.metrics_port, self.model, settings.metrics_host) if settings.metrics_port else None
+        self.prometheus = (WorkerMetrics(settings.metrics_port, self.model, settings.metrics_host, engine.limits())
+                           if settings.metrics_port else None)
         self.stats_line = StatsLine(settings.log_stats_interval_s)
 
     # ------------------------------------------------------------------ lifecycle
