@@ -24,11 +24,13 @@ def text() -> str:
     return resources.files("pagedserve.bench").joinpath("texts/declaration.txt").read_text(encoding="utf-8")
 
 
-def read(model: str | None, kv_cache_dtype: str, chunk: int, dtype: str = "float32") -> list:
-    """The prompt logprob entries (top-1 alternatives included) of the text under one cache dtype."""
+def read(model: str | None, kv_cache_dtype: str, chunk: int, dtype: str = "float32", **engine) -> list:
+    """The prompt logprob entries (top-1 alternatives included) of the text under one cache dtype
+    (and any other engine options, e.g. ``quantization``)."""
     from pagedserve import LLM
 
-    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=chunk, num_gpu_blocks=256)
+    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=chunk, num_gpu_blocks=256,
+              **engine)
     ids = llm.tokenizer.encode(text(), add_special_tokens=False)
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     return out.prompt_logprobs[1:]

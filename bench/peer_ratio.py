@@ -25,18 +25,27 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.table import print_table
-from pagedserve.kernels.backends import KV_CACHE_DTYPES
+from pagedserve.kernels.backends import KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedserve.kernels.ops import BACKENDS
 from pagedserve.shared.sampling import SamplingParams
 
 
-def w64(vocab: int, count: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
+W64 = (64, 0, 32, 256, 32, 256)  # n, seed, prompt min/max, output min/max: bench_llamacpp.py --wl's fields
+
+
+def workload(vocab: int, spec: tuple[int, ...] = W64) -> list[tuple[list[int], int]]:
+    """``../shared/peers/workload.py``'s requests: ``spec`` as ``bench_llamacpp.py --wl`` reads it."""
+    count, seed, pmin, pmax, omin, omax = spec
     rng = random.Random(seed)
     work = []
     for _ in range(count):
-        prompt_len, out_len = rng.randint(32, 256), rng.randint(32, 256)
+        prompt_len, out_len = rng.randint(pmin, pmax), rng.randint(omin, omax)
         work.append(([rng.randint(4, vocab - 1) for _ in range(prompt_len)], out_len))
     return work
+
+
+def w64(vocab: int, count: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
+    return workload(vocab, (count, seed, *W64[2:]))
 
 
 def peer_lines(path: Path | None, model: str, dtype: str, count: int = 64) -> list[dict]:
@@ -55,30 +64,32 @@ def peer_lines(path: Path | None, model: str, dtype: str, count: int = 64) -> li
     return list(newest.values())
 
 
-def run_pagedserve(model: Path, dtype: str, repeats: int, eager: bool, backend: str = "auto", count: int = 64,
-                   kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None) -> dict:
+def run_pagedserve(model: Path, dtype: str, repeats: int, work_spec: tuple[int, ...] = W64,
+                   one_at_a_time: bool = False, **engine) -> dict:
+    """``engine``: LLM options (enforce_eager, attention_backend, kv_cache_dtype, quantization, ...).
+    ``one_at_a_time``: each request generated alone, one stream (as ``bench_llamacpp.py --parallel 1``)."""
     from pagedserve import LLM
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=64, enforce_eager=eager, attention_backend=backend,
-              kv_cache_dtype=kv_cache_dtype, kv_cache_memory=kv_cache_memory)
-    vocab = llm.engine.info.config.vocab_size
-    work = w64(vocab, count)
+    llm = LLM(model, dtype=dtype, max_num_seqs=64, **engine)
+    work = workload(llm.engine.info.config.vocab_size, work_spec)
     llm.generate([[5 + i] * 40 for i in range(4)], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)  # warm-up, with ids the timed passes do not share
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
+    batches = [[i] for i in range(len(work))] if one_at_a_time else [list(range(len(work)))]
     times = []
     for _ in range(repeats):
         llm.engine.forget_cached()
         start = time.perf_counter()
-        outs = llm.generate([p for p, _ in work], params, use_tqdm=False)
+        outs = [out for batch in batches for out in llm.generate([work[i][0] for i in batch], [params[i] for i in batch],
+                                                                 use_tqdm=False)]
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, work)), "an output has the wrong length"
-    return {"engine": "pagedserve", "mode": "LLM.generate", "dtype": dtype, "out_tok_s": round(tokens / seconds, 1),
-            "elapsed_s": round(seconds, 2), "elapsed_all_s": [round(t, 2) for t in times], "output_tokens": tokens,
-            "enforce_eager": eager, "attention_backend": llm.engine.runner.ops.backend, "num_requests": count,
-            "kv_cache_dtype": kv_cache_dtype, "kv_cache_memory": kv_cache_memory,
+    return {"engine": "pagedserve", "mode": "LLM.generate" + (", one at a time" if one_at_a_time else ""), "dtype": dtype,
+            "out_tok_s": round(tokens / seconds, 1), "elapsed_s": round(seconds, 2),
+            "elapsed_all_s": [round(t, 2) for t in times], "output_tokens": tokens, "num_requests": len(work),
+            "workload": ",".join(map(str, work_spec)), "attention_backend": llm.engine.runner.ops.backend, **engine,
             "preemptions_per_pass": llm.engine.stats()["num_preemptions_total"] // repeats}  # the warm-up preempts nothing
 
 
@@ -95,10 +106,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="the first N requests of W64 (bench_vllm.py --num-requests N runs the same ones)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool (default: what fits)")
+    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
+    ap.add_argument("--wl", default=None, help="n,seed,pmin,pmax,omin,omax as bench_llamacpp.py --wl (default: W64)")
+    ap.add_argument("--one-at-a-time", action="store_true", help="one request at a time (bench_llamacpp.py --parallel 1)")
     args = ap.parse_args(argv)
-    ours = run_pagedserve(args.model, args.dtype, args.repeats, args.enforce_eager, args.attention_backend,
-                          args.num_requests, args.kv_cache_dtype, args.kv_cache_memory)
-    peers = peer_lines(args.peer_json, args.model.name, args.dtype, args.num_requests)
+    spec = tuple(int(x) for x in args.wl.split(",")) if args.wl else (args.num_requests, *W64[1:])
+    if len(spec) != 6:
+        ap.error(f"--wl takes six comma-separated integers, got {args.wl!r}")
+    ours = run_pagedserve(args.model, args.dtype, args.repeats, spec, args.one_at_a_time, enforce_eager=args.enforce_eager,
+                          attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+                          kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
+    peers = peer_lines(args.peer_json, args.model.name, args.dtype, spec[0])
     ratios = {f"{p['engine']} {p.get('mode', '')}".strip(): round(ours["out_tok_s"] / p["out_tok_s"], 2) for p in peers}
     print(json.dumps({"bench": "peer_ratio", "model": args.model.name, **ours, "ratio_to": ratios}))
     rows = [ours, *peers]

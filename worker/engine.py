@@ -73,7 +73,7 @@ class Engine:
         else:
             kv = kv_format(config.kv_cache_dtype)
             ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", kv)
-            model = load_weights(info, ops, device)
+            model = load_weights(info, ops, device, config.quantization)
             block_bytes = kv_block_bytes(model, config.block_size, info.dtype, kv)
 
             def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
@@ -100,7 +100,7 @@ class Engine:
         log.info(
             "kv cache allocated", sampling_defaults=self.sampling_defaults or "none", device=str(device), dtype=str(info.dtype).replace("torch.", ""),
             gpu_blocks=num_gpu, cpu_blocks=num_cpu, block_size=config.block_size,
-            kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype,
+            kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
 

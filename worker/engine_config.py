@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pagedserve.kernels.backends import BACKENDS, KV_CACHE_DTYPES
+from pagedserve.kernels.backends import BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedserve.runtime.env import checked, fraction, non_negative, positive
 from pagedserve.worker.core.config import BLOCK_SIZE, PREEMPTION_MODES, PreemptionMode
 from pagedserve.worker.core.step_cost import StepCost
@@ -58,6 +58,8 @@ class EngineConfig:
                                "bfloat16 scale per token and KV head (fp8 = fp8_e4m3)",
                                choices=KV_CACHE_DTYPES)
     kv_cache_memory: int | None = flag(None, "bytes for the KV pool", kind=positive(int))
+    quantization: str = flag("none", "the linear layers' weights: none (the model's dtype), int8 (a scale per output "
+                             "channel) or int4 (a scale and zero per 32 inputs); CPU only so far", choices=QUANTIZATIONS)
     num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (overrides --kv-cache-memory)",
                                       kind=positive(int))
     swap_space: int = flag(GIB, "GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)",

@@ -1,6 +1,7 @@
-"""bf16 linear layers on the CPU: oneDNN-prepacked weights give exactly the plain layers' results
-where the CPU has bf16 matrix instructions; float32-widened weights give the same products summed
-in float32 where it has not; the loader picks one for bf16 models on the CPU (only there)."""
+"""Linear layers on the CPU: oneDNN-prepacked bf16 weights give exactly the plain layers' results
+where the CPU has bf16 matrix instructions, prepacked float32 ones the same sums in oneDNN's order;
+float32-widened weights give the bf16 products summed in float32 where it has not; the loader picks
+by the CPU's flags, not by what oneDNN accepts."""
 
 import pytest
 import torch
@@ -8,7 +9,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedserve import LLM
-from pagedserve.worker.runner.prepack import PrepackedLinear, WidenedLinear, can_prepack, prepack_linears, widen_linears
+from pagedserve.worker.runner.prepack import (
+    PrepackedLinear,
+    WidenedLinear,
+    bf16_in_hardware,
+    can_prepack,
+    cpu_flags,
+    fast_cpu_linears,
+    prepack_linears,
+    widen_linears,
+)
 
 needs_prepack = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 linear")
 
@@ -46,7 +56,34 @@ def test_widened_layers_compute_the_bf16_products_in_float32():
         torch.testing.assert_close(got.float(), plain(x).float(), atol=0.05, rtol=0.02)  # a bf16 GEMM, other order
 
 
-def test_the_loader_speeds_up_bf16_models_on_the_cpu_and_nothing_else(zoo):
+def test_prepacked_float32_layers_agree_with_plain_ones():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 72, bias=False))
+    packed = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 72, bias=False))
+    packed.load_state_dict(plain.state_dict())
+    assert prepack_linears(packed) == 2
+    for rows in (1, 64):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)  # the same sums, in another order
+
+
+def test_the_choice_reads_the_cpus_flags_not_what_onednn_accepts():
+    cpuinfo = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n\nprocessor\t: 1\nflags\t\t: fpu\n"
+    assert cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512f", "avx512_vnni"} and cpu_flags("no flags here") == set()
+    assert not bf16_in_hardware(cpu_flags(cpuinfo))  # AVX-512 without BF16: oneDNN takes the reorder, then emulates
+    assert bf16_in_hardware(frozenset({"avx512f", "avx512_bf16"})) and bf16_in_hardware(frozenset({"amx_bf16"}))
+    assert bf16_in_hardware(frozenset({"avx2", "avx_ne_convert"}))
+    cpu = torch.device("cpu")
+    no_bf16 = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert fast_cpu_linears(no_bf16, cpu, torch.bfloat16, flags=frozenset({"avx512f"})) == "widened"
+    assert isinstance(no_bf16[0], WidenedLinear)
+    if can_prepack(cpu, torch.bfloat16):
+        with_bf16 = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+        assert fast_cpu_linears(with_bf16, cpu, torch.bfloat16, flags=frozenset({"avx512_bf16"})) == "prepacked"
+    assert fast_cpu_linears(nn.Sequential(nn.Linear(8, 8)), torch.device("meta"), torch.float32) is None
+
+
+def test_the_loader_speeds_up_cpu_models_and_nothing_else(zoo):
     def layers_of(dtype):
         model = LLM(zoo.path("llama-gqa"), device="cpu", dtype=dtype, num_gpu_blocks=64).engine.runner.model
         kinds = [type(m) for m in model.modules()]
@@ -54,7 +91,8 @@ def test_the_loader_speeds_up_bf16_models_on_the_cpu_and_nothing_else(zoo):
 
     layers = len(LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64).engine.runner.model.model.layers)
     linears = 7 * layers + 1  # q, k, v, o, gate, up, down per layer, and the head
-    expected = (linears, 0, 0) if can_prepack(torch.device("cpu"), torch.bfloat16) else (0, linears, 0)
-    assert layers_of("bfloat16") == expected
-    assert layers_of("float32") == (0, 0, linears)
+    fast_bf16 = bf16_in_hardware() and can_prepack(torch.device("cpu"), torch.bfloat16)
+    assert layers_of("bfloat16") == ((linears, 0, 0) if fast_bf16 else (0, linears, 0))
+    assert layers_of("float32") == ((linears, 0, 0) if can_prepack(torch.device("cpu"), torch.float32) else (0, 0, linears))
+    assert layers_of("float16") == (0, 0, linears)
     assert not can_prepack(torch.device("meta"), torch.bfloat16) and not can_prepack(torch.device("cpu"), torch.float16)

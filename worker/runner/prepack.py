@@ -1,17 +1,20 @@
-"""bf16 linear layers on the CPU, in the form this CPU runs fastest.
+"""Linear layers on the CPU in the form this CPU runs fastest.
 
-With bf16 matrix instructions (AVX-512 BF16/AMX, or AVX-NE-CONVERT): the weights reordered once
-for oneDNN. ``F.linear`` on a plain bf16 weight lets oneDNN reorder the weight into its blocked
-layout on every call; done once at load, the same kernel runs on the stored layout: bit-identical
-results, and faster (measured on a 2-core AVX-512 AMD EPYC, 768 -> 2560: 0.139 -> 0.056 ms at 1
-row, 0.719 -> 0.615 ms at 64, 20.0 -> 19.2 ms at 2048). Only bf16: in float32 the prepacked kernel
-is a different one whose sums differ in the last bits, which would move greedy parity.
+float32 and, with bf16 matrix instructions (AVX-512 BF16, AMX, AVX-NE-CONVERT), bfloat16: the
+weights reordered once for oneDNN (``PrepackedLinear``). ``F.linear`` streams a plain weight
+through MKL's GEMV at one row, or lets oneDNN reorder a bf16 weight on every call; the stored
+blocked layout runs the same oneDNN kernel without either (measured on a 2-core AVX-512 EPYC, one
+stream of SmolLM2-135M in float32: 24.0 -> 43.2 tokens/s; its 49,152 x 576 head at one row 7.0 ->
+2.1 ms; bf16 768 -> 2560: 0.139 -> 0.056 ms at 1 row). float32 sums then run in oneDNN's order,
+not MKL's: greedy parity with transformers still holds on every family and the real model.
 
-Without them (an AVX2-only CPU) a bf16 GEMM is emulated and six times slower than float32 (768 ->
-2560 at 64 rows: 14.4 ms against 2.4 ms, on a 2-core AVX2 AMD EPYC). There the weights are kept
-widened to float32 and the layer computes in float32 from bf16 inputs, rounding its output to bf16:
-the same products (bf16 values are exact in float32) summed in float32, as a bf16 GEMM sums them,
-for twice the weight memory.
+Without bf16 instructions a bf16 GEMM is emulated: on an AVX2-only CPU six times slower than
+float32 (768 -> 2560 at 64 rows: 14.4 ms against 2.4 ms), and oneDNN *accepts* the bf16 reorder on
+AVX-512 without BF16 and then runs it emulated (bf16 measured 0.44x float32 there). So the choice
+reads the CPU's flags (``bf16_in_hardware``), not what oneDNN accepts; without them the weights are
+kept widened to float32 (``WidenedLinear``) and the layer computes in float32 from bf16 inputs,
+rounding its output to bf16: the same products (bf16 values are exact in float32) summed in
+float32, as a bf16 GEMM sums them, for twice the weight memory.
 """
 
 from __future__ import annotations
@@ -20,11 +23,33 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx_ne_convert"})  # /proc/cpuinfo names of bf16 matrix instructions
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``'s first ``flags`` line; empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def bf16_in_hardware(flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in hardware (``BF16_FLAGS``), so bf16 GEMMs are not emulated."""
+    return bool((cpu_flags() if flags is None else flags) & BF16_FLAGS)
+
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    """bf16 on a CPU whose oneDNN has a bf16 linear kernel (AVX-512 or AVX-NE-CONVERT: an AVX2-only
-    CPU refuses the reorder, so it is tried once on a tiny weight rather than guessed)."""
-    if not (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """float32 or bf16 on a CPU whose oneDNN takes the weight reorder (tried once on a tiny weight:
+    an AVX2-only CPU refuses the bf16 one). Taken is not fast: see ``fast_cpu_linears``."""
+    if not (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:
@@ -73,16 +98,20 @@ def widen_linears(model: nn.Module) -> int:
     return _replace_linears(model, WidenedLinear)
 
 
-def fast_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Give a bf16 model on the CPU the linear layers this CPU runs fastest: ``"prepacked"``,
-    ``"widened"``, or None (anything else is left as it is)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
+def fast_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                     flags: frozenset[str] | None = None) -> str | None:
+    """Give a float32 or bf16 model on the CPU the linear layers this CPU runs fastest:
+    ``"prepacked"``, ``"widened"`` (bf16 without bf16 instructions), or None (left as they are).
+    ``flags``: the CPU's (default: read from ``/proc/cpuinfo``)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
+    if dtype == torch.bfloat16 and not bf16_in_hardware(flags):
+        widen_linears(model)
+        return "widened"
     if can_prepack(device, dtype):
         prepack_linears(model)
         return "prepacked"
-    widen_linears(model)
-    return "widened"
+    return None
 
 
 def _replace_linears(model: nn.Module, make) -> int:

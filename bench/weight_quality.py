@@ -1,0 +1,37 @@
+"""What quantized weights cost in quality, on real weights: the default model (SmolLM2-135M-
+Instruct) reads ``bench/texts/declaration.txt`` teacher-forced (as ``bench/kv_quality.py`` does),
+once per ``--quantization``; against the model-dtype weights: next-token top-1 agreement and
+perplexity. The cache stays at the model's dtype, so only the weights differ.
+
+    python -m pagedserve.bench.weight_quality [--model M] [--quantizations none int8 int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from pagedserve.bench.kv_quality import compare, read
+from pagedserve.bench.table import print_table
+from pagedserve.kernels.backends import QUANTIZATIONS
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: the default model")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"], choices=QUANTIZATIONS)
+    args = ap.parse_args(argv)
+    reference = read(args.model, "auto", args.chunk)
+    rows = [{"quantization": name, **compare(reference, reference if name == "none" else
+                                             read(args.model, "auto", args.chunk, quantization=name))}
+            for name in args.quantizations]
+    print(json.dumps({"bench": "weight_quality", "model": args.model or "default", "chunk": args.chunk, "results": rows}))
+    print_table(rows, [(k, lambda r, k=k: r[k]) for k in ("quantization", "positions", "top1_agreement", "perplexity",
+                                                          "perplexity_change")])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

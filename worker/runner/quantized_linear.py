@@ -1,0 +1,145 @@
+"""Weight-only quantized linear layers (``--quantization int8|int4``), executed quantized by
+torch's own CPU kernels: ``_weight_int8pack_mm`` (int8 weights, one scale per output channel) and
+``_weight_int4pack_mm_for_cpu`` (int4 weights in groups of 32 along the input, a scale and a zero
+per group, tinygemm's convention ``w = (q - 8) * scale + zero``).
+
+Both kernels are fast only with bfloat16 activations (measured on a 2-core AVX-512 EPYC, 576 ->
+1,536 at one row: float32 ``F.linear`` 48 us, int8 16 us and int4 19 us from bfloat16, but 285 and
+648 us from float32), so a layer computes from its input rounded to bfloat16 and returns its
+model's dtype. Scales are rounded to bfloat16 before the codes are taken, so the stored grid is the
+one the kernel multiplies by. Groups of 32 are GGUF's Q4_0/Q4_1 blocks: a Q4_1 file's dequantized
+weights fall back on exactly their own grid.
+
+A layer whose input width is not a multiple of the group (or output width of 16, the int4 kernel's
+tile) stays at the model's dtype under int4. Embedding tables are int8 with a scale per 32 values
+of a row (``Int8Embedding``; a looked-up row is decoded), as GGUF's Q8_0 stores them; a tied
+``lm_head`` gets its own int8 copy (per output channel, as its kernel needs), so a small model's
+largest matrix costs two bytes per weight instead of four (SmolLM2: one scale per row for the
+embedding too measured +0.81% perplexity for int8 against +0.29%). ``lm_head``
+is int8 under int4 too, as llama.cpp's Q4 files keep their output matrix at 8 bits (SmolLM2's
+Q4_1 file: Q8_0): measured on SmolLM2, int4 everywhere +6.7% perplexity, with an int8 ``lm_head``
+docs/benchmarks.md's figure. A tied ``lm_head`` gets a quantized copy (the embedding keeps its
+rows for the lookup).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.backends import QUANTIZATIONS
+
+GROUP = 32  # int4: weights per scale and zero, along the input
+COMPUTE = torch.bfloat16  # the kernels' activation dtype
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` with int8 weights ``[out, in]`` and a bfloat16 scale per output channel."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp_min(2**-126).to(COMPUTE)
+        codes = (weight / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        self.bias = _bias(linear)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 ``[out, in]``: the weight the kernel multiplies by."""
+        return self.codes.float() * self.scale.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(COMPUTE), self.codes, self.scale)
+        return _finish(out, self.bias, shape, x.dtype)
+
+
+class Int8Embedding(nn.Module):
+    """``nn.Embedding`` with int8 rows and a float32 scale per ``GROUP`` values of a row (per row
+    where the width is not whole groups); a looked-up row is decoded at the model's dtype. float32,
+    not bfloat16: a Q8_0 file's blocks (scale = absmax / 127) then come back on their own grid
+    (measured on SmolLM2, int8: +0.45% perplexity with bfloat16 scales)."""
+
+    def __init__(self, table: nn.Embedding) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = table.num_embeddings, table.embedding_dim
+        self.dtype = table.weight.dtype
+        group = GROUP if self.embedding_dim % GROUP == 0 else self.embedding_dim
+        rows = table.weight.detach().float().reshape(self.num_embeddings, -1, group)
+        scale = (rows.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(2**-126)
+        self.register_buffer("codes", (rows / scale).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.codes[ids].to(self.dtype) * self.scale[ids].to(self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+
+class Int4Linear(nn.Module):
+    """``nn.Linear`` with int4 weights packed for the CPU kernel and, per group of ``GROUP`` inputs
+    of each output, a bfloat16 scale and zero (``scales_zeros`` ``[in / GROUP, out, 2]``)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        groups = linear.weight.detach().float().reshape(self.out_features, -1, GROUP)
+        low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scale = ((high - low) / 15).clamp_min(2**-126).to(COMPUTE).float()
+        zero = (low + 8 * scale).to(COMPUTE).float()  # w = (q - 8) * scale + zero
+        codes = ((groups - zero) / scale + 8).round().clamp(0, 15).to(torch.int32).reshape(self.out_features, -1)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+        scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1)
+        self.register_buffer("scales_zeros", scales_zeros.contiguous().to(COMPUTE))
+        self.bias = _bias(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        out = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(COMPUTE), self.packed, GROUP,
+                                                self.scales_zeros)
+        return _finish(out, self.bias, shape, x.dtype)
+
+
+def dequantized_int4(layer: Int4Linear) -> torch.Tensor:
+    """float32 ``[out, in]``: what ``layer`` multiplies by, read back through its kernel (an identity
+    input), for tests and quality checks."""
+    eye = torch.eye(layer.in_features, device=layer.packed.device)  # float32 in and out: no rounding of the grid
+    return torch._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP, layer.scales_zeros.float()).T
+
+
+def quantize_linears(model: nn.Module, quantization: str, device: torch.device) -> int:
+    """Replace the ``nn.Linear`` layers of ``model`` by quantized ones; how many were replaced.
+    ``none`` replaces nothing; a quantization off the CPU is a clear error (no kernels there yet)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
+    if quantization == "none":
+        return 0
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} runs on the CPU so far (torch's int8/int4 CPU kernels); "
+                         f"use --quantization none on {device.type}")
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Embedding:
+                setattr(parent, name, Int8Embedding(child))
+                replaced += 1
+                continue
+            if type(child) is not nn.Linear:
+                continue
+            int8 = quantization == "int8" or (not parent_name and name == "lm_head")
+            if int8 or (child.in_features % GROUP == 0 and child.out_features % 16 == 0):  # the int4 kernel's tiles
+                setattr(parent, name, (Int8Linear if int8 else Int4Linear)(child))
+                replaced += 1
+    return replaced
+
+
+def _bias(linear: nn.Linear) -> nn.Parameter | None:
+    return None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+
+def _finish(out: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    out = out.to(dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*shape[:-1], out.shape[-1])
