@@ -90,7 +90,7 @@ def test_the_loader_speeds_up_cpu_models_and_nothing_else(zoo):
         return kinds.count(PrepackedLinear), kinds.count(WidenedLinear), kinds.count(nn.Linear)
 
     layers = len(LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64).engine.runner.model.model.layers)
-    linears = 7 * layers + 1  # q, k, v, o, gate, up, down per layer, and the head
+    linears = 4 * layers + 1  # q/k/v fused, o, gate/up fused, down per layer (fuse_projections), and the head
     fast_bf16 = bf16_in_hardware() and can_prepack(torch.device("cpu"), torch.bfloat16)
     assert layers_of("bfloat16") == ((linears, 0, 0) if fast_bf16 else (0, linears, 0))
     assert layers_of("float32") == ((linears, 0, 0) if can_prepack(torch.device("cpu"), torch.float32) else (0, 0, linears))

@@ -94,6 +94,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bool(getattr(config, "attention_bias", False)))
+        self.qkv_proj: nn.Linear | None = None  # q, k and v in one matrix, once fuse_projections has run
+        self.qkv_sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
         if arch.qk_norm or arch.qk_norm_full:
             width = 1 if arch.qk_norm else None  # per head, or the whole projection
             norm = OffsetRMSNorm if arch.offset_norm else RMSNorm
@@ -107,7 +109,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         if self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -121,6 +126,10 @@ class Attention(nn.Module):
         out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def fuse_projections(self) -> None:
+        self.qkv_proj = concatenated(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
 
 class MLP(nn.Module):
     def __init__(self, config, intermediate_size: int | None = None) -> None:
@@ -131,9 +140,37 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, size, bias=bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
         self.act = activation(config)
+        self.gate_up_proj: nn.Linear | None = None  # gate and up in one matrix, once fuse_projections has run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+    def fuse_projections(self) -> None:
+        self.gate_up_proj = concatenated(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
+
+def concatenated(*linears: nn.Linear) -> nn.Linear:
+    """One ``nn.Linear`` computing the given ones' outputs side by side (their weights stacked)."""
+    bias = linears[0].bias is not None
+    fused = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=bias, device="meta")
+    fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+    if bias:
+        fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+    return fused
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Give every attention block one q/k/v matrix and every dense feed-forward one gate/up matrix:
+    fewer, wider matrix calls per layer (on the CPU a call's fixed cost is a tenth of a small
+    layer's time). How many blocks were fused."""
+    blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
+    for block in blocks:
+        block.fuse_projections()
+    return len(blocks)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
