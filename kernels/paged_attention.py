@@ -2,7 +2,7 @@
 
 Grid ``(num_seqs, num_kv_heads, num_splits)``: each program takes one KV head with all the query
 heads that share it (GQA) and one slice of ``PARTITION`` context tokens, walks it in tiles of
-``TILE`` tokens (block ids looked up per token, so any power-of-two block size works) with an
+``decode_tile`` tokens (block ids looked up per token, so any power-of-two block size works) with an
 online softmax in float32, and writes a partial result. A second kernel combines the slices, so a
 batch of a few long sequences still spreads over the whole GPU. With ``window`` > 0 (sliding-window
 attention) slices and tiles before the window are skipped and the rest masked to it.
@@ -18,8 +18,18 @@ from pagedserve.kernels.checks import check_cache, check_heads, check_same, chec
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.paged_tiles import cap_scores, code_constants, load_kv_tile
 
-TILE = 64
 PARTITION = 512
+TILE_ELEMENTS = 8192  # a tile's q x k products (GROUP_PAD x TILE x DIM_PAD) that fit in registers
+
+
+def decode_tile(group_pad: int, dim_pad: int) -> int:
+    """Key positions per tile: 64, fewer as the GQA group and the head grow, so the tile's products
+    stay in registers (compiled for sm_90: group 4 x head 128 at 64 keys took 255 registers and 832
+    bytes of stack, group 8 6,400 bytes; at 8,192 products none spills, tests/kernels/test_register_budget.py)."""
+    tile = 64
+    while tile > 8 and group_pad * tile * dim_pad > TILE_ELEMENTS:
+        tile //= 2
+    return tile
 
 
 @triton.jit
@@ -116,11 +126,12 @@ def paged_attention_decode(
     part_max = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     block_tables = block_tables.contiguous()
+    group_pad, dim_pad = max(triton.next_power_of_2(group), 1), triton.next_power_of_2(dim)
     _decode_partial[(num_seqs, k_cache.shape[2], splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        splits, window, float(softcap), GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), DIM=dim,
-        DIM_PAD=triton.next_power_of_2(dim), BLOCK_SIZE=k_cache.shape[1], TILE=TILE, PARTITION=PARTITION,
+        splits, window, float(softcap), GROUP=group, GROUP_PAD=group_pad, DIM=dim,
+        DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], TILE=decode_tile(group_pad, dim_pad), PARTITION=PARTITION,
         **code_constants(kv_format),
     )
     _decode_reduce[(num_seqs, num_heads)](

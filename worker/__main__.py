@@ -8,6 +8,7 @@ from pagedserve.runtime.logging import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedserve.worker.device_errors import DeviceFailure
     from pagedserve.worker.engine import Engine
     from pagedserve.worker.engine_config import EngineConfig
     from pagedserve.worker.model_source import model_or_default
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConsumerNameTaken as err:
         print(f"pagedserve: {err}", file=sys.stderr)
         return 2
+    except DeviceFailure as err:  # its requests stay pending: other workers (or this one, restarted) resume them
+        print(f"pagedserve worker: {err}; exiting for a restart", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from pagedserve.worker.engine_config import EngineConfig, available_ram
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.grammar import GrammarCompiler
+from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.loader import inspect_model, load_weights
 from pagedserve.worker.runner.memory_profile import peak_step_bytes
 from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
@@ -62,7 +63,7 @@ class Engine:
         from transformers import AutoTokenizer
 
         self.config = config
-        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         info = self.info = inspect_model(config.model, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(info.path)
         max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
@@ -71,18 +72,19 @@ class Engine:
             block_bytes, num_gpu, num_cpu = 0, config.num_gpu_blocks or 4096, config.num_cpu_blocks or 0
             self.runner = SimulatedRunner(StepCost.parse(config.simulate), info.config.vocab_size, eos)
         else:
-            kv = kv_format(config.kv_cache_dtype)
-            ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", kv)
-            model = load_weights(info, ops, device, config.quantization)
-            block_bytes = kv_block_bytes(model, config.block_size, info.dtype, kv)
+            with device_guard(device):  # --device cuda:N: loading, profiling and capture on N
+                kv = kv_format(config.kv_cache_dtype)
+                ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", kv)
+                model = load_weights(info, ops, device, config.quantization)
+                block_bytes = kv_block_bytes(model, config.block_size, info.dtype, kv)
 
-            def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
-                return ModelRunner(model, ops, device, info.dtype, kv, config.block_size, num_gpu, num_cpu,
-                                   Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs)
+                def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
+                    return ModelRunner(model, ops, device, info.dtype, kv, config.block_size, num_gpu, num_cpu,
+                                       Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs)
 
-            num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
-            num_cpu = config.cpu_blocks(block_bytes)
-            self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
+                num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
+                num_cpu = config.cpu_blocks(block_bytes)
+                self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
         self.kv_bytes_per_token = block_bytes // config.block_size
         self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(
@@ -187,8 +189,12 @@ class Engine:
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built
         started = time.perf_counter()
         try:
-            result = self.runner.execute(plan)
+            with device_guard(self.device):
+                result = self.runner.execute(plan)
         except Exception as err:  # a bad kernel launch, out of memory, a bug: fail those requests, not the engine
+            if is_device_failure(err):  # ... unless the device itself is broken: then nothing is failed, the worker ends
+                log.error("device failed: stopping for a restart", requests=len(plan.seqs), error=str(err))
+                raise DeviceFailure(f"the device failed: {type(err).__name__}: {err}") from err
             log.exception("engine step failed", requests=len(plan.seqs))
             self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
             result = StepResult()

@@ -155,8 +155,9 @@ def test_seeded_sampling_is_identical_across_preemption(zoo, mode):
 
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(zoo):
-    """A fault we cannot cause for real on a CPU (a kernel error, out of memory) is injected by
-    replacing the runner's execute for one step: a mock for an unreachable fault."""
+    """A fault we cannot cause for real on a CPU (out of memory on the device) is injected by
+    replacing the runner's execute for one step: a mock for an unreachable fault. (A broken device
+    ends the engine instead: tests/engine/test_device_failure.py.)"""
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64)
     engine, real = llm.engine, llm.engine.runner.execute
     engine.add_request("victim", [20, 21, 22], SamplingParams(max_tokens=5, ignore_eos=True))
@@ -164,12 +165,12 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(zoo):
 
     def broken(plan):
         engine.runner.execute = real
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     engine.runner.execute = broken
     failed = {out.request_id: out for out in engine.step()}
     assert failed["victim"].finished and failed["victim"].outputs[0].finish_reason == "error"
-    assert "illegal memory access" in failed["victim"].error
+    assert "OutOfMemoryError: CUDA out of memory" in failed["victim"].error
     engine.add_request("later", [30, 31], SamplingParams(max_tokens=3, ignore_eos=True))
     assert drain(engine)["later"].outputs[0].finish_reason == "length"  # the engine goes on
     assert engine.scheduler.blocks.usage().used == 0

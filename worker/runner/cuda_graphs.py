@@ -40,6 +40,7 @@ class _Bucket:
         self.slots = torch.full((size,), -1, dtype=torch.int64, device=device)
         self.tables = torch.zeros((size, max_blocks), dtype=torch.int32, device=device)
         self.lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)  # rope's length: tokens known, computed or not
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -70,13 +71,18 @@ class DecodeGraphs:
             ids=[s.token_ids[0] for s in items], positions=[s.start for s in items],
             slots=[s.slot_mapping(self.block_size)[0] for s in items] + [-1] * (bucket.size - n),
             lens=[s.context_len for s in items] + [1] * (bucket.size - n),
+            # as the eager step: a one-token chunk of a longer prompt rotates by the prompt's length
+            seq_lens=[max(s.seq_len, s.context_len) for s in items] + [1] * (bucket.size - n),
         )
         for name, values in host.items():
             target = getattr(bucket, name)
             target[: len(values)].copy_(torch.tensor(values, dtype=target.dtype, device="cpu"), non_blocking=True)
-        # Table entries past a row's length are never read: only the live part is copied.
+        # Table entries past a row's length are never read: only the live part is copied. Padding
+        # rows read position 0 of their row: block 0, not what an earlier, larger step left there
+        # (a sliding-window row's first entry can be the released-block marker, -1).
         tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in items]
-        bucket.tables[:n, :width].copy_(torch.tensor(tables, dtype=torch.int32, device="cpu"), non_blocking=True)
+        tables += [[0] * width] * (bucket.size - n)
+        bucket.tables[:, :width].copy_(torch.tensor(tables, dtype=torch.int32, device="cpu"), non_blocking=True)
 
     def _metadata(self, bucket: _Bucket) -> AttentionMetadata:
         dev = self.device
@@ -87,7 +93,7 @@ class DecodeGraphs:
             prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
             prefill_query_start=torch.zeros(1, dtype=torch.int32, device=dev),
             decode_max_seq_len=self.max_model_len,
-            token_seq_lens=bucket.lens,  # a decode's sequence is as long as its context
+            token_seq_lens=bucket.seq_lens,
         )
 
     def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> torch.Tensor:

@@ -10,10 +10,23 @@ the model around it.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import nn
 
 from pagedserve.worker.runner.models.layers import CausalLM, DecoderLayer, OffsetRMSNorm
+
+
+def rounded_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` as ``dtype`` would hold it (round to nearest even), computed on the host without a
+    tensor: float32 and float16 through ``struct``, bfloat16 as float32's upper half."""
+    if dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", value))[0]
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    if dtype == torch.bfloat16:
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
 class Gemma2DecoderLayer(DecoderLayer):
@@ -35,8 +48,10 @@ class Gemma2ForCausalLM(CausalLM):
     norm_class = OffsetRMSNorm
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings times ``sqrt(hidden)`` rounded to the model's dtype, as transformers scales
+        them; a Python number, so nothing crosses from the host inside a CUDA graph."""
         x = self.model.embed_tokens(input_ids)
-        return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype, device=x.device)
+        return x * rounded_to(self.config.hidden_size**0.5, x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
