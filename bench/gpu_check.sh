@@ -1,30 +1,76 @@
 #!/usr/bin/env bash
-# The GPU check for the device tool (at most 9 minutes: each step has its own time limit): every
-# GPU-marked test (the quantized-cache kernels' among them), the decode kernel benchmark, decode
-# attention over int8 and fp8 caches against bfloat16 (Hopper), and offline throughput of a ~1.1B-parameter
-# random-weight Llama in bfloat16 (built on the GPU from a config; nothing downloaded), with CUDA
-# graphs and eagerly, against transformers on the same GPU.
-# Writes logs and JSON under $OUT (default ./out). Needs the project installed (`make test` set-up,
-# or pip install -e ".[dev]" with a CUDA torch).
+# The GPU check for the device tool: at most 8 minutes in all, each step with its own limit, on
+# the device image as it is (python3, torch, triton, transformers, aiohttp, msgpack; no registry).
+#   here, once:  bash bench/gpu_wheels.sh            (the missing wheels into gpu_wheels/, ignored)
+#   device run:  command "bash bench/gpu_check.sh", carry ["gpu_wheels"], timeout_s 560
+# Order: set-up and a preflight (versions, the device, every import; fails loudly in seconds), the
+# GPU-marked tests (each test's line streamed, 120 s a test), the decode kernel benchmark, decode
+# attention over int8/fp8 caches against bf16, offline throughput of a ~1.1B random-weight Llama in
+# bf16 with CUDA graphs and eagerly against transformers. Everything lands in $OUT (default
+# ./out) in five files, under the device tool's eight: check.log (every step's output, unbuffered),
+# gpu_tests.xml, results.json (every step's JSON), nvidia-smi.txt and summary.json (each step's
+# status and seconds), printed last.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
-py="${PYTHON:-python}"
+py="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+log="$out/check.log"
+work="$(mktemp -d)"
+: > "$log"
+steps=()
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit (SIGINT first, so output is flushed), log it
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "=== $name (limit ${limit}s)" | tee -a "$log"
+    timeout -s INT -k 10 "$limit" "$@" >> "$log" 2>&1
+    rc=$?
+    steps+=("{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - start ))}")
+    echo "=== $name: rc=$rc" | tee -a "$log"
+    return "$rc"
+}
+
+summary() {
+    "$py" - "$work" "$out/results.json" <<'EOF' || true
+import json, pathlib, sys
+work, target = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+results = {}
+for path in sorted(work.glob("*.json")):
+    try:
+        results[path.stem] = json.loads(path.read_text())
+    except ValueError:
+        results[path.stem] = [json.loads(l) for l in path.read_text().splitlines() if l.startswith("{")]
+target.write_text(json.dumps(results, indent=1))
+EOF
+    printf '%s\n' "${steps[@]}" | "$py" -c 'import json, sys; rows = [json.loads(l) for l in sys.stdin if l.strip()]
+print(json.dumps({"steps": rows, "failed": [r["step"] for r in rows if r["rc"]]}, indent=1))' > "$out/summary.json"
+    cat "$out/summary.json"
+}
+
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
-"$py" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
-      "device", torch.cuda.get_device_name(0))' > "$out/versions.txt" 2>&1
+if [ -d gpu_wheels ]; then
+    step wheels 60 "$py" -m pip install -q --no-index --find-links gpu_wheels structlog redis prometheus-client \
+        llguidance gguf pytest pytest-timeout hypothesis safetensors tqdm
+fi
+step install 60 "$py" -m pip install -q --no-deps --no-build-isolation -e .
+if ! step preflight 30 "$py" -m pagedserve.bench.gpu_preflight; then
+    grep '^{' "$log" | tail -n 1 > "$work/preflight.json"
+    summary
+    exit 1
+fi
+grep '^{"bench": "gpu_preflight"' "$log" | tail -n 1 > "$work/preflight.json"
 status=0
-timeout 240 "$py" -m pytest -m gpu tests -p no:cacheprovider -rA --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.txt" 2>&1 || status=1
-tail -n 40 "$out/gpu_tests.txt"
-timeout 45 "$py" -m pagedserve.bench.kernel_bench --out "$out/kernel_bench.json" > "$out/kernel_bench.txt" 2>&1 || status=1
-tail -n 15 "$out/kernel_bench.txt"
-timeout 30 "$py" -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 > "$out/kv_decode.txt" 2>&1 || status=1
-tail -n 4 "$out/kv_decode.txt"
+step gpu_tests 200 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py \
+    -p no:cacheprovider -v -o addopts= --timeout 120 \
+    --junitxml="$out/gpu_tests.xml" || status=1
+step kernel_bench 45 "$py" -m pagedserve.bench.kernel_bench --out "$work/kernel_bench.json" || status=1
+step kv_decode 30 bash -c "$py -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 | tee $work/kv_decode.json" || status=1
 for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then launched eagerly
-    timeout 100 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 128 --hf-batch 64 \
-        --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \
-        $([ "$mode" = eager ] && echo --enforce-eager) --out "$out/offline_throughput_$mode.json" \
-        > "$out/offline_throughput_$mode.txt" 2>&1 || status=1
-    tail -n 6 "$out/offline_throughput_$mode.txt"
+    step "offline_$mode" 100 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 \
+        --requests 128 --hf-batch 64 --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \
+        $([ "$mode" = eager ] && echo --enforce-eager) --out "$work/offline_throughput_$mode.json" || status=1
 done
+summary
 exit "$status"
