@@ -24,13 +24,12 @@ def text() -> str:
     return resources.files("pagedserve.bench").joinpath("texts/declaration.txt").read_text(encoding="utf-8")
 
 
-def read(model: str | None, kv_cache_dtype: str, chunk: int, dtype: str = "float32", **engine) -> list:
-    """The prompt logprob entries (top-1 alternatives included) of the text under one cache dtype
-    (and any other engine options, e.g. ``quantization``)."""
+def read(model: str | None, chunk: int, dtype: str = "float32", **engine) -> list:
+    """The prompt logprob entries (top-1 alternatives included) of the text under the given engine
+    options (``kv_cache_dtype``, ``quantization``; the exact path without them)."""
     from pagedserve import LLM
 
-    llm = LLM(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=chunk, num_gpu_blocks=256,
-              **engine)
+    llm = LLM(model, dtype=dtype, max_num_batched_tokens=chunk, num_gpu_blocks=256, **engine)
     ids = llm.tokenizer.encode(text(), add_special_tokens=False)
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     return out.prompt_logprobs[1:]
@@ -54,13 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
                     choices=KV_CACHE_DTYPES)
     args = ap.parse_args(argv)
-    reference = read(args.model, "auto", args.chunk)
-    rows = [{"kv_cache_dtype": name, **compare(reference, reference if name == "auto" else read(args.model, name, args.chunk))}
-            for name in args.dtypes]
-    print(json.dumps({"bench": "kv_quality", "model": args.model or "default", "chunk": args.chunk, "results": rows}))
-    print_table(rows, [(k, lambda r, k=k: r[k]) for k in ("kv_cache_dtype", "positions", "top1_agreement", "perplexity",
-                                                          "perplexity_change")])
+    quality_table("kv_quality", "kv_cache_dtype", args.dtypes, "auto", args.model, args.chunk)
     return 0
+
+
+def quality_table(bench: str, option: str, names: list[str], exact: str, model: str | None, chunk: int) -> None:
+    """Each value of the engine option ``option`` against the exact path (``exact``): one JSON line
+    and a table."""
+    reference = read(model, chunk)
+    rows = [{option: name, **compare(reference, reference if name == exact else read(model, chunk, **{option: name}))}
+            for name in names]
+    print(json.dumps({"bench": bench, "model": model or "default", "chunk": chunk, "results": rows}))
+    print_table(rows, [(k, lambda r, k=k: r[k]) for k in (option, "positions", "top1_agreement", "perplexity",
+                                                          "perplexity_change")])
 
 
 if __name__ == "__main__":

@@ -9,11 +9,9 @@ perplexity. The cache stays at the model's dtype, so only the weights differ.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from pagedserve.bench.kv_quality import compare, read
-from pagedserve.bench.table import print_table
+from pagedserve.bench.kv_quality import quality_table
 from pagedserve.kernels.backends import QUANTIZATIONS
 
 
@@ -23,13 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens)")
     ap.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"], choices=QUANTIZATIONS)
     args = ap.parse_args(argv)
-    reference = read(args.model, "auto", args.chunk)
-    rows = [{"quantization": name, **compare(reference, reference if name == "none" else
-                                             read(args.model, "auto", args.chunk, quantization=name))}
-            for name in args.quantizations]
-    print(json.dumps({"bench": "weight_quality", "model": args.model or "default", "chunk": args.chunk, "results": rows}))
-    print_table(rows, [(k, lambda r, k=k: r[k]) for k in ("quantization", "positions", "top1_agreement", "perplexity",
-                                                          "perplexity_change")])
+    quality_table("weight_quality", "quantization", args.quantizations, "none", args.model, args.chunk)
     return 0
 
 

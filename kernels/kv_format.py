@@ -65,6 +65,11 @@ class KVFormat:
             codes = scaled.clamp(-self.largest, self.largest).to(self.code)
         return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 
+    def quantize_pair(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quantize`` of K and V in one pass (half the small ops of two: it runs in every layer)."""
+        rows = self.quantize(torch.stack((key, value)))
+        return rows[0], rows[1]
+
     def dequantize(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., head_dim + 2]`` uint8 rows -> float32 ``[..., head_dim]`` (into ``out`` if given)."""
         dim = rows.shape[-1] - SCALE_BYTES

@@ -28,7 +28,7 @@ def store_kv(
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
     if kv_format.quantized:
-        key, value = kv_format.quantize(torch.stack((key, value))).unbind()  # one pass for both: half the small ops
+        key, value = kv_format.quantize_pair(key, value)
     heads, width = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, heads, width).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, heads, width).index_copy_(0, slots, value.to(v_cache.dtype))

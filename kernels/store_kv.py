@@ -47,7 +47,7 @@ def store_kv(
     if key.shape[0] == 0:
         return
     if kv_format.quantized:
-        key, value = kv_format.quantize(key), kv_format.quantize(value)
+        key, value = kv_format.quantize_pair(key, value)
     key = key.reshape(key.shape[0], -1).contiguous()
     value = value.reshape(value.shape[0], -1).contiguous()
     row = key.shape[1]

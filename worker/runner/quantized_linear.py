@@ -11,15 +11,13 @@ one the kernel multiplies by. Groups of 32 are GGUF's Q4_0/Q4_1 blocks: a Q4_1 f
 weights fall back on exactly their own grid.
 
 A layer whose input width is not a multiple of the group (or output width of 16, the int4 kernel's
-tile) stays at the model's dtype under int4. Embedding tables are int8 with a scale per 32 values
-of a row (``Int8Embedding``; a looked-up row is decoded), as GGUF's Q8_0 stores them; a tied
+tile) stays at the model's dtype under int4. ``lm_head`` is int8 under int4 too, as llama.cpp's Q4
+files keep their output matrix at 8 bits (SmolLM2's Q4_1 file: Q8_0; int4 everywhere measured
++6.7% perplexity there, +1.1% with an int8 head). Embedding tables are int8 with a scale per 32
+values of a row (``Int8Embedding``; a looked-up row is decoded), as GGUF's Q8_0 stores them; a tied
 ``lm_head`` gets its own int8 copy (per output channel, as its kernel needs), so a small model's
 largest matrix costs two bytes per weight instead of four (SmolLM2: one scale per row for the
-embedding too measured +0.81% perplexity for int8 against +0.29%). ``lm_head``
-is int8 under int4 too, as llama.cpp's Q4 files keep their output matrix at 8 bits (SmolLM2's
-Q4_1 file: Q8_0): measured on SmolLM2, int4 everywhere +6.7% perplexity, with an int8 ``lm_head``
-docs/benchmarks.md's figure. A tied ``lm_head`` gets a quantized copy (the embedding keeps its
-rows for the lookup).
+embedding too measured +0.81% perplexity for int8 against +0.29%).
 """
 
 from __future__ import annotations
@@ -39,11 +37,9 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(dim=1) / 127).clamp_min(2**-126).to(COMPUTE)
-        codes = (weight / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+        codes, scale = _int8(linear.weight.detach().float(), COMPUTE)
         self.register_buffer("codes", codes)
-        self.register_buffer("scale", scale)
+        self.register_buffer("scale", scale[:, 0])
         self.bias = _bias(linear)
 
     def dequantized(self) -> torch.Tensor:
@@ -67,9 +63,8 @@ class Int8Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.num_embeddings, table.embedding_dim
         self.dtype = table.weight.dtype
         group = GROUP if self.embedding_dim % GROUP == 0 else self.embedding_dim
-        rows = table.weight.detach().float().reshape(self.num_embeddings, -1, group)
-        scale = (rows.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(2**-126)
-        self.register_buffer("codes", (rows / scale).round().clamp(-127, 127).to(torch.int8))
+        codes, scale = _int8(table.weight.detach().float().reshape(self.num_embeddings, -1, group), torch.float32)
+        self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -132,6 +127,14 @@ def quantize_linears(model: nn.Module, quantization: str, device: torch.device) 
                 setattr(parent, name, (Int8Linear if int8 else Int4Linear)(child))
                 replaced += 1
     return replaced
+
+
+def _int8(values: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of float32 ``values`` over their last dimension and the scale of each
+    row (``[..., 1]``, at ``scale_dtype``, rounded before the codes are taken: the grid stored is
+    the one decoded)."""
+    scale = (values.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(2**-126).to(scale_dtype)
+    return (values / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
 
 
 def _bias(linear: nn.Linear) -> nn.Parameter | None:
