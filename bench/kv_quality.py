@@ -2,7 +2,7 @@
 Instruct) reads a public-domain text (``bench/texts/declaration.txt``, 2,024 tokens) teacher-forced
 through ``prompt_logprobs``, once per ``--kv-cache-dtype``, prefilled in chunks so that every chunk
 attends over the cache the earlier ones left. Against the model-dtype cache: next-token top-1
-agreement and perplexity.
+agreement, perplexity, and how far the logprob of each position's token moved on average.
 
     python -m pagedserve.bench.kv_quality [--model M] [--chunk 512] [--dtypes auto int8 fp8_e4m3 fp8_e5m2]
 """
@@ -40,10 +40,13 @@ def compare(reference: list, quantized: list) -> dict:
         return max(entry.top_logprobs.items(), key=lambda kv: kv[1])[0]
 
     agree = sum(top1(a) == top1(b) for a, b in zip(reference, quantized)) / len(reference)
+    # How far each position's logprob of the text's token moved: continuous, so not at the mercy of
+    # the few near-ties that decide the agreement.
+    moved = sum(abs(a.logprob - b.logprob) for a, b in zip(reference, quantized)) / len(reference)
     ppl = math.exp(-sum(e.logprob for e in quantized) / len(quantized))
     ref_ppl = math.exp(-sum(e.logprob for e in reference) / len(reference))
     return {"positions": len(quantized), "top1_agreement": round(agree, 4), "perplexity": round(ppl, 3),
-            "perplexity_change": round(ppl / ref_ppl - 1, 4)}
+            "perplexity_change": round(ppl / ref_ppl - 1, 4), "mean_abs_logprob_change": round(moved, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +68,7 @@ def quality_table(bench: str, option: str, names: list[str], exact: str, model: 
             for name in names]
     print(json.dumps({"bench": bench, "model": model or "default", "chunk": chunk, "results": rows}))
     print_table(rows, [(k, lambda r, k=k: r[k]) for k in (option, "positions", "top1_agreement", "perplexity",
-                                                          "perplexity_change")])
+                                                          "perplexity_change", "mean_abs_logprob_change")])
 
 
 if __name__ == "__main__":

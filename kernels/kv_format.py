@@ -14,8 +14,9 @@ stored: no calibration, no requantization when a block fills up. Codes are decod
 Before a quantized cache stores its keys, q and k are turned by one fixed orthogonal matrix
 (``rotation``): scores are unchanged (q R . k R = q . k), and the few channels where keys carry
 most of their magnitude (the low-frequency rotary pairs) are spread over all of them, so a row's
-absmax no longer sets a step far coarser than most of its values need. Values have no such
-channels and are stored as they are. Measured on the default model in docs/engine.md.
+absmax no longer sets a step far coarser than most of its values need. An int8 cache turns the
+values too and the attention output back ((sum p v R) R^T): its evenly spaced steps gain from it,
+fp8's steps, relative to each value, lose. Measured on the default model in docs/engine.md.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class KVFormat:
     name: str
     code: torch.dtype | None = None  # the element type of the one-byte codes; None: not quantized
     largest: float = 0.0  # the largest magnitude a code holds
+    turns_values: bool = False  # values turned too (evenly spaced codes gain; fp8's relative steps lose)
 
     @property
     def quantized(self) -> bool:
@@ -78,8 +80,9 @@ class KVFormat:
         return torch.mul(values, scale, out=out) if out is not None else values * scale
 
     def rotation(self, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """float32 ``[head_dim, head_dim]``, orthogonal: what q and k are multiplied by before a
-        quantized cache stores the keys (None at the model's dtype). The same on every machine (seeded,
+        """float32 ``[head_dim, head_dim]``, orthogonal: what q and k (and v where
+        ``turns_values``; the output then by its transpose) are multiplied by before a quantized cache
+        stores them (None at the model's dtype). The same on every machine (seeded,
         made on the CPU), so the same tokens still give the same blocks."""
         return _rotation(head_dim, torch.device(device)) if self.quantized else None
 
@@ -110,7 +113,7 @@ def _rotation(head_dim: int, device: torch.device) -> torch.Tensor:
 
 FORMATS = {
     "auto": KVFormat("auto"),
-    "int8": KVFormat("int8", torch.int8, 127.0),
+    "int8": KVFormat("int8", torch.int8, 127.0, turns_values=True),
     "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
 }

@@ -51,7 +51,11 @@ class PagedAttention:
         rotation = self.ops.kv_format.rotation(q.shape[-1], q.device)  # None unless the cache is quantized
         if rotation is None:
             return self._attend(q, k, v, kv_cache, meta)
-        return self._attend(_turned(q, rotation), _turned(k, rotation), v, kv_cache, meta)
+        q, k = _turned(q, rotation), _turned(k, rotation)  # scores unchanged: qR . kR = q . k
+        if not self.ops.kv_format.turns_values:
+            return self._attend(q, k, v, kv_cache, meta)
+        # The output over turned values is sum(p vR) = (sum p v) R: turned back.
+        return _turned(self._attend(q, k, _turned(v, rotation), kv_cache, meta), rotation.T)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
