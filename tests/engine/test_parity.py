@@ -126,3 +126,21 @@ def test_half_precision_follows_transformers_in_the_same_dtype(zoo, dtype):
         assert float(gaps.max()) <= HALF_TOLERANCE[dtype], (gaps.max(), ours)
         exact += int((best == torch.tensor(ours)).sum())
     assert exact >= 0.9 * 48  # near-ties are rare
+
+
+def test_a_hash_collision_is_a_miss_never_another_prompts_kv(zoo, monkeypatch):
+    """Every block hashes alike (the hash patched to a constant): a second prompt whose blocks
+    collide with the first's cached ones must not be served their KV; its key (the tokens) is
+    checked on every hit, so it misses and is computed, and its output stays transformers'."""
+    from pagedserve.shared import block_hash as hashing
+    from pagedserve.worker.core import block_manager
+
+    monkeypatch.setattr(hashing, "block_hash", lambda *_: 12345)
+    monkeypatch.setattr(block_manager, "block_hash", lambda *_: 12345)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", seed=0, block_size=8, num_gpu_blocks=64)
+    first, second = [11 + i for i in range(40)], [300 - i for i in range(40)]
+    run_checked(llm, [first], [SamplingParams(temperature=0.0, max_tokens=1)])
+    assert llm.engine.scheduler.blocks.match_prefix(first).blocks  # the first prompt's blocks are cached
+    done = run_checked(llm, [second], [SamplingParams(temperature=0.0, max_tokens=8)])
+    assert done[0].outputs[0].token_ids == zoo.hf_greedy("llama-gqa", second, 8)
+    assert llm.engine.scheduler.stats.prefix_hit_tokens == 0

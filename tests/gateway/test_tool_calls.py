@@ -130,3 +130,33 @@ def test_streamed_content_never_leaks_a_call_whatever_the_split(cut):
     plain = ToolStream(AUTO, "hermes")
     words = "no tools < here"
     assert plain.feed(words[:cut % len(words)], False)[0] + plain.feed(words[cut % len(words):], True)[0] == words
+
+
+@pytest.mark.parametrize("text", ["no tools < here", "ends on a held <", "ends on <tool_", "a <b> and <tool_cal",
+                                  "<tool_call> never closed"])
+def test_text_held_back_as_a_possible_call_goes_out_when_none_came(text):
+    """Content with no call, streamed split at every point and one character at a time: whatever
+    was held back because it might start a call (a ``<``, a marker's beginning) is sent at the end."""
+    for cut in range(len(text) + 1):
+        stream = ToolStream(AUTO, "hermes")
+        sent = stream.feed(text[:cut], False)[0]
+        last, calls = stream.feed(text[cut:], True)
+        assert (sent + last, calls) == (text, []), cut
+    stream = ToolStream(AUTO, "hermes")
+    pieces = [stream.feed(ch, False)[0] for ch in text]
+    assert "".join(pieces) + stream.feed("", True)[0] == text
+
+
+def test_streamed_auto_content_is_the_non_streamed_answer(client):
+    """``tool_choice: "auto"`` streamed through the gateway: the content deltas add up to the
+    non-streamed message's content (the model, random, answers in text), with the same finish."""
+    kwargs = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=40, temperature=1.0)
+    for seed in range(3):
+        whole = client.chat.completions.create(seed=seed, **kwargs).choices[0]
+        content, reasons = "", []
+        for chunk in client.chat.completions.create(stream=True, seed=seed, **kwargs):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                reasons.append(choice.finish_reason)
+        assert content == (whole.message.content or ""), seed
+        assert [r for r in reasons if r] == [whole.finish_reason]

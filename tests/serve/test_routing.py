@@ -237,3 +237,45 @@ def test_a_draining_worker_gives_back_only_what_it_never_read(redis_server):
         await r.aclose()
 
     asyncio.run(scenario())
+
+
+def test_the_router_weighs_load_and_passes_over_a_busy_or_overloaded_worker(redis_url):
+    """The score's load term and the three gates, under load (the service tests route one request
+    at a time, where load is always near zero): workers' infos in real Redis as their heartbeats
+    write them, their prefix caches as their KV events say."""
+    from pagedserve.gateway.router import Router, RoutingPolicy
+    from pagedserve.gateway.worker_directory import WorkerDirectory
+    from pagedserve.shared.worker_info import WorkerInfo
+
+    prompt = [40 + i for i in range(80)]  # five blocks of 16; a hit can cover the first four
+    chain = prefix_hashes(prompt, 16)
+
+    async def route(loads: dict[str, tuple[int, int, int]], held: dict[str, int], times: int = 1) -> list[str | None]:
+        r = connect(redis_url)
+        try:
+            await r.flushall()
+            for name, (running, waiting, max_num_seqs) in loads.items():
+                info = WorkerInfo(name, MODEL_NAME, 4096, 512, 16, 0, max_num_seqs, running=running, waiting=waiting)
+                await r.set(KEYS.worker_info(MODEL_NAME, name), info.encode(), px=60_000)
+            router = Router(WorkerDirectory(r, KEYS, ttl_s=3600), KEYS, MODEL_NAME, RoutingPolicy())
+            for name, blocks in held.items():
+                router.index.apply(KvEvent(name, chain[:blocks]))
+            return [await router.route(prompt, None) for _ in range(times)]
+        finally:
+            await r.aclose()
+
+    def stream(name: str) -> str:
+        return KEYS.routed(MODEL_NAME, name)
+
+    # The load term: w1 holds more of the prompt (4 blocks against 3) but runs 14 of its 16.
+    assert asyncio.run(route({"w1": (14, 0, 16), "w2": (0, 0, 16)}, {"w1": 4, "w2": 3})) == [stream("w2")]
+    assert asyncio.run(route({"w1": (0, 0, 16), "w2": (0, 0, 16)}, {"w1": 4, "w2": 3})) == [stream("w1")]
+    # The busy gate: 8 waiting on the only worker holding the prefix sends it to the shared stream.
+    assert asyncio.run(route({"w1": (0, 8, 64), "w2": (0, 0, 64)}, {"w1": 4})) == [None]
+    # Between reports what was routed counts as waiting: the ninth request in a row is not sent.
+    assert asyncio.run(route({"w1": (0, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}, times=9)) == [stream("w1")] * 8 + [None]
+    # The imbalance gate: 16 more held than the least loaded worker.
+    assert asyncio.run(route({"w1": (16, 0, 64), "w2": (0, 0, 64)}, {"w1": 4})) == [None]
+    assert asyncio.run(route({"w1": (15, 0, 64), "w2": (0, 0, 64)}, {"w1": 4})) == [stream("w1")]
+    # Under min_match_blocks (1) nothing is routed.
+    assert asyncio.run(route({"w1": (0, 0, 64)}, {"w1": 0})) == [None]

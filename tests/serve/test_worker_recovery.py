@@ -4,6 +4,7 @@ and a Redis restart under load. Workers run as real processes where the failure 
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -288,3 +289,63 @@ def test_a_worker_whose_entry_was_taken_stops_the_request_and_sends_nothing(redi
     assert first.seq == 0
     assert later == heard, "the worker kept sending events for a request it no longer holds"
     assert owner == b"thief"
+
+
+def test_a_request_streamed_by_a_dead_worker_goes_on_from_what_its_client_holds(redis_server, zoo):
+    """A worker read three requests, streamed their first two events and died (a ghost consumer
+    here, publishing as a worker does). The survivor must not run them again from the prompt: it
+    answers each with a resumable error, the client sends it again with the tokens it holds, and
+    the run goes on from them, its events numbered after them. Greedy: the whole answer is the
+    offline one; a regex constraint (seeded): the grammar is fed the delivered tokens, so the
+    answer still matches; unseeded sampling, where a re-run could not agree with what the client
+    holds: the client's made-up first tokens stay, and the run ends at max_tokens in all."""
+    from pagedserve.shared.protocol import OutputDelta, WireEvent, encode_events
+    from pagedserve.shared.structured import StructuredOutputs
+
+    regex = r"[a-f]{3}:[0-9]{2}"
+    prompt = [7, 8, 9, 10]
+    params = {
+        "greedy": SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0),
+        "structured": SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured=StructuredOutputs(regex=regex)),
+        "unseeded": SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0),
+    }
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256)
+    offline = {name: llm.generate([prompt], [p], use_tqdm=False)[0].outputs[0].token_ids for name, p in params.items()}
+    delivered = {**{name: offline[name][:3] for name in ("greedy", "structured")}, "unseeded": [5, 6, 7]}
+    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256))
+
+    async def main():
+        r = aioredis.from_url(redis_server.url)
+        stream, group = KEYS.requests(MODEL_NAME), KEYS.group(MODEL_NAME)
+        await r.xgroup_create(stream, group, id="0", mkstream=True)
+        async with QueueClient(redis_server.url) as client:
+            streams = {name: await client.submit(MODEL_NAME, prompt_token_ids=prompt, params=p, request_id=name)
+                       for name, p in params.items()}
+            await r.xreadgroup(group, "ghost", {stream: ">"}, count=3)  # the worker that read them and died
+            for name, tokens in delivered.items():
+                first = [WireEvent(name, 0, [OutputDelta(0, tokens[:2], "")]), WireEvent(name, 1, [OutputDelta(0, tokens[2:], "")])]
+                await r.publish(client.dispatcher.channel, encode_events(first))
+                await r.set(KEYS.streamed(name), 1)
+
+            async def idle_enough() -> bool:  # past the claim_idle_ms=200 of the worker below
+                entries = await r.xpending_range(stream, group, "-", "+", 10)
+                return len(entries) == 3 and all(e["time_since_delivered"] >= 250 for e in entries)
+
+            await apoll(idle_enough, 10, "the dead worker's entries to idle past the claim limit")
+            async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa"), claim_idle_ms=200), engine):
+                async with asyncio.timeout(60):
+                    results = dict(zip(streams, await asyncio.gather(*(collect(s) for s in streams.values()))))
+            clean = await stream_is_clean(r)
+        await r.aclose()
+        return results, clean
+
+    results, clean = asyncio.run(main())
+    for name, got in results.items():
+        assert got.last.finish_reason in ("length", "stop") and not got.last.error, (name, got.last)
+        assert [e.seq for e in got.events] == list(range(len(got.events))), name
+        assert got.tokens()[:3] == delivered[name], name
+    assert results["greedy"].tokens() == offline["greedy"]
+    assert results["structured"].tokens() == offline["structured"]
+    assert re.fullmatch(regex, llm.tokenizer.decode(results["structured"].tokens()))
+    assert len(results["unseeded"].tokens()) == 12
+    assert clean
