@@ -50,13 +50,28 @@ class Collected:
         return "".join(o.text for e in self.events for o in e.outputs if o.index == index)
 
 
-async def collect(stream, on_event=None) -> Collected:
+REPLY_TIMEOUT_S = 60.0  # a request's whole stream in these tests; past it, a clear failure, not a hang
+
+
+async def collect(stream, on_event=None, timeout: float = REPLY_TIMEOUT_S) -> Collected:
+    """Every event of one request's stream, ending with its terminal one; an AssertionError saying
+    what came when it does not end within ``timeout`` seconds."""
     got = Collected()
-    async for event in stream:
-        got.events.append(event)
-        if on_event is not None:
-            await on_event(event)
+    try:
+        async with asyncio.timeout(timeout):
+            async for event in stream:
+                got.events.append(event)
+                if on_event is not None:
+                    await on_event(event)
+    except TimeoutError:
+        seen = f"the last seq {got.events[-1].seq}" if got.events else "nothing"
+        raise AssertionError(f"no terminal event within {timeout} s: {len(got.events)} events came, {seen}") from None
     return got
+
+
+async def events_of(box, timeout: float = REPLY_TIMEOUT_S) -> list[WireEvent]:
+    """A mailbox's events (``runtime/mailbox.py``), as ``collect`` gathers a stream's."""
+    return (await collect(box.events(), timeout=timeout)).events
 
 
 class ChannelTap:

@@ -29,7 +29,7 @@ from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
 from tests.gateway_stack import gateway_settings
-from tests.service_helpers import MODEL_NAME, apoll, settings_for
+from tests.service_helpers import MODEL_NAME, apoll, events_of, settings_for
 
 KEYS = Keys()
 
@@ -182,11 +182,9 @@ def test_a_dead_workers_routed_entries_are_served_by_another(redis_url, zoo):
 
 
 async def _tokens(box) -> list[int]:
-    out = []
-    async for event in box.events():
-        assert event.error is None, event.error
-        out.extend(t for o in event.outputs for t in o.token_ids)
-    return out
+    events = await events_of(box)
+    assert all(event.error is None for event in events), events[-1].error
+    return [t for event in events for o in event.outputs for t in o.token_ids]
 
 
 def test_a_simulated_worker_runs_the_real_scheduler_with_calibrated_step_times(zoo):

@@ -19,7 +19,7 @@ from pagedserve.shared.worker_info import WorkerInfo
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
 from tests.conftest import random_prompts
-from tests.service_helpers import MODEL_NAME, ChannelTap, apoll, collect, running_worker, settings_for
+from tests.service_helpers import MODEL_NAME, ChannelTap, apoll, collect, events_of, running_worker, settings_for
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,14 @@ def test_malformed_entries_are_dead_lettered_and_the_worker_keeps_serving(redis_
                                {"reply": {"channel": alive}}, {"reply": {"stream": alive}}):
                     await r.xadd(stream, {"data": pack({"v": VERSION, "id": "poison", "model": MODEL_NAME, "prompt": "hi",
                                                         "reply": {"channel": channel}, **fields})})
-                error = [e async for e in box.events()]
+                error = await events_of(box)
                 ok = await collect(await client.submit(MODEL_NAME, prompt="still alive?", params=SamplingParams(max_tokens=3)))
+
+                async def dead_letters_reported() -> bool:  # the worker's heartbeat reads the stream's length
+                    value = await r.hget(keys.metrics(MODEL_NAME, "test-worker"), "dead_letters")
+                    return value is not None and float(value) == 9
+
+                await apoll(dead_letters_reported, 10, "the nine dead letters in the worker's metrics")
             dead = await r.xrange(keys.dead_letter(MODEL_NAME))
             pending = await r.xpending(stream, keys.group(MODEL_NAME))
         await r.aclose()
@@ -275,7 +281,7 @@ def test_queue_producers_ask_for_structured_output_in_params(redis_server, zoo, 
                 await r.xadd(Keys().requests(MODEL_NAME), {"data": pack({
                     "v": VERSION, "id": "bad-structured", "model": MODEL_NAME, "prompt": "hi",
                     "params": {"structured": {"regex": "(open"}}, "reply": {"channel": client.dispatcher.channel}})})
-                bad = [e async for e in box.events()]
+                bad = await events_of(box)
                 await r.aclose()
         return good, bad
 
