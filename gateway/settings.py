@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive
+from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive, with_env_help
 from pagedserve.shared.keys import served_name
 
 
@@ -44,19 +44,25 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
     p = argparse.ArgumentParser(prog="pagedserve gateway", description="OpenAI-compatible HTTP gateway in front of Redis.")
     p.add_argument("--model", default=e("model", None), help="tokenizer/config source: a model directory, GGUF file or hub id (default: the default model)")
     p.add_argument("--served-model-name", default=e("served_model_name", None), help="model name clients use (default: --model)")
-    p.add_argument("--redis-url", default=e("redis_url", DEFAULT_REDIS_URL))
-    p.add_argument("--host", default=e("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=e("port", 8000, int))
-    p.add_argument("--gateway-id", default=e("gateway_id", f"{socket.gethostname()}-{os.getpid()}"))
+    p.add_argument("--redis-url", default=e("redis_url", DEFAULT_REDIS_URL),
+                   help="the Redis the workers read (redis+cluster://host:port for a cluster)")
+    p.add_argument("--host", default=e("host", "127.0.0.1"), help="address to listen on")
+    p.add_argument("--port", type=int, default=e("port", 8000, int), help="port to listen on")
+    p.add_argument("--gateway-id", default=e("gateway_id", f"{socket.gethostname()}-{os.getpid()}"),
+                   help="this gateway's name: its reply channel, in logs (default: host name and process id)")
     p.add_argument("--api-key", action="append", default=None, help="accepted bearer key (repeatable); env PAGEDSERVE_API_KEY, comma-separated")
-    p.add_argument("--max-body-bytes", type=positive(int), default=e("max_body_bytes", 1 << 20, int))
+    p.add_argument("--max-body-bytes", type=positive(int), default=e("max_body_bytes", 1 << 20, int),
+                   help="a larger request body is a 413")
     p.add_argument("--max-queue-depth", type=positive(int), default=e("max_queue_depth", 1000, int), help="429 above this")
     p.add_argument("--request-timeout", type=positive(float), default=e("request_timeout", 600.0, float), help="seconds")
-    p.add_argument("--max-n", type=positive(int), default=e("max_n", 16, int))
-    p.add_argument("--max-tokens", type=positive(int), default=e("max_tokens", 4096, int))
-    p.add_argument("--default-chat-max-tokens", type=positive(int), default=e("default_chat_max_tokens", 256, int))
+    p.add_argument("--max-n", type=positive(int), default=e("max_n", 16, int), help="the largest n (or best_of) a request may ask")
+    p.add_argument("--max-tokens", type=positive(int), default=e("max_tokens", 4096, int),
+                   help="the largest max_tokens a request may ask")
+    p.add_argument("--default-chat-max-tokens", type=positive(int), default=e("default_chat_max_tokens", 256, int),
+                   help="max_tokens of a chat completion that gives none")
     p.add_argument("--cors-origin", action="append", default=None, help="allowed CORS origin (repeatable; default: none)")
-    p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"))
+    p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"),
+                   help="the first part of every Redis key (deployments sharing one Redis)")
     p.add_argument("--generation-config", choices=["auto", "vllm"], default=e("generation_config", "auto"),
                    help="auto: sampling defaults from the model's generation_config.json for unset request fields; "
                         "vllm: ignore it")
@@ -71,6 +77,7 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
                    help="a worker with this many requests waiting gets no routed requests (they go to the shared stream)")
     p.add_argument("--routing-imbalance", type=positive(int), default=e("routing_imbalance", 16, int),
                    help="nor does one holding this many more requests than the least loaded worker")
+    with_env_help([a for a in p._actions[1:] if a.dest not in ("api_key", "cors_origin")])  # those say their own
     return p
 
 

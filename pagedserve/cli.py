@@ -150,8 +150,9 @@ def serve(args: argparse.Namespace) -> int:
     gateway_args = [arg for key in args.api_key or () for arg in ("--api-key", key)]
     gateway_args += ["--tool-call-parser", args.tool_call_parser]
     try:
-        with LocalStack(model=model, workers=args.workers, port=args.port, host=args.host,
-                        extra_worker_args=tuple(engine_argv(args)), extra_gateway_args=tuple(gateway_args),
+        worker_args = (*engine_argv(args), "--log-stats-interval", str(args.log_stats_interval))
+        with LocalStack(model=model, workers=args.workers, port=args.port, host=args.host, redis_url=args.redis_url,
+                        extra_worker_args=worker_args, extra_gateway_args=tuple(gateway_args),
                         served_model_name=args.served_model_name) as stack:
             auth = f" -H 'Authorization: Bearer {args.api_key[0]}'" if args.api_key else ""
             print(f"pagedserve is up: {stack.url}  (model {stack.served_model_name!r}; Ctrl-C stops everything)")

@@ -35,8 +35,10 @@ class StackError(RuntimeError):
 class LocalStack:
     def __init__(self, model: str | None = None, workers: int = 1, port: int | None = None, host: str = "127.0.0.1",
                  extra_worker_args: tuple[str, ...] = (), extra_gateway_args: tuple[str, ...] = (),
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, redis_url: str | None = None) -> None:
+        """``redis_url``: a Redis to use (else ``REDIS_URL``, else one started here)."""
         self.model = model
+        self.redis_url = redis_url
         self._served_model_name = served_model_name
         self.extra_gateway_args = extra_gateway_args
         self.workers = workers
@@ -69,7 +71,7 @@ class LocalStack:
         self.stop()
 
     def start(self) -> None:
-        redis_url = redis_url_from_env()
+        redis_url = self.redis_url or redis_url_from_env()
         if redis_url is None:
             if find_redis_binary() is None:
                 raise StackError("no Redis found: `apt install redis-server`, or `pip install 'pagedserve[embedded-redis]'`, "

@@ -74,6 +74,9 @@ def boolean(text: str) -> bool:
 
 
 def with_env_help(actions) -> None:
-    """End each flag's help with its default and its environment variable."""
+    """End each flag's help with its default (unless the help says it in words) and its
+    environment variable."""
     for action in actions:
-        action.help = f"{action.help or ''} (default: %(default)s; env {env_name(action.dest)})".lstrip()
+        said = "default:" in (action.help or "")
+        tail = f"(env {env_name(action.dest)})" if said else f"(default: %(default)s; env {env_name(action.dest)})"
+        action.help = f"{action.help or ''} {tail}".lstrip()

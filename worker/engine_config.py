@@ -48,28 +48,33 @@ def _is_step_cost(text: str) -> bool:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = flag("auto", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = flag("auto", "the weights' and activations' dtype; auto: the one the model's config names, "
+                      "else float32", choices=("auto", "float32", "bfloat16", "float16"))
     device: str | None = flag(None, "cpu, cuda or cuda:N (default: cuda when available)")
     attention_backend: str = flag(
         "auto", "auto: Triton kernels on CUDA, the C kernel compiled for this CPU elsewhere (torch if it cannot be "
         "built); torch: the plain PyTorch reference", choices=BACKENDS)
-    block_size: int = flag(BLOCK_SIZE, kind=positive(int))
+    block_size: int = flag(BLOCK_SIZE, "tokens per KV block", kind=positive(int))
     kv_cache_dtype: str = flag("auto", "how K/V are stored: auto (the model's dtype) or one byte per element, with a "
                                "bfloat16 scale per token and KV head (fp8 = fp8_e4m3)",
                                choices=KV_CACHE_DTYPES)
-    kv_cache_memory: int | None = flag(None, "bytes for the KV pool", kind=positive(int))
+    kv_cache_memory: int | None = flag(None, "bytes for the KV pool (default: on CUDA what --gpu-memory-utilization "
+                                       "leaves; on a CPU a quarter of the available RAM, at most 1 GiB)", kind=positive(int))
     quantization: str = flag("none", "the linear layers' weights: none (the model's dtype), int8 (a scale per output "
                              "channel) or int4 (a scale and zero per 32 inputs); CPU only so far", choices=QUANTIZATIONS)
-    num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (overrides --kv-cache-memory)",
+    num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (default: what --kv-cache-memory holds)",
                                       kind=positive(int))
     swap_space: int = flag(GIB, "GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)",
                            kind=non_negative(float), unit=GIB)
     num_cpu_blocks: int | None = None  # exact CPU pool size (overrides swap_space)
-    max_num_seqs: int = flag(256, kind=positive(int))
-    max_num_batched_tokens: int = flag(2048, kind=positive(int))
-    max_model_len: int | None = flag(None, "default: the model's", kind=positive(int))
+    max_num_seqs: int = flag(256, "sequences in one running batch at most", kind=positive(int))
+    max_num_batched_tokens: int = flag(2048, "tokens in one engine step at most (prefill chunks and decodes)",
+                                       kind=positive(int))
+    max_model_len: int | None = flag(None, "the longest prompt + output served (default: the model's context)",
+                                     kind=positive(int))
     enable_prefix_caching: bool = flag(True, "share KV blocks of identical prompt prefixes", switch="both")
-    preemption_mode: PreemptionMode = flag("recompute", choices=PREEMPTION_MODES)
+    preemption_mode: PreemptionMode = flag("recompute", "what a preempted request's KV does: recomputed later, or "
+                                           "swapped to CPU memory (--swap-space)", choices=PREEMPTION_MODES)
     seed: int = 0
     enforce_eager: bool = flag(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs", switch="on")
     gpu_memory_utilization: float = flag(
@@ -77,7 +82,7 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's generation_config.json gives the default SamplingParams; "vllm": not
     simulate: str | None = flag(
         None, "no model forward: each step sleeps BASE + PER_SEQ x sequences + PER_TOKEN x tokens seconds (scale "
-        "measurements, bench/scale.py; calibrate with bench/scale.py --calibrate)",
+        "measurements, bench/scale.py; calibrate with bench/scale.py --calibrate; default: off, the model runs)",
         kind=checked(str, _is_step_cost, "three seconds >= 0, BASE,PER_SEQ,PER_TOKEN"), metavar="BASE,PER_SEQ,PER_TOKEN")
 
     def __post_init__(self) -> None:

@@ -160,3 +160,135 @@ def test_streamed_auto_content_is_the_non_streamed_answer(client):
                 reasons.append(choice.finish_reason)
         assert content == (whole.message.content or ""), seed
         assert [r for r in reasons if r] == [whole.finish_reason]
+
+
+class Refused(Exception):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+LONG_NAME = {"type": "function", "function": {"name": "n" * 200}}
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "evict"}}}, "tool_choice", "tool_choice needs tools"),
+    ({"tools": {"not": "a list"}}, "tools", "tools must be a list of at most 128 function tools"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools", "at most 128"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools",
+     'tools[0] must be {"type": "function", "function": {"name": ...}}'),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": ""}}]}, "tools", "tools[2] must be"),
+    ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools", "tools[0] must be"),
+    ({"tools": ["get_weather"]}, "tools", "tools[0] must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools",
+     "tools[0].function.parameters must be a JSON schema object"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", "tool names must be unique"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "parallel_tool_calls must be a boolean"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     'tool_choice must be "none", "auto", "required" or a function among the tools; got '),
+    ({"tools": TOOLS, "tool_choice": {"type": "other", "function": {"name": "evict"}}}, "tool_choice", "among the tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "among the tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "among the tools; got sometimes"),
+    ({"tools": TOOLS, "tool_choice": "x" * 200}, "tool_choice", "got " + "x" * 80),
+])
+def test_tool_requests_that_cannot_be_served_name_their_field(body, param, says):
+    from pagedserve.gateway.tool_calls import tool_request
+
+    with pytest.raises(Refused) as err:
+        tool_request(body, Refused)
+    assert err.value.param == param and says in str(err.value), str(err.value)
+    if says.startswith("got x"):
+        assert str(err.value).endswith("x" * 80) and "x" * 81 not in str(err.value)  # quoted, cut at 80
+
+
+def test_tool_requests_read_as_given():
+    from pagedserve.gateway.tool_calls import tool_request
+
+    assert tool_request({}, Refused) is None and tool_request({"tools": [], "tool_choice": "none"}, Refused) is None
+    assert tool_request({"tool_choice": "auto"}, Refused) is None
+    assert tool_request({"tools": TOOLS}, Refused) == ToolRequest(tuple(TOOLS), "auto", None, True)
+    assert tool_request({"tools": TOOLS, "tool_choice": "auto"}, Refused) == ToolRequest(tuple(TOOLS), "auto", None, True)
+    most = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(128)]
+    assert len(tool_request({"tools": most}, Refused).tools) == 128
+    assert tool_request({"tools": TOOLS, "tool_choice": "none"}, Refused).parses_output is False
+    assert tool_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, Refused) == \
+        ToolRequest(tuple(TOOLS), "required", None, False)
+    named = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "evict"}}, "parallel_tool_calls": True}
+    assert tool_request(named, Refused) == ToolRequest(tuple(TOOLS), "named", "evict", True)
+    assert tool_request({**named, "parallel_tool_calls": False}, Refused) == ToolRequest(tuple(TOOLS), "named", "evict", False)
+
+
+def test_assistant_tool_calls_reach_the_template_with_their_arguments_as_objects():
+    from pagedserve.gateway.tool_calls import template_messages
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "evict", "arguments": '{"block": 7}'}}
+    odd = {"id": "call_2", "type": "function", "function": {"name": "evict", "arguments": "not json"}}
+    given = {"id": "call_3", "type": "function", "function": {"name": "evict", "arguments": {"block": 1}}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call, odd, given]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    out = template_messages(messages)
+    assert out[0] == messages[0] and out[2] == messages[2]
+    assert [c["function"]["arguments"] for c in out[1]["tool_calls"]] == [{"block": 7}, "not json", {"block": 1}]
+    assert out[1]["tool_calls"][0] == {**call, "function": {"name": "evict", "arguments": {"block": 7}}}
+    assert call["function"]["arguments"] == '{"block": 7}'  # the request's own messages are left as they were
+
+
+def test_a_forced_call_is_constrained_to_the_tools_schemas():
+    def schema(request: ToolRequest) -> dict:
+        return json.loads(request.constraint().json)
+
+    bare = {"type": "function", "function": {"name": "ping"}}  # no parameters: any object
+    assert schema(ToolRequest(tuple(TOOLS), "named", "evict")) == EVICT
+    assert schema(ToolRequest((bare,), "named", "ping")) == {"type": "object"}
+    array = schema(ToolRequest(tuple(TOOLS), "required"))
+    assert array["type"] == "array" and array["minItems"] == 1 and "maxItems" not in array
+    assert [c["properties"]["name"] for c in array["items"]["anyOf"]] == [{"const": "get_weather"}, {"const": "evict"}]
+    assert array["items"]["anyOf"][1] == {"type": "object", "properties": {"name": {"const": "evict"}, "parameters": EVICT},
+                                          "required": ["name", "parameters"], "additionalProperties": False}
+    assert schema(ToolRequest(tuple(TOOLS), "required", parallel=False))["maxItems"] == 1
+    assert ToolRequest(tuple(TOOLS), "auto").constraint() is None and ToolRequest(tuple(TOOLS), "none").constraint() is None
+
+
+def test_calls_come_out_whole_from_each_format():
+    import re
+
+    named = extract('{"block": 2}', ToolRequest(tuple(TOOLS), "named", "evict"), "hermes")
+    assert named[0] is None and named[1][0]["function"] == {"name": "evict", "arguments": '{"block": 2}'}
+    call = named[1][0]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call["id"]) and call["type"] == "function"
+    required = ToolRequest(tuple(TOOLS), "required")
+    content, calls = extract('[{"name": "get_weather", "parameters": {"city": "Zürich", "days": 2}}]', required, "hermes")
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Zürich", "days": 2}'}
+    assert extract('[{"name": "get_weather", "param', required, "hermes") == ('[{"name": "get_weather", "param', [])
+    content, calls = extract('<tool_call>{"name": "evict"}</tool_call>', AUTO, "hermes")  # a call at the very start
+    assert content is None and calls[0]["function"] == {"name": "evict", "arguments": "{}"}
+    assert extract('<tool_call>{"name": "evict"}</tool_call> and more', AUTO, "hermes")[1] == []
+    assert extract('<tool_call>{"name": "evict"}', AUTO, "hermes")[1] == []
+    assert extract('{"name": "evict", "arguments": {"block": 4}}', AUTO, "llama3_json")[1][0]["function"]["arguments"] == \
+        '{"block": 4}'
+    assert extract('{"name": "evict"}', AUTO, "llama3_json")[1][0]["function"]["arguments"] == "{}"
+    assert extract('<|python_tag|>{"name": "evict", "parameters": {"block": 2}}', AUTO, "llama3_json")[1][0]["function"] == \
+        {"name": "evict", "arguments": '{"block": 2}'}
+
+
+@pytest.mark.parametrize("cut", range(1, 40))
+def test_a_call_at_the_start_of_the_answer_is_never_streamed_as_content(cut):
+    text = '<tool_call>{"name": "evict", "arguments": {"block": 7}}</tool_call>'
+    stream = ToolStream(AUTO, "hermes")
+    assert stream.feed(text[:cut], False)[0] == ""
+    last, calls = stream.feed(text[cut:], True)
+    assert last == "" and [c["function"]["name"] for c in calls] == ["evict"]
+
+
+def test_llama3_json_holds_everything_until_the_end_and_forced_calls_stream_no_content():
+    stream = ToolStream(AUTO, "llama3_json")
+    assert [stream.feed(piece, False)[0] for piece in ("Just ", "words")] == ["", ""]
+    assert stream.feed("", True) == ("Just words", [])
+    for request in (ToolRequest(tuple(TOOLS), "required"), ToolRequest(tuple(TOOLS), "named", "evict")):
+        forced = ToolStream(request, "hermes")
+        assert forced.feed('[{"name": "evict", ', False) == ("", [])
+        sent, calls = forced.feed('"parameters": {"block": 1}}]' if request.choice == "required" else "", True)
+        assert sent == "" and calls and calls[0]["function"]["name"] == "evict"
+    plain = ToolStream(AUTO, "hermes")
+    assert plain.feed("a <", False)[0] == "a " and plain.feed(" b", False)[0] == "< b"

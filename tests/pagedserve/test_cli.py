@@ -59,3 +59,30 @@ def test_bench_runs_from_the_installed_package_outside_a_checkout(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "bench", "kv-memory", "--help"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "--block-size" in result.stdout, result.stderr
+
+
+def test_every_flag_of_every_service_says_what_it_does_and_its_default_once():
+    """``--help`` of serve, worker and gateway: each flag has its own words besides the default and
+    the environment variable, and shows one default (not the words' and argparse's both)."""
+    import argparse
+    import re
+
+    from pagedserve.cli import build_parser
+    from pagedserve.gateway.settings import gateway_parser
+    from pagedserve.worker.serve.settings import worker_parser
+
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    for parser in (serve, worker_parser({}), gateway_parser({})):
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)) or not action.option_strings:
+                continue
+            text = parser._get_formatter()._expand_help(action) if action.help else ""
+            words = re.sub(r"\((default: [^;)]*; )?env [A-Z_]+(, comma-separated)?\)$", "", text).strip()
+            assert words, f"{parser.prog} {action.option_strings[0]} has no help of its own: {text!r}"
+            assert text.count("default:") <= 1, f"{parser.prog} {action.option_strings[0]}: {text!r}"
+            assert "(default: None" not in text, f"{parser.prog} {action.option_strings[0]} shows None: {text!r}"
+
+
+def test_serve_takes_the_redis_url_and_stats_interval_the_readme_names():
+    help_text = run_cli("serve", "--help").stdout
+    assert "--redis-url" in help_text and "--log-stats-interval" in help_text

@@ -237,43 +237,108 @@ def test_a_draining_worker_gives_back_only_what_it_never_read(redis_server):
     asyncio.run(scenario())
 
 
-def test_the_router_weighs_load_and_passes_over_a_busy_or_overloaded_worker(redis_url):
-    """The score's load term and the three gates, under load (the service tests route one request
-    at a time, where load is always near zero): workers' infos in real Redis as their heartbeats
-    write them, their prefix caches as their KV events say."""
+async def routed(url: str, infos: list, held: dict[str, list[int]], prompt: list[int], tenant: str | None = None,
+                 times: int = 1, then=None) -> list:
+    """What a router over these workers' infos (written into real Redis as heartbeats write them)
+    and prefix caches (as their KV events say) does with ``prompt`` ``times`` in a row (the loads
+    read once); then what ``await then(router)`` returns, if given."""
     from pagedserve.gateway.router import Router, RoutingPolicy
     from pagedserve.gateway.worker_directory import WorkerDirectory
+
+    r = connect(url)
+    try:
+        await r.flushall()
+        for info in infos:
+            await r.set(KEYS.worker_info(MODEL_NAME, info.name), info.encode(), px=60_000)
+        router = Router(WorkerDirectory(r, KEYS, ttl_s=3600), KEYS, MODEL_NAME, RoutingPolicy())
+        for name, hashes in held.items():
+            router.index.apply(KvEvent(name, hashes))
+        routes = [await router.route(prompt, tenant) for _ in range(times)]
+        return routes if then is None else await then(router)
+    finally:
+        await r.aclose()
+
+
+def worker_info(name: str, running: int = 0, waiting: int = 0, max_num_seqs: int = 64, block_size: int = 16,
+                rope_switch: int = 0):
     from pagedserve.shared.worker_info import WorkerInfo
 
+    return WorkerInfo(name, MODEL_NAME, 4096, 512, block_size, rope_switch, max_num_seqs, running=running, waiting=waiting)
+
+
+def test_the_router_weighs_load_and_passes_over_a_busy_or_overloaded_worker(redis_url):
+    """The score's load term and the three gates, under load (the service tests route one request
+    at a time, where load is always near zero)."""
     prompt = [40 + i for i in range(80)]  # five blocks of 16; a hit can cover the first four
     chain = prefix_hashes(prompt, 16)
 
-    async def route(loads: dict[str, tuple[int, int, int]], held: dict[str, int], times: int = 1) -> list[str | None]:
-        r = connect(redis_url)
-        try:
-            await r.flushall()
-            for name, (running, waiting, max_num_seqs) in loads.items():
-                info = WorkerInfo(name, MODEL_NAME, 4096, 512, 16, 0, max_num_seqs, running=running, waiting=waiting)
-                await r.set(KEYS.worker_info(MODEL_NAME, name), info.encode(), px=60_000)
-            router = Router(WorkerDirectory(r, KEYS, ttl_s=3600), KEYS, MODEL_NAME, RoutingPolicy())
-            for name, blocks in held.items():
-                router.index.apply(KvEvent(name, chain[:blocks]))
-            return [await router.route(prompt, None) for _ in range(times)]
-        finally:
-            await r.aclose()
+    def route(loads: dict[str, tuple[int, int, int]], blocks: dict[str, int], times: int = 1) -> list[str | None]:
+        infos = [worker_info(name, running, waiting, max_num_seqs) for name, (running, waiting, max_num_seqs) in loads.items()]
+        return asyncio.run(routed(redis_url, infos, {name: chain[:n] for name, n in blocks.items()}, prompt, times=times))
 
     def stream(name: str) -> str:
         return KEYS.routed(MODEL_NAME, name)
 
     # The load term: w1 holds more of the prompt (4 blocks against 3) but runs 14 of its 16.
-    assert asyncio.run(route({"w1": (14, 0, 16), "w2": (0, 0, 16)}, {"w1": 4, "w2": 3})) == [stream("w2")]
-    assert asyncio.run(route({"w1": (0, 0, 16), "w2": (0, 0, 16)}, {"w1": 4, "w2": 3})) == [stream("w1")]
+    assert route({"w1": (14, 0, 16), "w2": (0, 0, 16)}, {"w1": 4, "w2": 3}) == [stream("w2")]
+    assert route({"w1": (0, 0, 16), "w2": (0, 0, 16)}, {"w1": 4, "w2": 3}) == [stream("w1")]
+    # ... as a share of the worker's capacity: 2 of 64 running costs 0.03, less than a block's 0.2.
+    assert route({"w1": (2, 0, 64), "w2": (0, 0, 64)}, {"w1": 4, "w2": 3}) == [stream("w1")]
+    # One sequence at most: running it costs the whole 1.0, more than w1's extra 0.6 of the prompt.
+    assert route({"w1": (1, 0, 1), "w2": (0, 0, 1)}, {"w1": 4, "w2": 1}) == [stream("w2")]
     # The busy gate: 8 waiting on the only worker holding the prefix sends it to the shared stream.
-    assert asyncio.run(route({"w1": (0, 8, 64), "w2": (0, 0, 64)}, {"w1": 4})) == [None]
+    assert route({"w1": (0, 8, 64), "w2": (0, 0, 64)}, {"w1": 4}) == [None]
     # Between reports what was routed counts as waiting: the ninth request in a row is not sent.
-    assert asyncio.run(route({"w1": (0, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}, times=9)) == [stream("w1")] * 8 + [None]
-    # The imbalance gate: 16 more held than the least loaded worker.
-    assert asyncio.run(route({"w1": (16, 0, 64), "w2": (0, 0, 64)}, {"w1": 4})) == [None]
-    assert asyncio.run(route({"w1": (15, 0, 64), "w2": (0, 0, 64)}, {"w1": 4})) == [stream("w1")]
-    # Under min_match_blocks (1) nothing is routed.
-    assert asyncio.run(route({"w1": (0, 0, 64)}, {"w1": 0})) == [None]
+    assert route({"w1": (0, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}, times=9) == [stream("w1")] * 8 + [None]
+    # The imbalance gate: 16 more held (running, waiting, routed since) than the least loaded worker.
+    assert route({"w1": (16, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}) == [None]
+    assert route({"w1": (15, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}) == [stream("w1")]
+    assert route({"w1": (10, 6, 64), "w2": (0, 0, 64)}, {"w1": 4}) == [None]
+    assert route({"w1": (12, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}, times=5) == [stream("w1")] * 4 + [None]
+    # min_match_blocks (1): one block is enough, none is not.
+    assert route({"w1": (0, 0, 64)}, {"w1": 1}) == [stream("w1")]
+    assert route({"w1": (0, 0, 64)}, {"w1": 0}) == [None]
+
+
+def test_the_router_hashes_as_each_worker_does_and_forgets_the_gone(redis_url, monkeypatch):
+    """Each worker's chain is the prompt hashed with its block size, the tenant's salt and its
+    long-rope switch; prompts too short to hash go to the shared stream; no worker, no route; a
+    worker silent for a minute leaves the index."""
+    prompt = [40 + i for i in range(80)]
+
+    def route(infos, held, tenant=None, prompt=prompt):
+        return asyncio.run(routed(redis_url, infos, held, prompt, tenant))
+
+    def stream(name: str) -> str:
+        return KEYS.routed(MODEL_NAME, name)
+
+    by16, by8 = prefix_hashes(prompt, 16), prefix_hashes(prompt, 8)
+    infos = [worker_info("w16"), worker_info("w8", block_size=8)]
+    assert route(infos, {"w16": by16, "w8": by8}) == [stream("w8")]  # 72 of 80 tokens against 64
+    assert route(infos, {"w16": by16, "w8": by8[:2]}) == [stream("w16")]
+    tenant_chain = prefix_hashes(prompt, 16, cache_salt("acme", len(prompt)))
+    assert route([worker_info("w1")], {"w1": tenant_chain}, tenant="acme") == [stream("w1")]
+    assert route([worker_info("w1")], {"w1": by16}, tenant="acme") == [None]
+    long_chain = prefix_hashes(prompt, 16, cache_salt(None, len(prompt), 50))  # past the switch at 50
+    assert route([worker_info("w1", rope_switch=50)], {"w1": long_chain}) == [stream("w1")]
+    assert route([worker_info("w1", rope_switch=50)], {"w1": by16}) == [None]
+    one = [worker_info("w1", block_size=1)]
+    assert route(one, {"w1": prefix_hashes([5, 6], 1)}, prompt=[5, 6]) == [stream("w1")]
+    assert route(one, {"w1": prefix_hashes([5, 6], 1)}, prompt=[5]) == [None]
+    assert route([], {}) == [None]
+
+    from pagedserve.gateway import worker_directory
+
+    now = [1000.0]
+    monkeypatch.setattr(worker_directory.time, "monotonic", lambda: now[0])
+
+    async def forgetting(router) -> list[bool]:
+        router.workers.ttl_s = 0.1  # read the loads again at each step of the clock below
+        kept = []
+        for later in (60.0, 60.5):
+            now[0] = 1000.0 + later
+            await router.route(prompt, None)
+            kept.append("gone" in router.index.blocks)
+        return kept
+
+    assert asyncio.run(routed(redis_url, [worker_info("w1")], {"gone": by16}, prompt, then=forgetting)) == [True, False]

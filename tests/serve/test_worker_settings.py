@@ -26,7 +26,7 @@ def test_the_engine_flags_default_to_the_config_and_follow_their_environment_var
                                "PAGEDSERVE_SWAP_SPACE": "2", "PAGEDSERVE_ENABLE_PREFIX_CACHING": "0"}).engine
     assert (env["max_num_seqs"], env["enforce_eager"], env["swap_space"], env["enable_prefix_caching"]) == (7, True, 2 << 30, False)
     helps = {a.dest: a.help for a in worker_parser({})._actions}
-    assert helps["max_num_seqs"] == "(default: %(default)s; env PAGEDSERVE_MAX_NUM_SEQS)"
+    assert helps["max_num_seqs"] == "sequences in one running batch at most (default: %(default)s; env PAGEDSERVE_MAX_NUM_SEQS)"
 
 
 def test_the_attention_backend_comes_from_the_flag_or_the_environment():

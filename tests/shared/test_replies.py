@@ -139,3 +139,55 @@ def test_an_error_not_marked_resumable_is_not_retried():
     box = kept(SamplingParams(), sent)
     box.put(failure("r", "out of memory"))
     assert [e.error for e in drain(box)] == ["out of memory"] and sent == []
+
+
+def test_the_limit_is_exact_and_the_overflow_says_so():
+    box = Mailbox("r", limit=3)
+    for seq in range(3):
+        box.put(event(seq))  # three fit
+    box.put(event(3, done=True))  # the fourth does not
+    got = drain(box)
+    assert len(got) == 1 and got[0].error == "the client fell too far behind; events were dropped"
+    full = Mailbox("r", limit=3)
+    for seq in range(2):
+        full.put(event(seq))
+    full.put(event(2, done=True))
+    assert [e.seq for e in drain(full)] == [0, 1, 2]
+
+
+def test_an_attempt_id_keeps_within_the_wire_limit():
+    from pagedserve.runtime.mailbox import attempt_id
+    from pagedserve.shared.protocol import MAX_ID_LEN
+
+    assert attempt_id("x" * MAX_ID_LEN, 3) == "x" * (MAX_ID_LEN - 8) + "~3"
+    assert attempt_id("r", 1) == "r~1" and failure("r", "why").outputs == []
+
+
+def test_an_old_attempts_events_queued_before_the_resend_are_skipped_not_the_end():
+    """Events of the attempt given up on may already wait in the mailbox when it is sent again:
+    they are passed over, and the new attempt's events still come."""
+    sent: list = []
+    box = kept(SamplingParams(max_tokens=9), sent)
+    got = drain_with_attempts(box, sent, [event(0, tokens=(5,)), lost(), event(1, tokens=(99,))],
+                              [[event(1, tokens=(6,), request_id="r~1"), event(2, done=True, request_id="r~1")]])
+    assert [e.seq for e in got] == [0, 1, 2] and [t for e in got for o in e.outputs for t in o.token_ids] == [5, 6, 1]
+
+
+def test_the_last_error_after_a_resend_carries_the_readers_id_and_ends_the_box():
+    sent: list = []
+    box = kept(SamplingParams(max_tokens=9), sent)
+    box.missing_checks = 2  # the dispatcher had found the first attempt's entry missing twice
+    got = drain_with_attempts(box, sent, [lost()], [[failure("r~1", "out of memory")]])
+    assert [(e.id, e.error) for e in got] == [("r", "out of memory")]
+    assert box.done and box.missing_checks == 0 and box.wire_id == "r~1"
+
+
+def test_a_resend_that_cannot_reach_redis_or_has_no_sender_ends_with_the_error():
+    async def down(req, old_id):
+        raise ConnectionError("redis is down")
+
+    request = WireRequest(id="r", model="m", params=SamplingParams(), reply=ReplyTarget("channel", "c"), prompt_token_ids=[1])
+    for box in (Mailbox("r", request=request, resend=down), Mailbox("r", request=request)):
+        box.put(lost())
+        got = drain(box)
+        assert [e.seq for e in got] == [-1] and "died mid-stream" in got[0].error and box.done

@@ -9,7 +9,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive
+from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive, with_env_help
 from pagedserve.shared.keys import served_name
 from pagedserve.worker.engine_flags import add_engine_args, engine_kwargs
 from pagedserve.worker.model_source import MODEL_HELP
@@ -42,7 +42,8 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
     e = lambda name, default, kind=str: env_default(environ, name, default, kind)  # noqa: E731
     p = argparse.ArgumentParser(prog="pagedserve worker", description="Serve one model from a Redis request stream.")
     p.add_argument("--model", default=e("model", None), help=MODEL_HELP)
-    p.add_argument("--redis-url", default=e("redis_url", DEFAULT_REDIS_URL))
+    p.add_argument("--redis-url", default=e("redis_url", DEFAULT_REDIS_URL),
+                   help="the Redis holding the request streams (redis+cluster://host:port for a cluster)")
     p.add_argument("--served-model-name", default=e("served_model_name", None), help="stream name (default: --model)")
     p.add_argument("--consumer", default=e("consumer", socket.gethostname()),
                    help="stable consumer name (default: the host name); each worker on a host needs its own")
@@ -55,14 +56,17 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
                    help="reclaim another worker's entries idle this long")
     p.add_argument("--heartbeat", type=positive(float), default=e("heartbeat", 1.0, float),
                    help="seconds; a worker silent for three heartbeats is taken for dead and its requests taken over")
-    p.add_argument("--max-deliveries", type=positive(int), default=e("max_deliveries", 3, int))
+    p.add_argument("--max-deliveries", type=positive(int), default=e("max_deliveries", 3, int),
+                   help="deliveries of one entry before it goes to the dead-letter stream (a request that kills workers)")
     p.add_argument("--drain-timeout", type=positive(float), default=e("drain_timeout", 30.0, float), help="seconds")
-    p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"))
+    p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"),
+                   help="the first part of every Redis key (deployments sharing one Redis)")
     p.add_argument("--metrics-port", type=int, default=e("metrics_port", 0, int), help="Prometheus port (0: off)")
     p.add_argument("--metrics-host", default=e("metrics_host", "127.0.0.1"),
                    help="address of the Prometheus endpoint (0.0.0.0 to expose it beyond this host)")
     p.add_argument("--log-stats-interval", type=non_negative(float), default=e("log_stats_interval", 10.0, float),
                    help="seconds between stats log lines (throughput, batch, KV usage, prefix hits) while busy; 0: none")
+    with_env_help(p._actions[1:])  # after -h
     add_engine_args(p, environ)
     return p
 

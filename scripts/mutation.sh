@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Mutation testing (docs/testing.md): mutmut, run in a copy of the project laid out as it installs
+# (shared/, worker/, gateway/ ... under pagedserve/), so the tests import the mutated copies by the
+# names mutmut gives them (pagedserve.gateway.router ...). In the checkout itself the editable
+# install maps pagedserve.* onto the original folders and no mutant is ever run.
+#
+#   scripts/mutation.sh [mutmut run options]    e.g. --max-children 2
+#   scripts/mutation.sh results                 (mutmut results, in the same copy)
+#
+# What is mutated and which tests run: [tool.mutmut] in pyproject.toml. The copy is out/mutation/
+# (ignored); mutmut keeps its results there between runs.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+tree="$root/out/mutation"
+mutmut="$root/.venv/bin/mutmut"
+[ -x "$mutmut" ] || mutmut="$(command -v mutmut)" || { echo "mutmut is not installed: pip install mutmut" >&2; exit 2; }
+if [ "${1:-}" = "results" ]; then
+    cd "$tree" && exec "$mutmut" "$@"
+fi
+rm -rf "$tree/pagedserve" "$tree/tests"
+mkdir -p "$tree"
+cp -r "$root/pagedserve" "$root/tests" "$tree/"
+for folder in shared runtime kernels gateway worker bench; do
+    cp -r "$root/$folder" "$tree/pagedserve/$folder"
+done
+cp "$root/pyproject.toml" "$tree/"
+cd "$tree"
+exec "$mutmut" run "$@"
