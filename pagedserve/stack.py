@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -71,6 +72,7 @@ class LocalStack:
         self.stop()
 
     def start(self) -> None:
+        port_free(self.host, self.port)  # before Redis and the model: a busy port is found at once
         redis_url = self.redis_url or redis_url_from_env()
         if redis_url is None:
             if find_redis_binary() is None:
@@ -142,6 +144,17 @@ class LocalStack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def port_free(host: str, port: int) -> None:
+    """StackError unless the gateway could listen on ``host:port`` now (bound as aiohttp binds it)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as err:
+        raise StackError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
 
 
 def worker_environment(environ, workers: int) -> dict[str, str]:

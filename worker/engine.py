@@ -67,6 +67,9 @@ class Engine:
         info = self.info = inspect_model(config.model, config.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(info.path)
         max_len = min(config.max_model_len or info.max_model_len, info.max_model_len)
+        if config.max_model_len and config.max_model_len > max_len:
+            log.warning("max_model_len capped to the model's context: positions past it were never trained",
+                        asked=config.max_model_len, max_model_len=max_len)
         eos = frozenset(info.eos_token_ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
         if config.simulate:  # no weights: the pool is bookkeeping only
             block_bytes, num_gpu, num_cpu = 0, config.num_gpu_blocks or 4096, config.num_cpu_blocks or 0

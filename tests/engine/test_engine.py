@@ -175,3 +175,17 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(zoo):
     assert drain(engine)["later"].outputs[0].finish_reason == "length"  # the engine goes on
     assert engine.scheduler.blocks.usage().used == 0
     engine.scheduler.blocks.check_invariants()
+
+
+def test_a_max_model_len_past_the_models_context_is_capped_with_a_warning(zoo):
+    from structlog.testing import capture_logs
+
+    context = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8).engine.scheduler.config.max_model_len
+    with capture_logs() as logs:
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8, max_model_len=context * 50)
+    assert llm.engine.scheduler.config.max_model_len == context
+    warned = [e for e in logs if "max_model_len capped" in e["event"]]
+    assert warned and warned[0]["asked"] == context * 50 and warned[0]["max_model_len"] == context
+    with capture_logs() as logs:
+        LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8, max_model_len=context)
+    assert not [e for e in logs if "max_model_len capped" in e["event"]]

@@ -130,3 +130,18 @@ def test_ctrl_c_in_a_terminal_drains_the_request_in_flight_and_stops_redis_last(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_a_busy_port_is_one_line_before_anything_starts(tmp_path):
+    """The port is checked first: one line naming it, exit 1, and no worker ever started (no
+    model loaded, no log line of one)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "serve", "demo", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120, env={**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"pagedserve: cannot listen on 127.0.0.1:{port}: Address already in use"]
