@@ -19,6 +19,7 @@ generation ends (arguments whole, as one delta per call: the SDK reassembles eit
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -97,12 +98,34 @@ def extract(text: str, request: ToolRequest, parser: str) -> tuple[str | None, l
     if request.choice == "named":
         return None, [new_call(request.name, text)]
     if request.choice == "required":
-        try:
-            calls = json.loads(text)
-            return None, [new_call(c["name"], c["parameters"]) for c in calls]
-        except (ValueError, TypeError, KeyError):
-            return text, []  # cut short (finish_reason "length"): the text as it came
+        return None, _required_calls(text)  # the grammar's JSON, never content
     return _hermes(text) if parser == "hermes" else _llama3_json(text)
+
+
+def _required_calls(text: str) -> list[dict]:
+    """The calls of a ``required`` answer (a JSON array of ``{"name", "parameters"}``, as its grammar
+    writes it). Cut short by ``max_tokens``, as the OpenAI API does: every whole call, then the one
+    being written with its ``arguments`` as far as they came (not valid JSON; ``finish_reason`` says
+    "length"); none for a call cut before its ``"parameters"`` began."""
+    decoder, calls = json.JSONDecoder(), []
+    pos = text.find("[") + 1
+    while 0 < pos < len(text):
+        while pos < len(text) and text[pos] in " \t\n\r,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            call, pos = decoder.raw_decode(text, pos)
+            calls.append(new_call(call["name"], call["parameters"]))
+        except (ValueError, TypeError, KeyError):
+            cut = _CUT_CALL.match(text, pos)
+            if cut:
+                calls.append(new_call(json.loads(f'"{cut["name"]}"'), cut["arguments"]))
+            break
+    return calls
+
+
+_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*(?P<arguments>.*)\Z', re.S)
 
 
 def _hermes(text: str) -> tuple[str | None, list[dict]]:
@@ -187,8 +210,8 @@ class ToolStream:
             cut = may_start_call(self.text[self.sent:], self.parser)
             return self._send_until(len(self.text) if cut < 0 else self.sent + cut), []
         content, calls = extract(self.text, self.request, self.parser)
-        if not calls:
-            return self._send_until(len(self.text)), []
+        if not calls:  # no content either for a forced call cut before one began
+            return ("" if content is None else self._send_until(len(self.text))), []
         start = self.text.find(HERMES_OPEN) if self.parser == "hermes" and self.request.choice == "auto" else self.sent
         return self._send_until(max(start, self.sent)).rstrip(), calls
 

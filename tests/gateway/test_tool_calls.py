@@ -260,7 +260,7 @@ def test_calls_come_out_whole_from_each_format():
     required = ToolRequest(tuple(TOOLS), "required")
     content, calls = extract('[{"name": "get_weather", "parameters": {"city": "Zürich", "days": 2}}]', required, "hermes")
     assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Zürich", "days": 2}'}
-    assert extract('[{"name": "get_weather", "param', required, "hermes") == ('[{"name": "get_weather", "param', [])
+    assert extract('[{"name": "get_weather", "param', required, "hermes") == (None, [])
     content, calls = extract('<tool_call>{"name": "evict"}</tool_call>', AUTO, "hermes")  # a call at the very start
     assert content is None and calls[0]["function"] == {"name": "evict", "arguments": "{}"}
     assert extract('<tool_call>{"name": "evict"}</tool_call> and more', AUTO, "hermes")[1] == []
@@ -290,5 +290,39 @@ def test_llama3_json_holds_everything_until_the_end_and_forced_calls_stream_no_c
         assert forced.feed('[{"name": "evict", ', False) == ("", [])
         sent, calls = forced.feed('"parameters": {"block": 1}}]' if request.choice == "required" else "", True)
         assert sent == "" and calls and calls[0]["function"]["name"] == "evict"
+    cut = ToolStream(ToolRequest(tuple(TOOLS), "required"), "hermes")
+    assert cut.feed('[{"name": "ev', False) == ("", []) and cut.feed("", True) == ("", [])
     plain = ToolStream(AUTO, "hermes")
     assert plain.feed("a <", False)[0] == "a " and plain.feed(" b", False)[0] == "< b"
+
+
+def test_a_required_answer_cut_short_returns_its_calls_as_far_as_they_came():
+    """As the OpenAI API does for a call cut by max_tokens: the whole calls, then the one being
+    written, its arguments not yet valid JSON (finish_reason stays "length")."""
+    required = ToolRequest(tuple(TOOLS), "required")
+    whole = '{"name": "evict", "parameters": {"block": 3}}'
+    content, calls = extract(f'[{whole}, {{"name": "get_weather", "parameters": {{"city": "Par', required, "hermes")
+    assert content is None
+    assert [c["function"] for c in calls] == [{"name": "evict", "arguments": '{"block": 3}'},
+                                              {"name": "get_weather", "arguments": '{"city": "Par'}]
+    assert [c["function"]["name"] for c in extract(f"[{whole},\n {whole}]", required, "hermes")[1]] == ["evict", "evict"]
+    assert extract(f'[{whole}, {{"na', required, "hermes")[1][0]["function"]["name"] == "evict"
+    assert extract('[{"name": "get_wea', required, "hermes") == (None, [])
+    assert extract("", required, "hermes") == (None, [])
+
+
+def test_a_required_call_cut_by_max_tokens_says_length_and_carries_the_call(client):
+    """Through the gateway, at budgets that cut the answer at different points: finish_reason
+    "length", no content, and the calls as far as they came (a cut one's arguments unfinished)."""
+    cut = 0
+    for max_tokens in (8, 16, 24, 32):
+        choice = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                max_tokens=max_tokens, temperature=1.0, seed=5).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None, (max_tokens, choice.message)
+        for call in choice.message.tool_calls or []:
+            assert call.function.name in SCHEMAS and call.id.startswith("call_")
+            try:
+                json.loads(call.function.arguments)
+            except ValueError:
+                cut += 1
+    assert cut, "no budget cut a call inside its arguments"
