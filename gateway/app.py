@@ -10,15 +10,16 @@ import structlog
 from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
+from pagedserve.gateway.api_docs import DOCS_ASSETS, docs, docs_asset
 from pagedserve.gateway.dashboard_api import ASSETS, dashboard_asset, dashboard_events
 from pagedserve.gateway.openai_api import STATE, TALLY, chat_completions, completions
 from pagedserve.gateway.schemas import ApiError
 from pagedserve.gateway.service import GatewayService
 from pagedserve.gateway.settings import GatewaySettings
-from pagedserve.gateway.utility_api import detokenize, docs, models, tokenize, version
+from pagedserve.gateway.utility_api import detokenize, models, tokenize, version
 
 log = structlog.get_logger("pagedserve.gateway")
-OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs", *ASSETS}  # /dashboard/events: keyed
+OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs", *ASSETS, *DOCS_ASSETS}  # /dashboard/events: keyed
 QUIET_PATHS = {"/health", "/ready", "/metrics"}
 REFUSAL = web.RequestKey("refusal", str)  # why the request was answered with an error
 
@@ -37,6 +38,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)
     app.router.add_get("/docs", docs)
+    for path in DOCS_ASSETS:
+        app.router.add_get(path, docs_asset)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -59,22 +59,6 @@ async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": installed_version()})
 
 
-SWAGGER_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>pagedserve API</title>
-<link rel="stylesheet" href="https://unpkg.com/swagger-ui-dist@5/swagger-ui.css"></head>
-<body><div id="ui"></div>
-<script src="https://unpkg.com/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
-<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui"});</script>
-<noscript>The API description is at <a href="/openapi.json">/openapi.json</a>.</noscript>
-</body></html>
-"""
-
-
-async def docs(request: web.Request) -> web.Response:
-    """Swagger UI over ``/openapi.json`` (the browser loads the UI from unpkg.com)."""
-    return web.Response(text=SWAGGER_PAGE, content_type="text/html")
-
-
 async def models(request: web.Request) -> web.Response:
     """The models live workers serve; the one this gateway fronts also says its context length."""
     state = request.app[STATE]

@@ -121,6 +121,12 @@ def test_version_and_models_say_what_is_served(stack):
     assert httpx.get(stack.url + "/version").json()["version"]
     page = httpx.get(stack.url + "/docs")
     assert page.status_code == 200 and "/openapi.json" in page.text and page.headers["content-type"].startswith("text/html")
+    assert "http" not in page.text  # everything from this gateway: the page works with no network
+    for asset, kind, marker in (("/docs/swagger-ui-bundle.js", "text/javascript", b"SwaggerUIBundle"),
+                                ("/docs/swagger-ui.css", "text/css", b".swagger-ui"), ("/favicon.ico", "image/png", b"PNG")):
+        assert asset in page.text or asset == "/favicon.ico"
+        got = httpx.get(stack.url + asset)
+        assert got.status_code == 200 and got.headers["content-type"].startswith(kind) and marker in got.content[:4096 * 64]
     models = httpx.get(stack.url + "/v1/models").json()["data"]
     assert [m["id"] for m in models] == [MODEL_NAME] and models[0]["max_model_len"] == 2048
 

@@ -91,3 +91,21 @@ def test_the_dashboard_draws_the_live_pool_figures_charts_and_requests(stack, tm
     asyncio.run(go())
     if os.environ.get("PAGEDSERVE_SCREENSHOT"):
         shutil.copy(tmp_path / "dashboard.png", os.environ["PAGEDSERVE_SCREENSHOT"])
+
+
+def test_the_api_docs_page_renders_with_nothing_but_the_gateway(stack, tmp_path):
+    """``/docs`` in Chromium on a machine with no network (as here): Swagger UI, from the gateway's
+    own files, reads ``/openapi.json`` and lists the routes."""
+    find_chromium()
+
+    async def go():
+        async with Browser(tmp_path / "profile") as page:
+            await page.goto(stack.url + "/docs")
+            title = await page.wait_for("document.querySelector('.swagger-ui .info .title')?.textContent", 30,
+                                        "Swagger UI's title, read from /openapi.json")
+            paths = await page.wait_for("[...document.querySelectorAll('.opblock-summary-path')].map((e) => e.textContent)"
+                                        ".join(' ') || null", 10, "the operations")
+            return title, paths
+
+    title, paths = asyncio.run(go())
+    assert "pagedserve" in title and "/v1/chat/completions" in paths
