@@ -159,9 +159,12 @@ def serve(args: argparse.Namespace) -> int:
             print("  " + curl_line(stack.url, stack.served_model_name, auth), flush=True)
             while not stop.wait(1.0):
                 stack.revive()  # a child that died is started again, not left half-alive
+            print("pagedserve: stopping: the gateway and workers finish the requests they hold, then Redis stops",
+                  file=sys.stderr, flush=True)
     except StackError as err:
         print(f"pagedserve: {err}", file=sys.stderr)
         return 1
+    print("pagedserve: stopped", file=sys.stderr, flush=True)
     return 0
 
 

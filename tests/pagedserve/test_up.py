@@ -107,8 +107,9 @@ def test_ctrl_c_in_a_terminal_drains_the_request_in_flight_and_stops_redis_last(
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
     env.pop("REDIS_URL", None)
+    log = open(tmp_path / "stderr.log", "w")  # a file, not a pipe: the children write to it too
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "serve", "demo", "--port", str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)
         assert ready and f":{port}" in proc.stdout.readline()
@@ -126,10 +127,13 @@ def test_ctrl_c_in_a_terminal_drains_the_request_in_flight_and_stops_redis_last(
         assert proc.wait(timeout=60) == 0
         assert time.monotonic() - started < 30
         assert not alive(redis[0])
+        said = [line for line in (tmp_path / "stderr.log").read_text().splitlines() if line.startswith("pagedserve: ")]
+        assert said[0].startswith("pagedserve: stopping") and said[-1] == "pagedserve: stopped", said  # never silent
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        log.close()
 
 
 def test_a_busy_port_is_one_line_before_anything_starts(tmp_path):
