@@ -294,6 +294,7 @@ def test_the_router_weighs_load_and_passes_over_a_busy_or_overloaded_worker(redi
     assert route({"w1": (16, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}) == [None]
     assert route({"w1": (15, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}) == [stream("w1")]
     assert route({"w1": (10, 6, 64), "w2": (0, 0, 64)}, {"w1": 4}) == [None]
+    assert route({"w1": (20, 0, 64), "w2": (6, 0, 64)}, {"w1": 4}) == [stream("w1")]  # 14 more than the least
     assert route({"w1": (12, 0, 64), "w2": (0, 0, 64)}, {"w1": 4}, times=5) == [stream("w1")] * 4 + [None]
     # min_match_blocks (1): one block is enough, none is not.
     assert route({"w1": (0, 0, 64)}, {"w1": 1}) == [stream("w1")]
