@@ -191,3 +191,49 @@ def test_a_resend_that_cannot_reach_redis_or_has_no_sender_ends_with_the_error()
         box.put(lost())
         got = drain(box)
         assert [e.seq for e in got] == [-1] and "died mid-stream" in got[0].error and box.done
+
+
+def test_a_request_whose_queue_entry_vanished_is_sent_again_after_two_checks(redis_server):
+    """The dispatcher looks up the stream entry of every request quiet for ``quiet_s``: one found
+    gone twice in a row (Redis restarted empty, say) gets a resumable error and is sent again; one
+    still there, or heard from lately, is left alone. Real Redis, checks called one at a time."""
+    from pagedserve.runtime.producer import Producer
+    from pagedserve.runtime.redis_client import connect
+    from pagedserve.runtime.replies import ReplyDispatcher
+    from pagedserve.shared.keys import Keys
+
+    async def main():
+        r = connect(redis_server.url)
+        keys = Keys()
+        dispatcher = ReplyDispatcher(r, keys.replies("test"), Producer(r, keys), watch_every_s=3600, quiet_s=0.0)
+        await dispatcher.start()
+        try:
+            def request(rid: str) -> WireRequest:
+                return WireRequest(id=rid, model="m", params=SamplingParams(), reply=ReplyTarget("channel", dispatcher.channel),
+                                   prompt_token_ids=[1, 2])
+
+            gone, kept, quiet = (dispatcher.open(request(rid)) for rid in ("gone", "kept", "heard"))
+            await dispatcher.send([gone, kept, quiet])
+            first_entry = gone.entry_id
+            await r.xdel(keys.requests("m"), gone.entry_id, quiet.entry_id)
+            dispatcher.quiet_s = 1.0
+            quiet.heard_at = float("inf")  # an event just came: not checked however its entry fares
+            gone.heard_at = kept.heard_at = 0.0
+            await dispatcher.check_entries()
+            after_one = (gone.missing_checks, kept.missing_checks, quiet.missing_checks, gone.wire_id)
+            reader = asyncio.create_task(anext(gone.events(), None))  # the client reading, as it would be
+            await dispatcher.check_entries()
+            async with asyncio.timeout(5):
+                while gone.wire_id == "gone":  # the reader sends it again on the resumable error
+                    await asyncio.sleep(0.01)
+            reader.cancel()
+            stream = [e for _, e in await r.xrange(keys.requests("m"))]
+            return after_one, gone, first_entry, stream
+        finally:
+            await dispatcher.stop()
+            await r.aclose()
+
+    after_one, gone, first_entry, stream = asyncio.run(main())
+    assert after_one == (1, 0, 0, "gone")
+    assert gone.wire_id == "gone~1" and gone.missing_checks == 0 and gone.entry_id != first_entry
+    assert [WireRequest.decode(e[b"data"]).id for e in stream] == ["kept", "gone~1"]
