@@ -2,8 +2,10 @@
 a request whose worker died mid-stream sent again (resumed) when it can be, an error when not."""
 
 import asyncio
+import time
 
 import pytest
+from structlog.testing import capture_logs
 
 from pagedserve.runtime.mailbox import MAX_RESENDS, Mailbox, failure
 from pagedserve.shared.protocol import OutputDelta, ReplyTarget, Resume, WireEvent, WireRequest
@@ -94,8 +96,13 @@ def drain_with_attempts(box: Mailbox, sent: list, first: list[WireEvent], later:
 def test_a_request_whose_worker_died_mid_stream_is_resumed_from_what_was_delivered():
     sent: list = []
     box = kept(SamplingParams(max_tokens=9), sent)
-    got = drain_with_attempts(box, sent, [event(0, tokens=(5, 6)), event(1, tokens=(7,)), lost()], [
-        [event(2, tokens=(99,)), event(2, tokens=(8,), request_id="r~1"), event(3, done=True, request_id="r~1")]])
+    with capture_logs() as logs:
+        got = drain_with_attempts(box, sent, [event(0, tokens=(5, 6)), event(1, tokens=(7,)), lost()], [
+            [event(2, tokens=(99,)), event(2, tokens=(8,), request_id="r~1"), event(3, done=True, request_id="r~1")]])
+    # what an operator reads: which request went again, why, from where
+    assert [e for e in logs if e["event"] == "request sent again"] == [{
+        "event": "request sent again", "log_level": "info", "request_id": "r", "tokens_delivered": 3, "next_seq": 2,
+        "why": "the worker serving this request died mid-stream"}]
     assert [e.seq for e in got] == [0, 1, 2, 3] and got[-1].finish_reason == "length"
     assert [t for e in got for o in e.outputs for t in o.token_ids] == [5, 6, 7, 8, 1]  # not 99: the old attempt's
     assert all(e.id == "r" for e in got)  # the reader sees its own id whatever the attempt
@@ -189,8 +196,16 @@ def test_a_resend_that_cannot_reach_redis_or_has_no_sender_ends_with_the_error()
     request = WireRequest(id="r", model="m", params=SamplingParams(), reply=ReplyTarget("channel", "c"), prompt_token_ids=[1])
     for box in (Mailbox("r", request=request, resend=down), Mailbox("r", request=request)):
         box.put(lost())
-        got = drain(box)
+        with capture_logs() as logs:
+            got = drain(box)
         assert [e.seq for e in got] == [-1] and "died mid-stream" in got[0].error and box.done
+    assert logs == [] and box.heard_at <= time.monotonic()
+    box = Mailbox("r", request=request, resend=down)
+    box.put(lost())
+    with capture_logs() as logs:
+        drain(box)
+    assert logs == [{"event": "could not send the request again", "log_level": "warning", "request_id": "r",
+                     "error": "redis is down"}]
 
 
 def test_a_request_whose_queue_entry_vanished_is_sent_again_after_two_checks(redis_server):
@@ -221,12 +236,18 @@ def test_a_request_whose_queue_entry_vanished_is_sent_again_after_two_checks(red
             gone.heard_at = kept.heard_at = 0.0
             await dispatcher.check_entries()
             after_one = (gone.missing_checks, kept.missing_checks, quiet.missing_checks, gone.wire_id)
+            quiet.heard_at = 0.0
+            quiet.put(WireEvent("heard", 0))  # an event: heard from now, so not looked up again yet
+            assert quiet.heard_at > time.monotonic() - 5
             reader = asyncio.create_task(anext(gone.events(), None))  # the client reading, as it would be
             await dispatcher.check_entries()
             async with asyncio.timeout(5):
                 while gone.wire_id == "gone":  # the reader sends it again on the resumable error
                     await asyncio.sleep(0.01)
             reader.cancel()
+            assert gone.heard_at > time.monotonic() - 5  # just sent again: quiet only from now
+            await dispatcher.check_entries()
+            assert quiet.missing_checks == 0 and gone.missing_checks == 0
             stream = [e for _, e in await r.xrange(keys.requests("m"))]
             return after_one, gone, first_entry, stream
         finally:
