@@ -258,3 +258,54 @@ def test_a_request_whose_queue_entry_vanished_is_sent_again_after_two_checks(red
     assert after_one == (1, 0, 0, "gone")
     assert gone.wire_id == "gone~1" and gone.missing_checks == 0 and gone.entry_id != first_entry
     assert [WireRequest.decode(e[b"data"]).id for e in stream] == ["kept", "gone~1"]
+
+
+def test_the_producer_pushes_onto_each_requests_stream_and_publishes_every_cancel(redis_url):
+    """``runtime/producer.py`` on a server and on a cluster (where PUBLISH stays out of pipelines):
+    requests onto their model's stream or the stream named for them, in order, with their entry
+    ids; cancels on the model's cancel channel, one message per id; no ids, no message."""
+    from pagedserve.runtime.producer import Producer
+    from pagedserve.runtime.redis_client import connect
+    from pagedserve.shared.keys import Keys
+    from pagedserve.shared.protocol import WireCancel
+
+    keys = Keys()
+
+    def request(rid: str, model: str = "m") -> WireRequest:
+        return WireRequest(id=rid, model=model, params=SamplingParams(), reply=ReplyTarget("channel", keys.replies("c")),
+                           prompt_token_ids=[1])
+
+    async def main():
+        r = connect(redis_url)
+        listener = connect(redis_url)
+        try:
+            producer = Producer(r, keys)
+            routed = keys.routed("m", "w1")
+            ids = await producer.enqueue([request("a"), request("b", "other"), request("c")], [None, None, routed])
+            streams = {name: [(eid.decode(), WireRequest.decode(f[b"data"]).id) for eid, f in await r.xrange(name)]
+                       for name in (keys.requests("m"), keys.requests("other"), routed)}
+            await listener.initialize()  # a cluster client learns its slots first (its pub/sub needs them)
+            pubsub = listener.pubsub()
+            await pubsub.subscribe(keys.cancel("m"))
+            while (await pubsub.get_message(timeout=1.0)) is None:
+                pass  # the subscription's confirmation
+            await producer.cancel("m", [], "nothing")
+            await producer.cancel("m", ["a", "c"], "client gone")
+            got = []
+            async with asyncio.timeout(10):
+                while len(got) < 2:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None:
+                        got.append(WireCancel.decode(message["data"]))
+            extra = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.3)
+            await pubsub.aclose()
+            return ids, streams, got, extra
+        finally:
+            await r.aclose()
+            await listener.aclose()
+
+    ids, streams, got, extra = asyncio.run(main())
+    assert streams == {keys.requests("m"): [(ids[0], "a")], keys.requests("other"): [(ids[1], "b")],
+                       keys.routed("m", "w1"): [(ids[2], "c")]}
+    assert all(isinstance(i, str) for i in ids)
+    assert got == [WireCancel("a", "client gone"), WireCancel("c", "client gone")] and extra is None
