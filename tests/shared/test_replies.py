@@ -309,3 +309,65 @@ def test_the_producer_pushes_onto_each_requests_stream_and_publishes_every_cance
                        keys.routed("m", "w1"): [(ids[2], "c")]}
     assert all(isinstance(i, str) for i in ids)
     assert got == [WireCancel("a", "client gone"), WireCancel("c", "client gone")] and extra is None
+
+
+def test_the_dispatcher_delivers_each_attempts_events_to_its_box_and_cancels_the_old_one(redis_server):
+    """Events published on the dispatcher's channel reach the box of their id (an undecodable batch
+    is skipped, an unknown id dropped); a box sent again answers to the new attempt's id, the old
+    attempt is cancelled on the model's channel, ``wire_id`` names the attempt on the wire, and a
+    closed box hears nothing more."""
+    from pagedserve.runtime.producer import Producer
+    from pagedserve.runtime.redis_client import connect
+    from pagedserve.runtime.replies import ReplyDispatcher
+    from pagedserve.shared.keys import Keys
+    from pagedserve.shared.protocol import WireCancel, encode_events
+
+    keys = Keys()
+
+    async def main():
+        r, listener = connect(redis_server.url), connect(redis_server.url)
+        dispatcher = ReplyDispatcher(r, keys.replies("d"), Producer(r, keys), watch_every_s=3600)
+        await dispatcher.start()
+        cancels = listener.pubsub()
+        await cancels.subscribe(keys.cancel("m"))
+        try:
+            request = WireRequest(id="r", model="m", params=SamplingParams(max_tokens=4), prompt_token_ids=[1],
+                                  reply=ReplyTarget("channel", dispatcher.channel))
+            box = dispatcher.open(request)
+            await dispatcher.send([box])
+            assert dispatcher.wire_id("r") == "r" and dispatcher.wire_id("unknown") == "unknown"
+            await r.publish(dispatcher.channel, b"\xc1 not a batch")
+            await r.publish(dispatcher.channel, encode_events([event(0, tokens=(5,)), event(0, request_id="other")]))
+            reader = box.events()
+            first = await asyncio.wait_for(anext(reader), 5)
+            await r.publish(dispatcher.channel, encode_events([lost()]))
+            second = asyncio.create_task(anext(reader))  # the reader sends it again, then waits
+            async with asyncio.timeout(5):
+                while box.wire_id == "r":
+                    await asyncio.sleep(0.01)
+            assert dispatcher.wire_id("r") == "r~1"
+            await r.publish(dispatcher.channel, encode_events([event(1, tokens=(99,)), event(1, tokens=(6,), request_id="r~1")]))
+            resumed = await asyncio.wait_for(second, 5)
+            cancelled = []
+            async with asyncio.timeout(5):
+                while not cancelled:
+                    message = await cancels.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None:
+                        cancelled.append(WireCancel.decode(message["data"]))
+            dispatcher.close(box)
+            await r.publish(dispatcher.channel, encode_events([event(2, done=True, request_id="r~1")]))
+            await asyncio.sleep(0.3)
+            stream = [WireRequest.decode(f[b"data"]) for _, f in await r.xrange(keys.requests("m"))]
+            return first, resumed, cancelled, box, stream
+        finally:
+            await cancels.aclose()
+            await dispatcher.stop()
+            await r.aclose()
+            await listener.aclose()
+
+    first, resumed, cancelled, box, stream = asyncio.run(main())
+    assert (first.id, first.seq, first.outputs[0].token_ids) == ("r", 0, [5])
+    assert (resumed.id, resumed.seq, resumed.outputs[0].token_ids) == ("r", 1, [6])  # the new attempt's, not 99
+    assert cancelled == [WireCancel("r", "sent again")]
+    assert [(q.id, q.resume) for q in stream] == [("r", None), ("r~1", Resume([5], 1))]
+    assert box.entry_id is not None and not box._events  # closed: the last event was not delivered
