@@ -59,6 +59,16 @@ async def group_exists(url: str) -> bool:
     return any(g["name"].decode() == KEYS.group(MODEL_NAME) for g in groups)
 
 
+async def dead_entries_idle(r, count: int) -> None:
+    """Wait until the ``count`` entries a dead consumer read have idled past the claim_idle_ms=200
+    of the worker the test starts next."""
+    async def idle_enough() -> bool:
+        entries = await r.xpending_range(KEYS.requests(MODEL_NAME), KEYS.group(MODEL_NAME), "-", "+", 10)
+        return len(entries) == count and all(e["time_since_delivered"] >= 250 for e in entries)
+
+    await apoll(idle_enough, 10, "the dead worker's entries to idle past the claim limit")
+
+
 def sigkill_params(i: int) -> SamplingParams:
     """Greedy and seeded requests: both give the same tokens however often they are resumed."""
     if i % 2:
@@ -176,11 +186,7 @@ def test_entries_of_a_worker_that_died_before_streaming_are_rerun_or_dead_letter
             for i in range(3):  # delivered again and again: a request that kills every worker
                 await r.xclaim(stream, group, f"ghost-{i}", 0, [poison_id])
 
-            async def idle_enough() -> bool:  # past the claim_idle_ms=200 of the worker below
-                entries = await r.xpending_range(stream, group, "-", "+", 10)
-                return len(entries) == 2 and all(e["time_since_delivered"] >= 250 for e in entries)
-
-            await apoll(idle_enough, 10, "the dead worker's entries to idle past the claim limit")
+            await dead_entries_idle(r, 2)
             async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa"), claim_idle_ms=200), engine):
                 results = {rid: await events_of(box) for rid, box in boxes.items()}
             dead = await r.xrange(KEYS.dead_letter(MODEL_NAME))
@@ -347,11 +353,7 @@ def test_a_request_streamed_by_a_dead_worker_goes_on_from_what_its_client_holds(
                 await r.publish(client.dispatcher.channel, encode_events(first))
                 await r.set(KEYS.streamed(name), 1)
 
-            async def idle_enough() -> bool:  # past the claim_idle_ms=200 of the worker below
-                entries = await r.xpending_range(stream, group, "-", "+", 10)
-                return len(entries) == 3 and all(e["time_since_delivered"] >= 250 for e in entries)
-
-            await apoll(idle_enough, 10, "the dead worker's entries to idle past the claim limit")
+            await dead_entries_idle(r, 3)
             async with running_worker(settings_for(redis_server.url, zoo.path("llama-gqa"), claim_idle_ms=200), engine):
                 async with asyncio.timeout(60):
                     results = dict(zip(streams, await asyncio.gather(*(collect(s) for s in streams.values()))))
