@@ -8,7 +8,7 @@
 #   scripts/mutation.sh results                 (mutmut results, in the same copy)
 #
 # What is mutated and which tests run: [tool.mutmut] in pyproject.toml. The copy is out/mutation/
-# (ignored); mutmut keeps its results there between runs.
+# (ignored), made anew each run, so each run starts afresh (mutmut sees new files and forgets what it ran).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tree="$root/out/mutation"
