@@ -59,6 +59,11 @@ async def group_exists(url: str) -> bool:
     return any(g["name"].decode() == KEYS.group(MODEL_NAME) for g in groups)
 
 
+def worker_engine(zoo) -> Engine:
+    """The engine of the in-process worker these tests start."""
+    return Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256))
+
+
 async def dead_entries_idle(r, count: int) -> None:
     """Wait until the ``count`` entries a dead consumer read have idled past the claim_idle_ms=200
     of the worker the test starts next."""
@@ -168,7 +173,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(redis_server, zoo):
 
 
 def test_entries_of_a_worker_that_died_before_streaming_are_rerun_or_dead_lettered(redis_server, zoo):
-    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256))
+    engine = worker_engine(zoo)
 
     async def main():
         r = aioredis.from_url(redis_server.url)
@@ -207,7 +212,7 @@ def greedy_reference(zoo, cases) -> tuple[list[list[int]], Engine]:
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in cases]
     expected = [o.outputs[0].token_ids for o in llm.generate([p for p, _ in cases], params, use_tqdm=False)]
-    return expected, Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256))
+    return expected, worker_engine(zoo)
 
 
 async def greedy_streams_under_way(client: QueueClient, cases, **submit) -> tuple[list[asyncio.Task], list]:
@@ -289,7 +294,7 @@ def test_a_redis_restart_without_persistence_loses_no_request(tmp_path, zoo):
 def test_a_worker_whose_entry_was_taken_stops_the_request_and_sends_nothing(redis_server, zoo):
     """A worker that stalled past its heartbeats comes back to find its entry claimed by another:
     it must not take the entry back or answer for it (the new holder does), only stop computing."""
-    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256))
+    engine = worker_engine(zoo)
     stream, group = KEYS.requests(MODEL_NAME), KEYS.group(MODEL_NAME)
 
     async def main():
@@ -338,7 +343,7 @@ def test_a_request_streamed_by_a_dead_worker_goes_on_from_what_its_client_holds(
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256)
     offline = {name: llm.generate([prompt], [p], use_tqdm=False)[0].outputs[0].token_ids for name, p in params.items()}
     delivered = {**{name: offline[name][:3] for name in ("greedy", "structured")}, "unseeded": [5, 6, 7]}
-    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256))
+    engine = worker_engine(zoo)
 
     async def main():
         r = aioredis.from_url(redis_server.url)
