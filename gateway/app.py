@@ -14,6 +14,7 @@ from pagedserve.gateway.api_docs import DOCS_ASSETS, docs, docs_asset
 from pagedserve.gateway.dashboard_api import ASSETS, dashboard_asset, dashboard_events
 from pagedserve.gateway.openai_api import STATE, TALLY, chat_completions, completions
 from pagedserve.gateway.schemas import ApiError
+from pagedserve.gateway.sse import CLIENT_GONE
 from pagedserve.gateway.service import GatewayService
 from pagedserve.gateway.settings import GatewaySettings
 from pagedserve.gateway.utility_api import detokenize, models, tokenize, version
@@ -86,6 +87,8 @@ async def _access_log(request: web.Request, handler):
             fields.update(prompt_tokens=tally.prompt_tokens, completion_tokens=tally.completion_tokens)
         if request.get(REFUSAL):
             fields["error"] = request[REFUSAL]
+        if request.get(CLIENT_GONE):
+            fields["status"] = "client gone"
         (log.warning if response.status >= 400 else log.info)("http", **fields)
     return response
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from pagedserve.gateway.openai_api import STATE
 from pagedserve.gateway.schemas import ApiError
-from pagedserve.gateway.sse import open_stream
+from pagedserve.gateway import sse
 
 STATIC = Path(__file__).parent / "static"
 ASSETS = {"/dashboard": ("dashboard.html", "text/html"), "/dashboard/app.js": ("dashboard.js", "text/javascript"),
@@ -35,13 +35,16 @@ async def dashboard_events(request: web.Request) -> web.StreamResponse:
         raise ApiError(503, f"{hub.max_viewers} dashboards are open on this gateway already; retry later", None,
                        "too_many_dashboards", "service_unavailable", {"Retry-After": "10"})
     async with hub.viewer() as frames:
-        response = await open_stream(request)
-        while True:
-            try:
-                frame = await asyncio.wait_for(frames.get(), KEEPALIVE_S)
-            except asyncio.TimeoutError:
-                frame = b": keepalive\n\n"
-            if frame is None:  # the gateway is closing
-                break
-            await response.write(frame)
-    return response
+        response = await sse.open_stream(request)
+        return await sse.until_client_gone(request, response, _feed(response, frames))
+
+
+async def _feed(response: web.StreamResponse, frames: asyncio.Queue) -> None:
+    while True:
+        try:
+            frame = await asyncio.wait_for(frames.get(), KEEPALIVE_S)
+        except asyncio.TimeoutError:
+            frame = b": keepalive\n\n"
+        if frame is None:  # the gateway is closing
+            return
+        await response.write(frame)

@@ -5,7 +5,9 @@ While at least one dashboard is open the hub renews the model's ``dashboard_watc
 publish snapshots only then), and once a second it sends a ``gateway`` frame: this gateway's
 time-to-first-token and inter-token percentiles over the last ten seconds and the model's queue
 depth. ``worker`` frames are the workers' snapshots as JSON (``worker/core/kv_snapshot.py``); a
-new dashboard gets each live worker's latest at once. A dashboard that reads too slowly loses its
+new dashboard gets each live worker's latest at once. Once subscribed (the first dashboard, or
+again after a lost connection) the hub sets the ``watched`` key and publishes on the model's wake
+channel, so the workers send a snapshot then rather than at their next look at the key. A dashboard that reads too slowly loses its
 oldest frames, never holds up the others; a message that does not decode is logged and skipped.
 Both of the hub's tasks run supervised: a failure is logged and retried, and one that keeps
 failing ends the open feeds (their pages reconnect) instead of leaving them silent.
@@ -41,6 +43,7 @@ class DashboardHub:
         self._viewers: set[asyncio.Queue[bytes | None]] = set()
         self._latest: dict[str, tuple[float, bytes]] = {}  # worker -> (when, frame)
         self._tasks: list[asyncio.Task] = []
+        self._wakes: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
         self._bad_seen = False
         self.max_viewers = MAX_VIEWERS
@@ -63,7 +66,8 @@ class DashboardHub:
             stop = self._stop = asyncio.Event()
             channel = self.keys.dashboard(self.model)
             self._tasks = [asyncio.create_task(supervise(name, run, self._give_up)) for name, run in (
-                ("dashboard feed", lambda: listen_forever(self.redis, channel, self._message, stop=stop)),
+                ("dashboard feed", lambda: listen_forever(self.redis, channel, self._message,
+                                                          on_subscribed=self._wake_workers, stop=stop)),
                 ("dashboard tick", lambda: self._tick(stop)))]
         try:
             yield queue
@@ -78,9 +82,22 @@ class DashboardHub:
         await self._stop_tasks()
 
     async def _stop_tasks(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        tasks, self._tasks = self._tasks + list(self._wakes), []
         if tasks:
             await stop_tasks(tasks, self._stop)
+
+    def _wake_workers(self) -> None:
+        """Subscribed: ask the workers for a snapshot now (the feed's task must not wait on it)."""
+        task = asyncio.get_running_loop().create_task(self._wake())
+        self._wakes.add(task)
+        task.add_done_callback(self._wakes.discard)
+
+    async def _wake(self) -> None:
+        try:
+            await self.redis.set(self.keys.dashboard_watched(self.model), b"1", px=WATCH_TTL_MS)
+            await self.redis.publish(self.keys.dashboard_wake(self.model), b"1")
+        except REDIS_DOWN as err:  # the tick renews the key; the workers see it at their next look
+            log.warning("redis unavailable", during="dashboard wake", error=str(err))
 
     def _give_up(self, task: str) -> None:
         """A hub task that keeps failing (logged by ``supervise``): end the open feeds, so their

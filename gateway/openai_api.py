@@ -172,6 +172,11 @@ def _echo(state, parsed: ParsedRequest, choices: list[Choice], prompts: list[lis
 async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, events, tally: Tally,
                   prompt_lens: list[int]) -> web.StreamResponse:
     response = await sse.open_stream(request)
+    return await sse.until_client_gone(request, response, _write_stream(response, state, parsed, renderer, events, tally, prompt_lens))
+
+
+async def _write_stream(response: web.StreamResponse, state, parsed: ParsedRequest, renderer: Renderer, events,
+                        tally: Tally, prompt_lens: list[int]) -> None:
     n = parsed.params.n
     first_sent: set[int] = set()
     offsets: dict[int, int] = {}
@@ -212,4 +217,3 @@ async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, eve
     state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - tally.started)
     await response.write(sse.DONE)
     await response.write_eof()
-    return response

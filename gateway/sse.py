@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+from typing import Awaitable
 
 from aiohttp import web
 
 DONE = b"data: [DONE]\n\n"
+CLIENT_GONE = web.RequestKey("client_gone", bool)  # set when a stream's client left while it was written
 
 
 def frame(obj: dict, event: str | None = None) -> bytes:
@@ -21,4 +23,14 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
         "Connection": "keep-alive", "X-Accel-Buffering": "no",
     })
     await response.prepare(request)
+    return response
+
+
+async def until_client_gone(request: web.Request, response: web.StreamResponse, writes: Awaitable[None]) -> web.StreamResponse:
+    """Await ``writes`` (a stream's writes to ``response``): a client that goes away while they are
+    written ends the stream quietly (the access log says so), not as a 500 with a traceback."""
+    try:
+        await writes
+    except ConnectionResetError:
+        request[CLIENT_GONE] = True
     return response

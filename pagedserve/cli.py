@@ -43,6 +43,7 @@ BENCHES = {
     "structured": "pagedserve.bench.structured",
     "scale": "pagedserve.bench.scale",
     "dashboard": "pagedserve.bench.dashboard_snapshot",
+    "dashboard-first-frame": "pagedserve.bench.dashboard_first_frame",
     "kv-quality": "pagedserve.bench.kv_quality",
     "kv-decode": "pagedserve.bench.kv_decode",
 }

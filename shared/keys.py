@@ -41,6 +41,11 @@ class Keys:
         """Pub/sub channel of the model's workers' KV dashboard snapshots (``worker/core/kv_snapshot.py``)."""
         return f"{self.prefix}:dashboard:{model}"
 
+    def dashboard_wake(self, model: str) -> str:
+        """Pub/sub channel on which a gateway whose first dashboard opens asks the model's workers
+        for a snapshot at once, instead of at their next look at the ``watched`` key."""
+        return f"{self.prefix}:dashboard-wake:{model}"
+
     def dashboard_watched(self, model: str) -> str:
         """Set (with a short expiry, renewed) by a gateway while a dashboard is open: workers
         publish snapshots only then."""

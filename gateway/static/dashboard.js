@@ -141,7 +141,8 @@
     const root = document.createElement("article");
     root.className = "worker";
     root.innerHTML = `<h2></h2><div class="pools"><canvas class="gpu"></canvas><p class="gpu-caption"></p>
-      <canvas class="cpu"></canvas><p class="cpu-caption"></p></div><dl class="figures"></dl>`;
+      <canvas class="cpu"></canvas><p class="cpu-caption"></p></div><dl class="figures"></dl>
+      <figure class="paging"><figcaption>The running requests' KV memory, in blocks</figcaption><div class="bars"></div></figure>`;
     root.querySelector("h2").textContent = "worker " + name;
     document.getElementById("workers").appendChild(root);
     const view = { root, gpu: root.querySelector("canvas.gpu"), cpu: root.querySelector("canvas.cpu"),
@@ -175,6 +176,7 @@
       ["cached blocks", f.cached],
       ["queue (model's stream)", w.snap.queue_depth],
     ];
+    drawPaging(w.view.root.querySelector(".paging .bars"), f);
     w.view.figures.innerHTML = "";
     for (const [name, value] of rows) {
       const dt = document.createElement("dt"), dd = document.createElement("dd");
@@ -183,6 +185,31 @@
       dd.dataset.figure = name;
       w.view.figures.append(dt, dd);
     }
+  }
+
+  // What the seed's picture shows: contiguous max-length slots against pages, and what sharing saves.
+  function drawPaging(bars, f) {
+    const rows = [
+      ["without paging", f.unpaged, "a contiguous slot per sequence for prompt + max_tokens, from admission"],
+      ["paged", f.logical, "the blocks the tables name: each sequence's own, as written so far"],
+      ["paged and shared", f.used, "the blocks held: copy-on-write and the prefix cache share the rest"],
+    ];
+    const most = Math.max(1, ...rows.map((r) => r[1] || 0));
+    bars.innerHTML = "";
+    for (const [name, blocks, what] of rows) {
+      const row = document.createElement("div"), bar = document.createElement("span"), label = document.createElement("b");
+      row.className = "bar";
+      row.title = what;
+      row.dataset.figure = name;
+      label.textContent = `${name}: ${blocks ?? "–"}`;
+      bar.style.width = `${(100 * (blocks || 0)) / most}%`;
+      row.append(label, bar);
+      bars.append(row);
+    }
+    const saved = document.createElement("p");
+    saved.textContent = f.unpaged ? `paging saves ${pct(f.unpaged - f.logical, f.unpaged)} of the reserved blocks, sharing ` +
+                                    `${pct(f.logical - f.used, f.logical)} of the paged ones` : "no request running";
+    bars.append(saved);
   }
 
   function pct(part, whole) {

@@ -51,6 +51,9 @@ def test_forked_and_prefix_shared_blocks_show_their_refcounts_and_holders():
     figures = snap["figures"]
     assert figures["logical"] > figures["used"] and figures["prefix_hit_tokens"] == 12
     assert figures["running"] == 3 and snap["unlisted"] == 0
+    # Without paging each sequence holds a slot of prompt + max_tokens from the start: 14 + 6 and
+    # 13 + 6 tokens (5 blocks each), and three of 5 + 6 (3 blocks each) for the samples.
+    assert figures["unpaged"] == 5 + 5 + 3 * 3 > figures["logical"]
 
 
 def test_swapped_requests_show_on_the_cpu_pool():

@@ -65,6 +65,9 @@ def test_the_dashboard_draws_the_live_pool_figures_charts_and_requests(stack, tm
                 assert float(figures["utilisation"].split()[0]) > 0
                 assert float(figures["saved by sharing"].split()[0]) > 0
                 assert float(figures["tokens/s"]) > 0
+                bars = dict(await page.js("[...document.querySelectorAll('.paging .bar')].map((b) => "
+                                          "[b.dataset.figure, +b.textContent.split(': ')[1]])"))
+                assert bars["without paging"] >= bars["paged"] > bars["paged and shared"] > 0, bars
 
                 x, y = await page.wait_for(SHARED_CELL, 20, "a block shared by three sequences")
                 await page.mouse("mouseMoved", x, y)

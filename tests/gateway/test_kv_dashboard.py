@@ -103,6 +103,29 @@ def test_nobody_watching_means_nothing_published(stack):
     stack.run(go())
 
 
+def test_a_new_dashboard_has_a_snapshot_at_once_not_at_the_workers_next_look(stack):
+    """Here the worker looks at the ``watched`` key once an hour: a first frame can only come from
+    the wake the gateway publishes when its first dashboard opens."""
+    publisher, url = stack.worker.dashboard, stack.add_gateway()  # a new hub: no snapshot kept from before
+    interval_s, publisher.interval_s = publisher.interval_s, 3600.0
+
+    async def first_worker_frame() -> float:
+        await asyncio.sleep(1.0)  # the publisher's tick now waits an hour
+        async with aiohttp.ClientSession() as http:
+            started = time.monotonic()
+            async with http.get(url + "/dashboard/events") as feed:
+                async with asyncio.timeout(20):
+                    async for event, payload in frames(feed):
+                        if event == "worker":
+                            assert payload["worker"] == "test-worker" and payload["figures"]["total"] == 1024
+                            return time.monotonic() - started
+
+    try:
+        print(f"first worker frame after {1000 * asyncio.run(first_worker_frame()):.0f} ms")
+    finally:
+        publisher.interval_s = interval_s  # the next dashboard's wake brings the worker back to its pace
+
+
 def test_a_bad_message_on_the_channel_is_skipped_and_the_feed_goes_on(stack):
     async def go():
         redis = aioredis.from_url(stack.redis.url)

@@ -9,6 +9,9 @@ them (a table cut short says so). ``SNAPSHOT_BUDGET`` is the sum of those bounds
 two pictures, ``MAX_REQUESTS`` rows of ``ROW_BYTES`` and ``MAX_TABLE_ENTRIES`` entries of at most
 5 bytes (block ids below 2^32), plus the figures.
 
+``figures.unpaged`` is what the running requests would reserve without paging (``unpaged_blocks``),
+to set against ``used`` (what they hold) and ``logical`` (what their tables name: without sharing).
+
 A request row: ``id``, ``state`` (running / swapped / waiting), ``prompt`` and ``generated``
 tokens (over its sequences), ``age`` in seconds, ``blocks`` (distinct blocks it holds), ``device``
 of its blocks, ``tables`` (one per live sequence; ``-1`` marks an entry released by a sliding
@@ -48,10 +51,17 @@ def kv_snapshot(scheduler) -> dict:
             "running": len(scheduler.running), "swapped": len(scheduler.swapped), "waiting": len(scheduler.waiting),
             "preemptions": stats.num_preemptions, "cow_copies": stats.cow_copies,
             "prefix_query_tokens": stats.prefix_query_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
+            "unpaged": unpaged_blocks(scheduler.running, blocks.block_size),
         },
         "requests": rows,
         "unlisted": len(scheduler.running) + len(scheduler.swapped) + len(scheduler.waiting) - len(rows),
     }
+
+
+def unpaged_blocks(running, block_size: int) -> int:
+    """The blocks ``running`` would reserve without paging: each sequence a contiguous slot for
+    its request's longest output (prompt + ``max_tokens``), made when it is admitted, never shared."""
+    return sum(req.seq_slots * -(-(len(req.prompt_ids) + req.params.max_tokens) // block_size) for req in running)
 
 
 def _row(blocks, req: Request, state: str, now: float, budget: int) -> dict:

@@ -21,7 +21,8 @@ with backoff, the worker exits 1 when one keeps failing):
 - cancels: aborts requests named on the model's cancel channel;
 - kv events: what the prefix cache published and dropped, for the gateways' routing
   (``worker/serve/kv_publisher.py``);
-- dashboard: the KV dashboard's snapshots while one is open (``worker/serve/dashboard_publisher.py``).
+- dashboard: the KV dashboard's snapshots while one is open, and at once when a gateway's first
+  dashboard opens (dashboard wake: its channel) (``worker/serve/dashboard_publisher.py``).
 
 Besides the model's stream the reader reads the worker's own (requests routed to it, first);
 maintenance moves the own streams of dead workers onto the model's stream.
@@ -122,7 +123,8 @@ class WorkerService:
         self.engine_loop.resync_kv()  # the first KV event: a reset (the index forgets a predecessor's blocks)
         side = [asyncio.create_task(supervise(name, run, self._give_up))
                 for name, run in (("reader", self._reader), ("maintenance", self._maintenance), ("kv events", lambda: self.kv.run(self._io_stop)),
-                                  ("dashboard", lambda: self.dashboard.run(self._io_stop)))]
+                                  ("dashboard", lambda: self.dashboard.run(self._io_stop)),
+                                  ("dashboard wake", lambda: self.dashboard.listen(self._io_stop)))]
         cancels = asyncio.create_task(supervise("cancels", self._cancels, self._give_up))
         publisher = asyncio.create_task(supervise("publisher", self._publisher, self._give_up))
         try:

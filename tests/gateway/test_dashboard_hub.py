@@ -1,0 +1,183 @@
+"""``gateway/dashboard_hub.py`` on its own, against a real redis-server and no worker: what a
+first dashboard sets off (the ``watched`` key, the workers' wake), snapshots fanned out and kept
+for the next page, bad messages skipped, the gateway's own frames, a slow page losing its oldest
+frames, the feeds ended on close. The stack tests (``test_kv_dashboard.py``) show the same with a
+worker behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from pagedserve.gateway import dashboard_hub
+from pagedserve.gateway.dashboard_hub import FRAMES_QUEUED, DashboardHub
+from pagedserve.gateway.recent_latencies import RecentLatencies
+from pagedserve.shared.keys import Keys
+
+MODEL = "m"
+
+
+def parse(frame: bytes) -> tuple[str, dict]:
+    event, data = frame.decode().rstrip("\n").split("\n")
+    return event.removeprefix("event: "), json.loads(data.removeprefix("data: "))
+
+
+async def next_of(queue: asyncio.Queue, event: str, timeout: float = 10.0) -> dict:
+    async with asyncio.timeout(timeout):
+        while True:
+            frame = await queue.get()
+            assert frame is not None, "the feed ended"
+            kind, payload = parse(frame)
+            if kind == event:
+                return payload
+
+
+def snapshot(worker: str, **figures) -> bytes:
+    return msgpack.packb({"worker": worker, "figures": figures})
+
+
+@pytest.fixture
+def hub_run(redis_server):
+    """Run ``test(hub, redis)`` on a hub over a fresh server."""
+    def run(test, **settings):
+        async def go():
+            redis = aioredis.from_url(redis_server.url)
+            hub = DashboardHub(redis, Keys(), MODEL, RecentLatencies())
+            for name, value in settings.items():
+                setattr(hub, name, value)
+            try:
+                return await test(hub, redis)
+            finally:
+                await hub.close()
+                await redis.aclose()
+        return asyncio.run(go())
+    return run
+
+
+def test_a_first_dashboard_marks_the_model_watched_and_wakes_its_workers(hub_run):
+    async def test(hub, redis):
+        keys = Keys()
+        async with redis.pubsub() as wakes:
+            await wakes.subscribe(keys.dashboard_wake(MODEL))
+            await wakes.get_message(timeout=1)  # the subscription's own reply
+            async with hub.viewer():
+                async with asyncio.timeout(10):
+                    while (message := await wakes.get_message(timeout=1)) is None:
+                        pass
+                assert message["type"] == "message"
+                ttl = await redis.pttl(keys.dashboard_watched(MODEL))
+                assert 0 < ttl <= dashboard_hub.WATCH_TTL_MS
+                async with hub.viewer():  # a second page: the hub is subscribed already, no second wake
+                    assert await wakes.get_message(timeout=1.5) is None
+
+    hub_run(test)
+
+
+def test_snapshots_reach_every_page_and_a_new_page_gets_each_workers_latest(hub_run):
+    async def test(hub, redis):
+        channel = Keys().dashboard(MODEL)
+        async with hub.viewer() as first:
+            await next_of(first, "gateway")  # subscribed by the first tick
+            for worker, used in (("w1", 1), ("w2", 5), ("w1", 2)):
+                await redis.publish(channel, snapshot(worker, used=used))
+            seen = [await next_of(first, "worker") for _ in range(3)]
+            assert [(s["worker"], s["figures"]["used"]) for s in seen] == [("w1", 1), ("w2", 5), ("w1", 2)]
+            async with hub.viewer() as second:  # at once, before any tick: the latest of each worker
+                replayed = [parse(second.get_nowait()) for _ in range(second.qsize())]
+                assert sorted((p["worker"], p["figures"]["used"]) for _, p in replayed) == [("w1", 2), ("w2", 5)]
+
+    hub_run(test)
+
+
+def test_a_worker_not_heard_from_is_not_replayed(hub_run, monkeypatch):
+    monkeypatch.setattr(dashboard_hub, "STALE_S", 0.5)
+
+    async def test(hub, redis):
+        async with hub.viewer() as first:
+            await next_of(first, "gateway")
+            await redis.publish(Keys().dashboard(MODEL), snapshot("old", used=1))
+            await next_of(first, "worker")
+            await asyncio.sleep(0.6)
+            async with hub.viewer() as second:
+                assert second.empty()
+
+    hub_run(test)
+
+
+def test_messages_that_are_not_snapshots_are_skipped_and_the_feed_goes_on(hub_run):
+    async def test(hub, redis):
+        channel = Keys().dashboard(MODEL)
+        async with hub.viewer() as page:
+            await next_of(page, "gateway")
+            for junk in (b"\x00not msgpack", msgpack.packb(7), msgpack.packb({"no": "worker"})):
+                await redis.publish(channel, junk)
+            await redis.publish(channel, snapshot("w", used=3))
+            assert (await next_of(page, "worker"))["figures"] == {"used": 3}
+
+    hub_run(test)
+
+
+def test_the_gateway_frame_carries_the_queue_depth_and_latencies(hub_run):
+    async def test(hub, redis):
+        await redis.xadd(Keys().requests(MODEL), {"data": b"x"})
+        await redis.xadd(Keys().requests(MODEL), {"data": b"y"})
+        async with hub.viewer() as page:
+            frame = await next_of(page, "gateway")
+            assert frame["queue_depth"] == 2 and set(frame) == {"time", "queue_depth", "ttft_ms", "itl_ms"}
+            assert frame["ttft_ms"]["count"] == 0
+
+    hub_run(test)
+
+
+def test_a_page_that_reads_too_slowly_loses_its_oldest_frames(hub_run):
+    async def test(hub, redis):
+        channel, sent = Keys().dashboard(MODEL), FRAMES_QUEUED + 10
+        async with hub.viewer() as page:
+            await next_of(page, "gateway")
+            for used in range(sent):
+                await redis.publish(channel, snapshot("w", used=used))
+            async with asyncio.timeout(10):  # a page opened now replays the last one: all have come
+                while True:
+                    async with hub.viewer() as probe:
+                        latest = [parse(probe.get_nowait())[1] for _ in range(probe.qsize())]
+                    if [snap["figures"]["used"] for snap in latest] == [sent - 1]:
+                        break
+                    await asyncio.sleep(0.05)
+            frames = [parse(page.get_nowait()) for _ in range(page.qsize())]
+            used = [payload["figures"]["used"] for kind, payload in frames if kind == "worker"]
+            assert len(frames) == FRAMES_QUEUED and used[-1] == sent - 1 and used[0] > 0  # the newest kept
+            assert used == list(range(used[0], sent))
+
+    hub_run(test)
+
+
+def test_close_ends_every_open_feed_and_a_full_hub_says_so(hub_run):
+    async def test(hub, redis):
+        async with hub.viewer() as first, hub.viewer() as second:
+            assert hub.full
+            await hub.close()
+            for queue in (first, second):
+                frames = [queue.get_nowait() for _ in range(queue.qsize())]
+                assert frames[-1] is None
+        assert not hub.full
+
+    hub_run(test, max_viewers=2)
+
+
+def test_the_last_page_closed_stops_renewing_the_watched_key(hub_run, monkeypatch):
+    monkeypatch.setattr(dashboard_hub, "WATCH_TTL_MS", 400)
+
+    async def test(hub, redis):
+        watched = Keys().dashboard_watched(MODEL)
+        async with hub.viewer() as page:
+            await next_of(page, "gateway")
+            assert await redis.exists(watched)
+        async with asyncio.timeout(5):
+            while await redis.exists(watched):
+                await asyncio.sleep(0.1)
+
+    hub_run(test)
