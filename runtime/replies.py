@@ -12,6 +12,7 @@ so the mailbox sends the request again (``Mailbox`` decides how: from the prompt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from itertools import zip_longest
 
@@ -111,8 +112,10 @@ class ReplyDispatcher:
                 box.put(event)
 
     async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(self.watch_every_s)
+        while not self._stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):  # stopping returns at once, not after a grace
+                await asyncio.wait_for(self._stop.wait(), self.watch_every_s)
+                return
             try:
                 await self.check_entries()
             except REDIS_DOWN:

@@ -94,6 +94,28 @@ def _forget_dynamic_rope(model) -> None:
             module.max_seq_len_cached = module.original_max_seq_len
 
 
+@pytest.fixture(scope="session", autouse=True)
+def logs_kept_with_their_test():
+    """The services' structlog lines go through stdlib logging into pytest's log capture: a failing
+    test's report shows them ("Captured log"), and a line a stack's thread logs while pytest writes
+    its progress (between two tests, where output is not captured) is dropped instead of landing in
+    the middle of the dots. Subprocesses (``pagedserve serve`` and the like) log as a user sees it."""
+    import logging
+
+    import structlog
+
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso"),
+                    structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)],
+        logger_factory=structlog.stdlib.LoggerFactory(), cache_logger_on_first_use=False)
+    quiet = logging.NullHandler()  # between tests no handler remains but this: logging's last resort stays silent
+    logging.getLogger().addHandler(quiet)
+    yield
+    logging.getLogger().removeHandler(quiet)
+    structlog.reset_defaults()
+
+
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory) -> ModelZoo:
     return ModelZoo(tmp_path_factory.mktemp("models"))

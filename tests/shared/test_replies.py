@@ -371,3 +371,24 @@ def test_the_dispatcher_delivers_each_attempts_events_to_its_box_and_cancels_the
     assert cancelled == [WireCancel("r", "sent again")]
     assert [(q.id, q.resume) for q in stream] == [("r", None), ("r~1", Resume([5], 1))]
     assert box.entry_id is not None and not box._events  # closed: the last event was not delivered
+
+
+def test_the_dispatcher_stops_by_its_flag_without_cancelling_its_tasks(redis_server):
+    """``stop`` sets the flag and both tasks return (a gateway's shutdown waited 2 s on the watcher's
+    sleep, then cancelled it, before this)."""
+    from pagedserve.runtime.producer import Producer
+    from pagedserve.runtime.redis_client import connect
+    from pagedserve.runtime.replies import ReplyDispatcher
+    from pagedserve.shared.keys import Keys
+
+    async def main():
+        r = connect(redis_server.url)
+        dispatcher = ReplyDispatcher(r, Keys().replies("s"), Producer(r, Keys()), watch_every_s=3600)
+        await dispatcher.start()
+        tasks = list(dispatcher._tasks)
+        await dispatcher.stop()
+        await r.aclose()
+        return tasks
+
+    tasks = asyncio.run(main())
+    assert len(tasks) == 2 and all(task.done() and not task.cancelled() for task in tasks)
