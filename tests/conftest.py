@@ -4,10 +4,17 @@ with transformers' reading of its GGUF as the reference (``tests/real_model.py``
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One of ``-n N`` test processes sharing the cores: one compute thread each, so N processes of
+    # N OpenMP threads (which spin while they wait) do not take turns on N cores. Set before torch
+    # is imported; the services a test starts inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 MODEL_SPECS = {
     "llama-gqa": dict(family="llama", num_heads=4, num_kv_heads=2),

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -20,6 +22,7 @@ def test_the_readme_has_its_offline_example():
     assert any("LLM()" in block for block in python_blocks())
 
 
+@pytest.mark.slow
 def test_every_python_block_runs_offline(real_model, tmp_path):
     for block in python_blocks():
         done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, cwd=tmp_path,

@@ -25,6 +25,7 @@ def small_gateway(stack):
     return stack.add_gateway(max_tokens=4, max_n=2, default_chat_max_tokens=4)
 
 
+@pytest.mark.slow
 def test_generated_requests_get_no_5xx_and_answers_match_their_schemas(small_gateway, tmp_path):
     st = Path(sys.executable).with_name("st")
     if not st.exists() and shutil.which("st") is None:

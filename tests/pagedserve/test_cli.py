@@ -4,12 +4,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args, env=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "pagedserve.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_generate_builds_the_demo_model_once_and_streams_text(tmp_path):
     env = {"PAGEDSERVE_CACHE_DIR": str(tmp_path)}
     first = run_cli("generate", "--model", "demo", "--max-tokens", "5", "hello", env=env)
@@ -28,6 +31,7 @@ def test_bad_values_are_one_clear_line(tmp_path):
     assert env_bad.returncode != 0 and "PAGEDSERVE_MAX_INFLIGHT" in env_bad.stderr and "Traceback" not in env_bad.stderr
 
 
+@pytest.mark.slow
 def test_chat_answers_each_line_until_eof(tmp_path):
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "chat", "--model", "demo", "--max-tokens", "4",

