@@ -8,7 +8,8 @@
 #   scripts/mutation.sh results                 (mutmut results, in the same copy)
 #
 # What is mutated and which tests run: [tool.mutmut] in pyproject.toml. The copy is out/mutation/
-# (ignored), made anew each run, so each run starts afresh (mutmut sees new files and forgets what it ran).
+# (ignored), made anew each run with its mutants/ removed, so each run starts afresh (mutmut keeps the
+# results of a source file it has seen unchanged, even when the tests changed).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tree="$root/out/mutation"
@@ -17,7 +18,7 @@ mutmut="$root/.venv/bin/mutmut"
 if [ "${1:-}" = "results" ]; then
     cd "$tree" && exec "$mutmut" "$@"
 fi
-rm -rf "$tree/pagedserve" "$tree/tests"
+rm -rf "$tree/pagedserve" "$tree/tests" "$tree/mutants"  # mutants/: mutmut would keep the results of unchanged sources, however the tests changed
 mkdir -p "$tree"
 cp -r "$root/pagedserve" "$root/tests" "$tree/"
 for folder in shared runtime kernels gateway worker bench; do

@@ -181,3 +181,30 @@ def test_the_last_page_closed_stops_renewing_the_watched_key(hub_run, monkeypatc
                 await asyncio.sleep(0.1)
 
     hub_run(test)
+
+
+def test_the_ticks_renew_the_watched_key_with_its_expiry_once_a_second(hub_run):
+    async def test(hub, redis):
+        async with hub.viewer() as page:
+            ticks = [await next_of(page, "gateway") for _ in range(3)]  # the wake's set is long past
+            ttl = await redis.pttl(Keys().dashboard_watched(MODEL))
+            assert 0 < ttl <= dashboard_hub.WATCH_TTL_MS
+            assert ticks[0]["time"] < ticks[1]["time"] < ticks[2]["time"]
+
+    hub_run(test)
+
+
+def test_while_redis_is_down_the_ticks_go_on_without_a_depth_and_say_why(hub_run, redis_server):
+    from structlog.testing import capture_logs
+
+    async def test(hub, redis):
+        async with hub.viewer() as page:
+            await next_of(page, "gateway")
+            with capture_logs() as logs:
+                await asyncio.to_thread(redis_server.stop)
+                while (await next_of(page, "gateway"))["queue_depth"] is not None:
+                    pass
+            said = [e for e in logs if e["event"] == "redis unavailable" and e.get("during") == "dashboard"]
+            assert said and said[0]["log_level"] == "warning" and said[0]["error"]
+
+    hub_run(test)

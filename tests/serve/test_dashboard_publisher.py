@@ -101,3 +101,37 @@ def test_a_wake_waits_for_the_engines_share_after_an_expensive_snapshot(redis_se
         assert await next_snapshot(snapshots, 10.0) is not None  # then it comes
 
     run_publisher(redis_server.url, test, interval_s=3600.0, took_ms=took_ms)
+
+
+def test_while_redis_is_down_it_says_so_and_publishes_again_once_it_is_back(redis_server):
+    from structlog.testing import capture_logs
+
+    async def go():
+        redis = aioredis.from_url(redis_server.url)
+        publisher = DashboardPublisher(redis, Keys(), MODEL, "w1", 0.05, lambda: publisher.from_engine_thread({"took_ms": 1.0}),
+                                       lambda: {})
+        publisher.loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        task = asyncio.create_task(publisher.run(stop))
+        try:
+            with capture_logs() as logs:
+                await asyncio.to_thread(redis_server.stop)
+                async with asyncio.timeout(10):
+                    while not any(e["event"] == "redis unavailable" for e in logs):
+                        await asyncio.sleep(0.05)
+                await asyncio.to_thread(redis_server.start)
+            said = next(e for e in logs if e["event"] == "redis unavailable")
+            assert said["during"] == "dashboard" and said["log_level"] == "warning" and said["error"]
+            async with redis.pubsub() as snapshots:  # a fresh server: watched again, and snapshots come
+                await snapshots.subscribe(Keys().dashboard(MODEL))
+                await snapshots.get_message(timeout=1)
+                await redis.set(Keys().dashboard_watched(MODEL), b"1")
+                assert (await next_snapshot(snapshots, 10.0))["worker"] == "w1"
+            assert not task.done()
+        finally:
+            stop.set()
+            async with asyncio.timeout(5):
+                await task
+            await redis.aclose()
+
+    asyncio.run(go())
