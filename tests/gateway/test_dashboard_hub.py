@@ -108,15 +108,20 @@ def test_a_worker_not_heard_from_is_not_replayed(hub_run, monkeypatch):
     hub_run(test)
 
 
-def test_messages_that_are_not_snapshots_are_skipped_and_the_feed_goes_on(hub_run):
+def test_messages_that_are_not_snapshots_are_skipped_said_once_and_the_feed_goes_on(hub_run):
+    from structlog.testing import capture_logs
+
     async def test(hub, redis):
         channel = Keys().dashboard(MODEL)
         async with hub.viewer() as page:
             await next_of(page, "gateway")
-            for junk in (b"\x00not msgpack", msgpack.packb(7), msgpack.packb({"no": "worker"})):
-                await redis.publish(channel, junk)
-            await redis.publish(channel, snapshot("w", used=3))
-            assert (await next_of(page, "worker"))["figures"] == {"used": 3}
+            with capture_logs() as logs:
+                for junk in (b"\x00not msgpack", msgpack.packb(7), msgpack.packb({"no": "worker"})):
+                    await redis.publish(channel, junk)
+                await redis.publish(channel, snapshot("w", used=3))
+                assert (await next_of(page, "worker"))["figures"] == {"used": 3}
+            said = [e for e in logs if e["event"] == "dashboard message skipped (logged once)"]
+            assert len(said) == 1 and said[0]["log_level"] == "warning" and 0 < len(said[0]["error"]) <= 200
 
     hub_run(test)
 
@@ -151,6 +156,15 @@ def test_a_page_that_reads_too_slowly_loses_its_oldest_frames(hub_run):
             used = [payload["figures"]["used"] for kind, payload in frames if kind == "worker"]
             assert len(frames) == FRAMES_QUEUED and used[-1] == sent - 1 and used[0] > 0  # the newest kept
             assert used == list(range(used[0], sent))
+
+    hub_run(test)
+
+
+def test_a_hub_takes_a_hundred_pages_unless_told_otherwise(hub_run):
+    async def test(hub, redis):
+        assert hub.max_viewers == dashboard_hub.MAX_VIEWERS == 100 and not hub.full
+        async with hub.viewer():
+            assert not hub.full
 
     hub_run(test)
 
