@@ -172,7 +172,8 @@ def _echo(state, parsed: ParsedRequest, choices: list[Choice], prompts: list[lis
 async def _stream(request, state, parsed: ParsedRequest, renderer: Renderer, events, tally: Tally,
                   prompt_lens: list[int]) -> web.StreamResponse:
     response = await sse.open_stream(request)
-    return await sse.until_client_gone(request, response, _write_stream(response, state, parsed, renderer, events, tally, prompt_lens))
+    writes = _write_stream(response, state, parsed, renderer, events, tally, prompt_lens)
+    return await sse.until_client_gone(request, response, writes)
 
 
 async def _write_stream(response: web.StreamResponse, state, parsed: ParsedRequest, renderer: Renderer, events,

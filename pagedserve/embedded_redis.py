@@ -12,6 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import redis
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -22,29 +24,17 @@ def free_port() -> int:
 MIN_VERSION = (6, 2)
 
 
-def _server_pid(port: int) -> int | None:
-    """The process id of the Redis answering on ``port`` (None while none answers)."""
+def serving_pid(port: int) -> int | None:
+    """The process id of the Redis serving on ``port``: None while none answers, or while it is
+    still loading its AOF (PING says LOADING then)."""
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, socket_connect_timeout=0.5)
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"INFO server\r\n")
-            reply = b""
-            while b"process_id:" not in reply or not reply.split(b"process_id:", 1)[1].count(b"\r\n"):
-                chunk = s.recv(4096)
-                if not chunk:
-                    return None
-                reply += chunk
-    except OSError:
+        client.ping()
+        return client.info("server")["process_id"]
+    except redis.RedisError:
         return None
-    return int(reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0])
-
-
-def _pong(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+    finally:
+        client.close()
 
 
 def find_redis_binary() -> str | None:
@@ -112,7 +102,7 @@ class RedisServer:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and self.proc.poll() is None:
-            if _server_pid(port) == self.proc.pid and _pong(port):  # PONG: loaded (an AOF) and serving
+            if serving_pid(port) == self.proc.pid:
                 return True
             time.sleep(0.05)
         if self.proc.poll() is None:

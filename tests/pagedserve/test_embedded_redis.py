@@ -4,7 +4,7 @@ ports at once)."""
 
 from __future__ import annotations
 
-from pagedserve.embedded_redis import RedisServer, _server_pid
+from pagedserve.embedded_redis import RedisServer, serving_pid
 
 
 def test_a_port_taken_meanwhile_is_met_with_another_and_the_neighbour_is_not_mistaken_for_ours(tmp_path):
@@ -13,8 +13,8 @@ def test_a_port_taken_meanwhile_is_met_with_another_and_the_neighbour_is_not_mis
     ours.port = neighbour.port  # free when picked, taken before our server bound it
     try:
         ours.start()
-        assert ours.port != neighbour.port and _server_pid(ours.port) == ours.proc.pid
-        assert _server_pid(neighbour.port) == neighbour.proc.pid
+        assert ours.port != neighbour.port and serving_pid(ours.port) == ours.proc.pid
+        assert serving_pid(neighbour.port) == neighbour.proc.pid
     finally:
         ours.stop()
         neighbour.stop()

@@ -14,7 +14,6 @@ Pub/sub keeps nothing, and that is right here: a dashboard wants the latest pict
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Callable
 
