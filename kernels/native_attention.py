@@ -21,6 +21,7 @@ from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.native_build import load_library
 
 QUANTIZED_KERNELS = {"int8": "i8"}  # format -> kernel suffix; the others decode by table
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -33,16 +34,19 @@ class NativeAttention:
         self._lib = load_library("paged_attention", cache_dir)
         self.kv_format = kv_format
         if kv_format.quantized:
-            suffix = QUANTIZED_KERNELS.get(kv_format.name, "q8")  # arithmetic decoding where there is one, else the table
-            self._kernels = {torch.float32: getattr(self._lib, f"paged_attention_f32_{suffix}"),
-                             torch.bfloat16: getattr(self._lib, f"paged_attention_bf16_{suffix}")}
+            # arithmetic decoding where there is one, else the table
+            suffix = "_" + QUANTIZED_KERNELS.get(kv_format.name, "q8")
             self._table = kv_format.table("cpu").contiguous()
         else:
-            self._kernels = {torch.float32: self._lib.paged_attention_f32, torch.bfloat16: self._lib.paged_attention_bf16}
-            self._table = None
+            suffix, self._table = "", None
+        self._kernels = {dtype: getattr(self._lib, f"paged_attention_{name}{suffix}") for dtype, name in _DTYPES.items()}
+        self._prefill_kernels = {dtype: getattr(self._lib, f"paged_prefill_{name}{suffix}") for dtype, name in _DTYPES.items()}
         limits = [_I64(), _I64(), _I64()]
         self._lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
         self._max_dim, self._max_group, self._max_block = (x.value for x in limits)
+        rows = _I64()
+        self._lib.paged_prefill_limits(ctypes.byref(rows))
+        self._max_rows = rows.value
         self._workspace = reference.Workspace()
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -60,7 +64,7 @@ class NativeAttention:
                                                     self._workspace, window, softcap, self.kv_format)
         check_tables(block_tables, seq_lens, q.shape[0])
         token_seq = torch.arange(q.shape[0], dtype=torch.int32, device=q.device)
-        return self._run(q, k_cache, v_cache, block_tables, token_seq, seq_lens, scale, window, softcap)
+        return self._run(self._kernels, q, k_cache, v_cache, block_tables, token_seq, seq_lens, scale, window, softcap)
 
     def prefill(self, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len=None,
                 max_seq_len=None, window=0, softcap=0.0):
@@ -76,10 +80,17 @@ class NativeAttention:
         offset_in_chunk = torch.arange(q.shape[0], device=q.device) - starts[seq_of_token]
         first_position = seq_lens.long() - q_lens  # the chunk's first token's position in its sequence
         ctx_len = (first_position[seq_of_token] + offset_in_chunk + 1).to(torch.int32)
-        return self._run(q, k_cache, v_cache, block_tables, seq_of_token.to(torch.int32), ctx_len, scale, window, softcap)
+        # Tiles of consecutive tokens of one sequence, as many as the kernel's rows hold with the group.
+        tile = max(1, self._max_rows // (q.shape[1] // k_cache.shape[2]))
+        first = torch.nonzero(offset_in_chunk % tile == 0).flatten()
+        length = (q_lens[seq_of_token[first]] - offset_in_chunk[first]).clamp_max(tile)
+        tiles = (first.to(torch.int32).contiguous(), length.to(torch.int32).contiguous())
+        return self._run(self._prefill_kernels, q, k_cache, v_cache, block_tables, seq_of_token.to(torch.int32), ctx_len,
+                         scale, window, softcap, tiles)
 
-    def _run(self, q, k_cache, v_cache, block_tables, token_seq, ctx_len, scale, window: int = 0,
-             softcap: float = 0.0) -> torch.Tensor:
+    def _run(self, kernels, q, k_cache, v_cache, block_tables, token_seq, ctx_len, scale, window: int = 0,
+             softcap: float = 0.0, tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One kernel call: per token (``tiles`` None) or per tile of (first token, tokens)."""
         if k_cache.shape != v_cache.shape or v_cache.dtype != k_cache.dtype:
             raise ValueError(f"K and V caches differ: {tuple(k_cache.shape)} {k_cache.dtype} and "
                              f"{tuple(v_cache.shape)} {v_cache.dtype}")
@@ -96,10 +107,12 @@ class NativeAttention:
         if num_tokens and int(ctx_len.max()) > tables.shape[1] * block_size:  # would read past a table row
             raise ValueError(f"a context of {int(ctx_len.max())} tokens does not fit block tables of "
                              f"{tables.shape[1]} blocks of {block_size}")
-        self._kernels[q.dtype](
+        tiled = () if tiles is None else (_PTR(tiles[0].data_ptr()), _PTR(tiles[1].data_ptr()))
+        tasks = num_tokens if tiles is None else tiles[0].shape[0]
+        kernels[q.dtype](
             _PTR(q.data_ptr()), _PTR(k_cache.data_ptr()), _PTR(v_cache.data_ptr()), _PTR(tables.data_ptr()),
-            _I64(tables.stride(0)), _PTR(token_seq.data_ptr()), _PTR(ctx_len.data_ptr()), _PTR(out.data_ptr()),
-            _I64(num_tokens), _I64(heads), _I64(kv_heads), _I64(dim), _I64(block_size), ctypes.c_float(scale),
+            _I64(tables.stride(0)), *tiled, _PTR(token_seq.data_ptr()), _PTR(ctx_len.data_ptr()), _PTR(out.data_ptr()),
+            _I64(tasks), _I64(heads), _I64(kv_heads), _I64(dim), _I64(block_size), ctypes.c_float(scale),
             _I64(window), ctypes.c_float(softcap), _PTR(self._table.data_ptr() if self._table is not None else None),
             ctypes.c_int(torch.get_num_threads()),
         )

@@ -3,6 +3,8 @@ and their build cache. Skipped where no C compiler can build them."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -37,7 +39,8 @@ def test_decode_matches_naive(native, block_size, heads, kv_heads, dtype):
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+# (16, 1): a group of 16 leaves tiles of 4 tokens, so a chunk of 30 spans eight (paged_prefill.c).
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (16, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_with_cached_prefix_matches_naive(native, block_size, heads, kv_heads, dtype):
     seq_lens = [5, 33, 48, 70]
@@ -79,7 +82,7 @@ def test_a_context_longer_than_its_table_is_refused(native):
         native.decode(q, case.k_cache, case.v_cache, case.block_tables.long(), case.seq_lens, 0.25)
 
 
-def test_the_library_is_built_once_per_source_and_rebuilt_when_it_changes(native, tmp_path, monkeypatch):
+def test_the_library_is_built_once_and_rebuilt_when_a_source_or_header_changes(native, tmp_path, monkeypatch):
     NativeAttention(tmp_path)
     built = sorted(tmp_path.glob("*.so"))
     assert len(built) == 1
@@ -87,9 +90,8 @@ def test_the_library_is_built_once_per_source_and_rebuilt_when_it_changes(native
     NativeAttention(tmp_path)
     assert sorted(tmp_path.glob("*.so")) == built and built[0].stat().st_mtime_ns == stamp
     changed = tmp_path / "src"
-    changed.mkdir()
-    (changed / "paged_attention.c").write_text(
-        (native_build.SOURCE_DIR / "paged_attention.c").read_text() + "\n/* changed */\n")
+    shutil.copytree(native_build.SOURCE_DIR, changed)
+    (changed / "paged_common.h").write_text((changed / "paged_common.h").read_text() + "\n/* changed */\n")
     monkeypatch.setattr(native_build, "SOURCE_DIR", changed)
     NativeAttention(tmp_path)
     assert len(list(tmp_path.glob("*.so"))) == 2

@@ -1,0 +1,90 @@
+/* What the paged-attention kernels share: bfloat16 loads and stores, a vectorisable e^x, and the
+ * loaders that turn one cache row (a position's head_dim values of one KV head, at the model's dtype
+ * or quantized: kernels/kv_format.py) into float32. Included by paged_attention.c (one query token
+ * per task) and paged_prefill.c (a tile of a prefill chunk's tokens per task).
+ */
+#ifndef PAGED_COMMON_H
+#define PAGED_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+#define MAX_BLOCK_SIZE 256
+
+static inline float bf16_load(const uint16_t *x) {
+    uint32_t bits = (uint32_t)(*x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void bf16_store(uint16_t *x, float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) { /* NaN stays NaN */
+        *x = (uint16_t)((bits >> 16) | 0x40u);
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    *x = (uint16_t)(bits >> 16);
+}
+
+/* e^x to about two ulp, in plain arithmetic the compiler vectorises (libm's expf is a scalar call
+ * per score). Cephes' range reduction and polynomial; x is clamped to [-87, 88], so -inf (the
+ * running maximum before the first block) gives ~1e-38 times an accumulator that is still zero. */
+static inline float fast_expf(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float f32_load(const float *x) { return *x; }
+static inline void f32_store(float *x, float f) { *x = f; }
+
+/* The bfloat16 scale at the end of a quantized row (unaligned: read through memcpy). */
+static inline float scale_load(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return bf16_load(&h);
+}
+
+/* One cache row (a position's head_dim values of one KV head) into float32. */
+static inline void f32_row(float *dst, const float *src, int64_t n, const float *lut) {
+    (void)lut;
+    for (int64_t d = 0; d < n; d++) dst[d] = src[d];
+}
+static inline void bf16_row(float *dst, const uint16_t *src, int64_t n, const float *lut) {
+    (void)lut;
+    for (int64_t d = 0; d < n; d++) dst[d] = bf16_load(src + d);
+}
+/* Quantized rows: codes then the scale. A table lookup per code does not vectorise, so int8 codes
+ * are converted arithmetically (the compiler widens 16 per instruction); the fp8 formats go through
+ * the table (an arithmetic e4m3 decoding measured slower than it). */
+static inline void byte_row(float *dst, const uint8_t *src, int64_t n, const float *lut) {
+    const float s = scale_load(src + n);
+    for (int64_t d = 0; d < n; d++) dst[d] = lut[src[d]] * s;
+}
+static inline void int8_row(float *dst, const uint8_t *src, int64_t n, const float *lut) {
+    (void)lut;
+    const float s = scale_load(src + n);
+    const int8_t *codes = (const int8_t *)src;
+    _Pragma("omp simd")
+    for (int64_t d = 0; d < n; d++) dst[d] = (float)codes[d] * s;
+}
+
+#endif
