@@ -17,6 +17,7 @@ from typing import Hashable, Sequence as Seq
 
 import structlog
 import torch
+from tqdm.auto import tqdm
 
 from pagedserve.kernels.kv_format import kv_format
 from pagedserve.kernels.ops import select_ops
@@ -38,6 +39,7 @@ from pagedserve.worker.engine_config import EngineConfig, available_ram
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.grammar import GrammarCompiler
+from pagedserve.worker.runner.key_turns import calibrate, calibration_text
 from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.loader import inspect_model, load_weights
 from pagedserve.worker.runner.memory_profile import peak_step_bytes
@@ -85,6 +87,9 @@ class Engine:
                     return ModelRunner(model, ops, device, info.dtype, kv, config.block_size, num_gpu, num_cpu,
                                        Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs)
 
+                if kv.quantized:  # before the pool is sized: its runner comes and goes first
+                    self._calibrate_keys(make_runner, max_len)
+
                 num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
                 num_cpu = config.cpu_blocks(block_bytes)
                 self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
@@ -108,6 +113,15 @@ class Engine:
             kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
+
+    def _calibrate_keys(self, make_runner, max_len: int) -> None:
+        """A quantized cache's key turns, fitted on the shipped calibration text (worker/runner/key_turns.py)
+        with a runner of its own whose pool holds just that text, and dropped after."""
+        started = time.perf_counter()
+        ids = self.tokenizer.encode(calibration_text(), add_special_tokens=False)[:max_len]
+        with tqdm(total=1, desc="calibrating the KV cache's key turns", unit="pass", leave=False, disable=None):
+            calibrate(make_runner(-(-len(ids) // self.config.block_size)), ids)
+        log.info("kv cache key turns calibrated", tokens=len(ids), seconds=round(time.perf_counter() - started, 2))
 
     def _pool_blocks(self, make_runner, block_bytes: int, device: torch.device, max_len: int, vocab: int) -> int:
         """KV blocks for the pool; on CUDA what is left after the weights and one worst-case step."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.ops import AttentionOps
+from pagedserve.worker.runner.key_turns import KeyTurns, TurnStats
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class PagedAttention:
         self.scale = scale
         # Plain attention calls the ops as it always did; a window or a score cap (Gemma 2) is asked for by name.
         self.extra = {**({"window": window} if window > 0 else {}), **({"softcap": softcap} if softcap > 0 else {})}
+        # A quantized cache's calibrated turns of q and k (worker/runner/key_turns.py), set once at
+        # start like weights; until then (the calibration's own first pass), the format's fixed turn.
+        self.key_turns: KeyTurns | None = None
+        self.observer: TurnStats | None = None  # set only while the calibration text runs
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -51,7 +56,12 @@ class PagedAttention:
         rotation = self.ops.kv_format.rotation(q.shape[-1], q.device)  # None unless the cache is quantized
         if rotation is None:
             return self._attend(q, k, v, kv_cache, meta)
-        q, k = _turned(q, rotation), _turned(k, rotation)  # scores unchanged: qR . kR = q . k
+        if self.observer is not None:
+            self.observer.add(q, k)
+        if self.key_turns is not None:
+            q, k = self.key_turns.apply(q, k)  # scores unchanged: q Tq . k Tk = q . k
+        else:
+            q, k = _turned(q, rotation), _turned(k, rotation)  # scores unchanged: qR . kR = q . k
         if not self.ops.kv_format.turns_values:
             return self._attend(q, k, v, kv_cache, meta)
         # The output over turned values is sum(p vR) = (sum p v) R: turned back.
