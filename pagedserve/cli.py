@@ -19,6 +19,7 @@
     pagedserve bench dashboard [args]            the KV dashboard's snapshot: time and bytes by pool size
     pagedserve bench kv-quality [args]           a quantized KV cache against the exact one, on real weights
     pagedserve bench kv-decode [args]            decode attention over an 8-bit cache vs the model-dtype one
+    pagedserve bench prefill-attention [args]    CPU prefill attention: the C kernel, the reference, flash
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ BENCHES = {
     "dashboard-first-frame": "pagedserve.bench.dashboard_first_frame",
     "kv-quality": "pagedserve.bench.kv_quality",
     "kv-decode": "pagedserve.bench.kv_decode",
+    "prefill-attention": "pagedserve.bench.prefill_attention",
 }
 
 
