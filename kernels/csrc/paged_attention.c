@@ -103,9 +103,4 @@ int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_siz
         }                                                                                                    \
     }
 
-DEFINE_PAGED_ATTENTION(paged_attention_f32, float, f32_load, f32_store, float, 0, f32_row)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16, uint16_t, bf16_load, bf16_store, uint16_t, 0, bf16_row)
-DEFINE_PAGED_ATTENTION(paged_attention_f32_q8, float, f32_load, f32_store, uint8_t, 2, byte_row)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16_q8, uint16_t, bf16_load, bf16_store, uint8_t, 2, byte_row)
-DEFINE_PAGED_ATTENTION(paged_attention_f32_i8, float, f32_load, f32_store, uint8_t, 2, int8_row)
-DEFINE_PAGED_ATTENTION(paged_attention_bf16_i8, uint16_t, bf16_load, bf16_store, uint8_t, 2, int8_row)
+FOR_EACH_LAYOUT(DEFINE_PAGED_ATTENTION, paged_attention)

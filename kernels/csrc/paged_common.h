@@ -87,4 +87,16 @@ static inline void int8_row(float *dst, const uint8_t *src, int64_t n, const flo
     for (int64_t d = 0; d < n; d++) dst[d] = (float)codes[d] * s;
 }
 
+/* Every layout a kernel is built for, as X(name, T, LOAD, STORE, C, EXTRA, ROW): T the type of q and
+ * out, C the cache's element type, EXTRA the elements a row holds past its head_dim values (a
+ * quantized row's scale), ROW the loader of one row; the name gets the layout's suffix
+ * (kernels/native_attention.py looks them up by it). */
+#define FOR_EACH_LAYOUT(X, NAME)                                                \
+    X(NAME##_f32, float, f32_load, f32_store, float, 0, f32_row)                \
+    X(NAME##_bf16, uint16_t, bf16_load, bf16_store, uint16_t, 0, bf16_row)      \
+    X(NAME##_f32_q8, float, f32_load, f32_store, uint8_t, 2, byte_row)          \
+    X(NAME##_bf16_q8, uint16_t, bf16_load, bf16_store, uint8_t, 2, byte_row)    \
+    X(NAME##_f32_i8, float, f32_load, f32_store, uint8_t, 2, int8_row)          \
+    X(NAME##_bf16_i8, uint16_t, bf16_load, bf16_store, uint8_t, 2, int8_row)
+
 #endif

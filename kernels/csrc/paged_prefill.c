@@ -184,9 +184,4 @@ __attribute__((noinline)) static void online_softmax(float *restrict s, float *r
         }                                                                                                     \
     }
 
-DEFINE_PAGED_PREFILL(paged_prefill_f32, float, f32_load, f32_store, float, 0, f32_row)
-DEFINE_PAGED_PREFILL(paged_prefill_bf16, uint16_t, bf16_load, bf16_store, uint16_t, 0, bf16_row)
-DEFINE_PAGED_PREFILL(paged_prefill_f32_q8, float, f32_load, f32_store, uint8_t, 2, byte_row)
-DEFINE_PAGED_PREFILL(paged_prefill_bf16_q8, uint16_t, bf16_load, bf16_store, uint8_t, 2, byte_row)
-DEFINE_PAGED_PREFILL(paged_prefill_f32_i8, float, f32_load, f32_store, uint8_t, 2, int8_row)
-DEFINE_PAGED_PREFILL(paged_prefill_bf16_i8, uint16_t, bf16_load, bf16_store, uint8_t, 2, int8_row)
+FOR_EACH_LAYOUT(DEFINE_PAGED_PREFILL, paged_prefill)
