@@ -36,6 +36,16 @@ async def next_of(queue: asyncio.Queue, event: str, timeout: float = 10.0) -> di
                 return payload
 
 
+async def subscribed(page: asyncio.Queue, redis) -> None:
+    """The page's first frame, then the hub's subscription holding: the tick and the subscription
+    are separate tasks, so a first frame alone does not mean a snapshot published now is heard."""
+    await next_of(page, "gateway")
+    channel = Keys().dashboard(MODEL)
+    async with asyncio.timeout(10):
+        while dict(await redis.pubsub_numsub(channel)).get(channel.encode(), 0) < 1:
+            await asyncio.sleep(0.02)
+
+
 def snapshot(worker: str, **figures) -> bytes:
     return msgpack.packb({"worker": worker, "figures": figures})
 
@@ -81,7 +91,7 @@ def test_snapshots_reach_every_page_and_a_new_page_gets_each_workers_latest(hub_
     async def test(hub, redis):
         channel = Keys().dashboard(MODEL)
         async with hub.viewer() as first:
-            await next_of(first, "gateway")  # subscribed by the first tick
+            await subscribed(first, redis)
             for worker, used in (("w1", 1), ("w2", 5), ("w1", 2)):
                 await redis.publish(channel, snapshot(worker, used=used))
             seen = [await next_of(first, "worker") for _ in range(3)]
@@ -98,7 +108,7 @@ def test_a_worker_not_heard_from_is_not_replayed(hub_run, monkeypatch):
 
     async def test(hub, redis):
         async with hub.viewer() as first:
-            await next_of(first, "gateway")
+            await subscribed(first, redis)
             await redis.publish(Keys().dashboard(MODEL), snapshot("old", used=1))
             await next_of(first, "worker")
             await asyncio.sleep(0.6)
@@ -114,7 +124,7 @@ def test_messages_that_are_not_snapshots_are_skipped_said_once_and_the_feed_goes
     async def test(hub, redis):
         channel = Keys().dashboard(MODEL)
         async with hub.viewer() as page:
-            await next_of(page, "gateway")
+            await subscribed(page, redis)
             with capture_logs() as logs:
                 for junk in (b"\x00not msgpack", msgpack.packb(7), msgpack.packb({"no": "worker"})):
                     await redis.publish(channel, junk)
@@ -213,7 +223,7 @@ def test_while_redis_is_down_the_ticks_go_on_without_a_depth_and_say_why(hub_run
 
     async def test(hub, redis):
         async with hub.viewer() as page:
-            await next_of(page, "gateway")
+            await subscribed(page, redis)
             with capture_logs() as logs:
                 await asyncio.to_thread(redis_server.stop)
                 while (await next_of(page, "gateway"))["queue_depth"] is not None:
