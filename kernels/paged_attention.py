@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
+from pagedserve.kernels.decode_partitions import PARTITION, decode_splits
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.paged_tiles import cap_scores, code_constants, load_kv_tile
 
-PARTITION = 512
 TILE_ELEMENTS = 8192  # a tile's q x k products (GROUP_PAD x TILE x DIM_PAD) that fit in registers
 
 
@@ -121,7 +121,7 @@ def paged_attention_decode(
     if num_seqs == 0:
         return out
     max_len = max_seq_len if max_seq_len is not None else int(seq_lens.max())
-    splits = max(1, triton.cdiv(max_len, PARTITION))
+    splits = decode_splits(max_len)  # decode_scratch_bytes counts the three buffers below
     part_out = torch.empty((num_seqs, num_heads, splits, dim), dtype=torch.float32, device=q.device)
     part_max = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)

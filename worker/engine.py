@@ -42,7 +42,7 @@ from pagedserve.worker.runner.grammar import GrammarCompiler
 from pagedserve.worker.runner.key_turns import calibrate, calibration_text
 from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.loader import inspect_model, load_weights
-from pagedserve.worker.runner.memory_profile import peak_step_bytes
+from pagedserve.worker.runner.memory_profile import peak_step_bytes, reserved_beside_pool
 from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
 from pagedserve.worker.runner.models.layers import release_window
 from pagedserve.worker.runner.models.rope import rope_switch
@@ -90,9 +90,12 @@ class Engine:
                 if kv.quantized:  # before the pool is sized: its runner comes and goes first
                     self._calibrate_keys(make_runner, max_len)
 
-                num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, info.config.vocab_size)
+                graphs = not config.enforce_eager and ops.backend == "triton"  # captured only then (model_runner.py)
+                num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, graphs)
                 num_cpu = config.cpu_blocks(block_bytes)
                 self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
+                if device.type == "cuda" and ops.backend == "triton":
+                    self.runner.warm_decode(max_len)
         self.kv_bytes_per_token = block_bytes // config.block_size
         self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(
@@ -123,19 +126,22 @@ class Engine:
             calibrate(make_runner(-(-len(ids) // self.config.block_size)), ids)
         log.info("kv cache key turns calibrated", tokens=len(ids), seconds=round(time.perf_counter() - started, 2))
 
-    def _pool_blocks(self, make_runner, block_bytes: int, device: torch.device, max_len: int, vocab: int) -> int:
-        """KV blocks for the pool; on CUDA what is left after the weights and one worst-case step."""
-        config = self.config
+    def _pool_blocks(self, make_runner, block_bytes: int, device: torch.device, max_len: int, graphs: bool) -> int:
+        """KV blocks for the pool; on CUDA what is left after the weights, one worst-case step and
+        the decode graphs' pool (``memory_profile.reserved_beside_pool``)."""
+        config, model_config = self.config, self.info.config
         if device.type != "cuda":
             return config.gpu_blocks(block_bytes, available_ram(), False)
-        peak = 0
+        reserved = 0
         if config.sizes_pool_from_memory:
             peak = peak_step_bytes(make_runner, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                                   max_len, vocab, device)
+                                   max_len, model_config.vocab_size, device)
+            dtype_bytes = torch.empty((), dtype=self.info.dtype, device="meta").element_size()
+            reserved = reserved_beside_pool(peak, model_config, config.max_num_seqs, max_len, dtype_bytes, graphs)
         free, total = torch.cuda.mem_get_info(device)
-        blocks = config.gpu_blocks(block_bytes, free, True, total, peak)
+        blocks = config.gpu_blocks(block_bytes, free, True, total, reserved)
         log.info("gpu memory", total_gib=round(total / 2**30, 2), in_use_gib=round((total - free) / 2**30, 2),
-                 step_peak_gib=round(peak / 2**30, 3), utilization=config.gpu_memory_utilization,
+                 reserved_beside_pool_gib=round(reserved / 2**30, 3), utilization=config.gpu_memory_utilization,
                  kv_gib=round(blocks * block_bytes / 2**30, 2))
         return blocks
 

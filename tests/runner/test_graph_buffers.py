@@ -19,7 +19,7 @@ def decode_row(seq_id: int, table: tuple[int, ...], start: int, seq_len: int = 0
 
 def test_padding_rows_read_block_zero_after_a_larger_step():
     graphs = DecodeGraphs(None, None, CPU, 4, GraphLimits(max_model_len=64, max_num_seqs=4))
-    bucket = _Bucket(4, graphs.max_blocks, CPU)
+    bucket = _Bucket(4, graphs.contexts[-1], graphs.block_size, CPU)
     released = -1  # worker/core/block_manager.NO_BLOCK: a sliding-window row's first blocks, released
     graphs._load(bucket, [decode_row(i, (released, 5 + i, 9 + i), start=10) for i in range(3)])
     assert bucket.tables[:3, 0].tolist() == [released] * 3
@@ -36,8 +36,54 @@ def test_a_graph_gives_rope_the_eager_steps_lengths(zoo):
     items = [decode_row(0, (1, 2, 3), start=9, seq_len=40, num_samples=0), decode_row(1, (4, 5), start=17)]
     eager = runner._metadata(items, len(items), [s.slot_mapping(runner.block_size)[0] for s in items])
     graphs = DecodeGraphs(runner.model, runner.kv_caches, CPU, runner.block_size, GraphLimits(64, 4))
-    bucket = _Bucket(2, graphs.max_blocks, CPU)
+    bucket = _Bucket(2, graphs.contexts[-1], graphs.block_size, CPU)
     graphs._load(bucket, items)
     replayed = graphs._metadata(bucket)
     assert replayed.token_seq_lens.tolist() == eager.token_seq_lens.tolist() == [40, 18]
     assert replayed.decode_seq_lens.tolist() == eager.decode_seq_lens.tolist() == [10, 18]
+
+
+def test_context_buckets_grow_fourfold_from_2048_to_the_models_length():
+    from pagedserve.worker.runner.cuda_graphs import context_buckets
+
+    assert context_buckets(64) == (64,)
+    assert context_buckets(2048) == (2048,)
+    assert context_buckets(4096) == (2048, 4096)
+    assert context_buckets(10000) == (2048, 8192, 10000)
+    assert context_buckets(131072) == (2048, 8192, 32768, 131072)
+
+
+def test_a_decode_step_replays_the_graph_of_its_batch_and_longest_context():
+    """The graph is picked by the step's size and its longest context, and launches the decode
+    kernel for that context bucket, not for the model's whole length (256 slices at 128k)."""
+    graphs = DecodeGraphs(None, None, CPU, 16, GraphLimits(max_model_len=131072, max_num_seqs=256))
+    rows = [decode_row(0, (1,) * 7, start=99), decode_row(1, (2,) * 188, start=2999), decode_row(2, (3,) * 4, start=49)]
+    assert graphs.key(rows) == (4, 8192)
+    assert graphs.key([decode_row(0, (1,) * 8192, start=131071)]) == (1, 131072)
+    assert graphs.key([decode_row(0, (1,), start=2047)]) == (1, 2048)  # a context of exactly 2,048
+    bucket = _Bucket(4, 8192, 16, CPU)
+    assert bucket.tables.shape == (4, 512)  # 8,192 tokens of blocks of 16, not 131,072
+    meta = graphs._metadata(bucket)
+    assert meta.decode_max_seq_len == 8192 and meta.prefill_block_tables.shape == (0, 512)
+    graphs._load(bucket, rows)
+    assert bucket.lens.tolist() == [100, 3000, 50, 1]
+
+
+def test_every_decode_variant_is_warmed_for_each_window(zoo):
+    """At start on CUDA the runner launches the decode kernel once per variant a step can need (its
+    slices padded to a power of two) and per window the layers use; here the launches are recorded."""
+    import dataclasses
+
+    from pagedserve.kernels.decode_partitions import decode_variant_lengths
+
+    assert decode_variant_lengths(64) == [64]
+    assert decode_variant_lengths(10000) == [512, 1024, 2048, 4096, 8192, 10000]  # 20 slices: pads 1 .. 32
+    assert decode_variant_lengths(131072) == [512 * 2**i for i in range(9)]
+    runner = LLM(zoo.path("gemma2"), device="cpu", dtype="float32", num_gpu_blocks=16).engine.runner
+    launched = []
+    runner.ops = dataclasses.replace(runner.ops, decode=lambda q, k, v, t, lens, scale, max_seq_len, **extra:
+                                     launched.append((max_seq_len, extra, q.dtype, q.device.type)))
+    runner.warm_decode(3000)
+    extras = sorted({tuple(sorted(layer.self_attn.attn.extra.items())) for layer in runner.model.model.layers})
+    assert len(extras) == 2  # gemma 2: sliding and full layers alternate, every score capped
+    assert launched == [(n, dict(extra), torch.float32, "cpu") for extra in extras for n in (512, 1024, 2048, 3000)]

@@ -30,3 +30,32 @@ def test_the_cuda_budget_leaves_room_for_the_step():
     assert config.gpu_blocks(gib, free_bytes=70 * gib, on_cuda=True, total_bytes=80 * gib, step_peak_bytes=2 * gib) == 28
     assert EngineConfig(model="m", num_gpu_blocks=5).gpu_blocks(gib, 0, True, 80 * gib, 2 * gib) == 5
     assert not EngineConfig(model="m", kv_cache_memory=gib).sizes_pool_from_memory
+
+
+def llama3_8b():
+    """The shapes that matter here of a Llama-3-8B config (no weights)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_attention_heads=32, head_dim=128, hidden_size=4096, intermediate_size=14336,
+                           vocab_size=128256)
+
+
+def test_the_pool_leaves_room_for_a_long_decode_and_the_graphs():
+    """At 256 sequences and a 128k context an eager decode step's partials (about 1 GiB) outweigh a
+    small profiled step, and the decode graphs' pool comes on top when they are captured."""
+    from pagedserve.kernels.decode_partitions import decode_scratch_bytes
+    from pagedserve.worker.runner.cuda_graphs import GraphLimits, graph_pool_bytes
+    from pagedserve.worker.runner.memory_profile import reserved_beside_pool
+
+    config, gib = llama3_8b(), 2**30
+    decode = decode_scratch_bytes(256, 32, 128, 131072)
+    assert decode == 256 * 32 * 256 * 130 * 4  # 256 slices of 512 tokens, float32 rows of 128 + max + sum
+    graphs = graph_pool_bytes(GraphLimits(131072, 256), config, 2)
+    assert decode < graphs < 2 * gib  # the partials, activations and 256 rows of logits
+    assert reserved_beside_pool(gib // 2, config, 256, 131072, 2, graphs=False) == decode
+    assert reserved_beside_pool(gib // 2, config, 256, 131072, 2, graphs=True) == decode + graphs
+    assert reserved_beside_pool(3 * gib, config, 256, 4096, 2, graphs=False) == 3 * gib  # the profile's step is larger
+    # and the budget arithmetic takes it out of the blocks: 80 GiB at 0.9, 17 GiB in use
+    engine = EngineConfig(model="m")
+    with_graphs = engine.gpu_blocks(gib, 63 * gib, True, 80 * gib, reserved_beside_pool(gib // 2, config, 256, 131072, 2, True))
+    assert with_graphs == int(0.9 * 80 * gib - 17 * gib - decode - graphs) // gib

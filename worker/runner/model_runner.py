@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from pagedserve.kernels.decode_partitions import decode_variant_lengths
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.core.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
@@ -47,7 +48,7 @@ class ModelRunner:
         block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler, beams: BeamSearcher,
         graph_limits: GraphLimits | None = None,
     ) -> None:
-        self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
+        self.model, self.ops, self.device, self.block_size, self.dtype = model, ops, device, block_size, dtype
         self.sampler, self.beams = sampler, beams
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         layers = len(model.model.layers)
@@ -66,6 +67,20 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_caches, device, block_size, graph_limits)
             with tqdm(total=1, desc="capturing CUDA graphs", unit="set", leave=False, disable=None):
                 self.graphs.capture_all()
+
+    @torch.inference_mode()
+    def warm_decode(self, max_model_len: int) -> None:
+        """Compile now every variant of the decode kernel an eager step can launch (one per power
+        of two of context slices up to ``max_model_len``, for each window and score cap the layers
+        use): a step whose context first crossed one stalled serving for the compile (0.2-40 s)."""
+        attention = self.model.model.layers[0].self_attn
+        q = torch.zeros((1, attention.num_heads, attention.head_dim), dtype=self.dtype, device=self.device)
+        tables = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
+        lens = torch.ones(1, dtype=torch.int32, device=self.device)
+        extras = {tuple(sorted(layer.self_attn.attn.extra.items())) for layer in self.model.model.layers}
+        for extra in sorted(extras):
+            for length in decode_variant_lengths(max_model_len):
+                self.ops.decode(q, *self.kv_caches[0], tables, lens, 1.0, max_seq_len=length, **dict(extra))
 
     def _pairs(self, pairs, device: torch.device) -> torch.Tensor:
         return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)
