@@ -228,7 +228,7 @@ def test_engine_on_the_triton_backend_reads_an_int8_cache_as_the_torch_reference
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     """What a CUDA graph replays (static buffers padded to a bucket, slot -1 rows, the decode grid
-    launched for max_model_len) computes the eager step's logits. On the CPU this runs the graph's
+    launched for the context bucket) computes the eager step's logits. On the CPU this runs the graph's
     forward without capturing it; on CUDA the parity tests in tests/engine/test_gpu.py replay it."""
     from pagedserve import LLM
     from pagedserve.shared.sampling import SamplingParams
@@ -247,7 +247,8 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, 8, GraphLimits(max_model_len=64, max_num_seqs=4))
     assert graphs.can_run(items) and graphs.sizes == [1, 2, 4]
-    bucket = _Bucket(4, graphs.max_blocks, runner.device)
+    assert graphs.key(items) == (4, 64)  # max_model_len caps the first context bucket
+    bucket = _Bucket(*graphs.key(items), 8, runner.device)
     graphs._load(bucket, items)
     with torch.inference_mode():
         replayed = graphs._forward(bucket, graphs._metadata(bucket))

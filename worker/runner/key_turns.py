@@ -106,7 +106,11 @@ def calibrate(runner, ids: Sequence[int]) -> None:
     """Run ``ids`` through ``runner``'s model as one sequence, ``CHUNK`` tokens a forward, observing every
     layer's queries and keys; then give each layer its turns. ``runner`` is one made for this (a pool
     that holds ``ids``; nothing else uses it), so the turns depend on the text and the model alone,
-    never on a pool's size or a token budget: engines of one model store the same tokens alike."""
+    never on a pool's size or a token budget: engines of one model store the same tokens alike.
+    Attention runs on the torch references here whatever the engine's backend (the same bytes stored,
+    the same layout read): the turns do not depend on the backend either, and the Triton kernels
+    under ``TRITON_INTERPRET=1`` would take minutes over a text the references read in seconds."""
+    from pagedserve.kernels.ops import reference_ops
     from pagedserve.worker.core.plan import ScheduledSeq, StepPlan
 
     model, block = runner.model, runner.block_size
@@ -114,8 +118,10 @@ def calibrate(runner, ids: Sequence[int]) -> None:
     if len(table) > runner.kv_pool.shape[1]:
         raise ValueError(f"a calibration of {len(ids)} tokens needs {len(table)} blocks; the pool has {runner.kv_pool.shape[1]}")
     attentions = [layer.self_attn.attn for layer in model.model.layers]
+    backends = [attention.ops for attention in attentions]
+    reference = reference_ops(runner.ops.kv_format)
     for attention in attentions:
-        attention.key_turns = None
+        attention.key_turns, attention.ops = None, reference
         attention.observer = TurnStats(model.num_kv_heads, model.head_dim, runner.device)
     try:
         for start in range(0, len(ids), CHUNK):
@@ -124,7 +130,7 @@ def calibrate(runner, ids: Sequence[int]) -> None:
         rotation = runner.ops.kv_format.rotation(model.head_dim, runner.device)
         turns = [attention.observer.turns(rotation) for attention in attentions]
     finally:
-        for attention in attentions:
-            attention.observer = None
+        for attention, ops in zip(attentions, backends):
+            attention.observer, attention.ops = None, ops
     for attention, turn in zip(attentions, turns):
         attention.key_turns = turn
