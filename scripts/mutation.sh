@@ -26,4 +26,8 @@ for folder in shared runtime kernels gateway worker bench; do
 done
 cp "$root/pyproject.toml" "$tree/"
 cd "$tree"
+# mutmut forks each mutant's run from a process that has run torch: with a thread pool already
+# started there (OpenMP is not fork-safe) a child that runs the engine hangs, and every mutant of
+# the engine loop read as "timed out". One thread each (mutmut runs the children side by side).
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 exec "$mutmut" run "$@"

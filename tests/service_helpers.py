@@ -140,3 +140,23 @@ async def apoll(condition, timeout: float, what: str, interval: float = 0.05) ->
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+async def subscribed(pubsub, channel: str) -> None:
+    """Subscribe ``pubsub`` to ``channel`` and wait for Redis to confirm it (what is published before
+    the confirmation is not heard)."""
+    await pubsub.subscribe(channel)
+    async with asyncio.timeout(10):
+        while (await pubsub.get_message(timeout=1.0)) is None:
+            pass
+
+
+async def messages(pubsub, count: int, timeout: float = 10.0) -> list[bytes]:
+    """The next ``count`` messages' payloads on ``pubsub``; a clear failure after ``timeout``."""
+    got: list[bytes] = []
+    async with asyncio.timeout(timeout):
+        while len(got) < count:
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            if message is not None:
+                got.append(message["data"])
+    return got

@@ -17,6 +17,7 @@ from pagedserve.gateway import dashboard_hub
 from pagedserve.gateway.dashboard_hub import FRAMES_QUEUED, DashboardHub
 from pagedserve.gateway.recent_latencies import RecentLatencies
 from pagedserve.shared.keys import Keys
+from tests.service_helpers import messages, subscribed
 
 MODEL = "m"
 
@@ -36,7 +37,7 @@ async def next_of(queue: asyncio.Queue, event: str, timeout: float = 10.0) -> di
                 return payload
 
 
-async def subscribed(page: asyncio.Queue, redis) -> None:
+async def hub_subscribed(page: asyncio.Queue, redis) -> None:
     """The page's first frame, then the hub's subscription holding: the tick and the subscription
     are separate tasks, so a first frame alone does not mean a snapshot published now is heard."""
     await next_of(page, "gateway")
@@ -72,13 +73,9 @@ def test_a_first_dashboard_marks_the_model_watched_and_wakes_its_workers(hub_run
     async def test(hub, redis):
         keys = Keys()
         async with redis.pubsub() as wakes:
-            await wakes.subscribe(keys.dashboard_wake(MODEL))
-            await wakes.get_message(timeout=1)  # the subscription's own reply
+            await subscribed(wakes, keys.dashboard_wake(MODEL))
             async with hub.viewer():
-                async with asyncio.timeout(10):
-                    while (message := await wakes.get_message(timeout=1)) is None:
-                        pass
-                assert message["type"] == "message"
+                assert await messages(wakes, 1) == [b"1"]
                 ttl = await redis.pttl(keys.dashboard_watched(MODEL))
                 assert 0 < ttl <= dashboard_hub.WATCH_TTL_MS
                 async with hub.viewer():  # a second page: the hub is subscribed already, no second wake
@@ -91,7 +88,7 @@ def test_snapshots_reach_every_page_and_a_new_page_gets_each_workers_latest(hub_
     async def test(hub, redis):
         channel = Keys().dashboard(MODEL)
         async with hub.viewer() as first:
-            await subscribed(first, redis)
+            await hub_subscribed(first, redis)
             for worker, used in (("w1", 1), ("w2", 5), ("w1", 2)):
                 await redis.publish(channel, snapshot(worker, used=used))
             seen = [await next_of(first, "worker") for _ in range(3)]
@@ -108,7 +105,7 @@ def test_a_worker_not_heard_from_is_not_replayed(hub_run, monkeypatch):
 
     async def test(hub, redis):
         async with hub.viewer() as first:
-            await subscribed(first, redis)
+            await hub_subscribed(first, redis)
             await redis.publish(Keys().dashboard(MODEL), snapshot("old", used=1))
             await next_of(first, "worker")
             await asyncio.sleep(0.6)
@@ -124,14 +121,17 @@ def test_messages_that_are_not_snapshots_are_skipped_said_once_and_the_feed_goes
     async def test(hub, redis):
         channel = Keys().dashboard(MODEL)
         async with hub.viewer() as page:
-            await subscribed(page, redis)
+            await hub_subscribed(page, redis)
             with capture_logs() as logs:
                 for junk in (b"\x00not msgpack", msgpack.packb(7), msgpack.packb({"no": "worker"})):
                     await redis.publish(channel, junk)
                 await redis.publish(channel, snapshot("w", used=3))
                 assert (await next_of(page, "worker"))["figures"] == {"used": 3}
             said = [e for e in logs if e["event"] == "dashboard message skipped (logged once)"]
-            assert len(said) == 1 and said[0]["log_level"] == "warning" and 0 < len(said[0]["error"]) <= 200
+            assert len(said) == 1 and said[0]["log_level"] == "warning"
+            with pytest.raises(Exception) as first:  # the first junk's own error is what is said
+                msgpack.unpackb(b"\x00not msgpack")
+            assert said[0]["error"] == str(first.value)[:200]
 
     hub_run(test)
 
@@ -212,7 +212,7 @@ def test_the_ticks_renew_the_watched_key_with_its_expiry_once_a_second(hub_run):
         async with hub.viewer() as page:
             ticks = [await next_of(page, "gateway") for _ in range(3)]  # the wake's set is long past
             ttl = await redis.pttl(Keys().dashboard_watched(MODEL))
-            assert 0 < ttl <= dashboard_hub.WATCH_TTL_MS
+            assert 0 < ttl <= dashboard_hub.WATCH_TTL_MS and await redis.get(Keys().dashboard_watched(MODEL)) == b"1"
             assert ticks[0]["time"] < ticks[1]["time"] < ticks[2]["time"]
 
     hub_run(test)
@@ -223,12 +223,41 @@ def test_while_redis_is_down_the_ticks_go_on_without_a_depth_and_say_why(hub_run
 
     async def test(hub, redis):
         async with hub.viewer() as page:
-            await subscribed(page, redis)
+            await hub_subscribed(page, redis)
             with capture_logs() as logs:
                 await asyncio.to_thread(redis_server.stop)
                 while (await next_of(page, "gateway"))["queue_depth"] is not None:
                     pass
             said = [e for e in logs if e["event"] == "redis unavailable" and e.get("during") == "dashboard"]
-            assert said and said[0]["log_level"] == "warning" and said[0]["error"]
+            assert said and said[0]["log_level"] == "warning" and "connect" in said[0]["error"].lower()
+
+    hub_run(test)
+
+
+def test_a_wake_sets_the_watched_key_for_its_expiry_and_publishes_the_wake(hub_run):
+    """The wake on its own (the first tick would set the key too, so a viewer alone cannot tell)."""
+    async def test(hub, redis):
+        keys = Keys()
+        async with redis.pubsub() as wakes:
+            await subscribed(wakes, keys.dashboard_wake(MODEL))
+            await hub._wake()
+            assert await messages(wakes, 1) == [b"1"]
+        assert await redis.get(keys.dashboard_watched(MODEL)) == b"1"
+        assert 0 < await redis.pttl(keys.dashboard_watched(MODEL)) <= dashboard_hub.WATCH_TTL_MS
+
+    hub_run(test)
+
+
+def test_a_wake_with_redis_gone_says_why_and_does_not_raise(hub_run, redis_server):
+    """Redis dropping between the subscription and the wake: a warning, the ticks carry on."""
+    from structlog.testing import capture_logs
+
+    async def test(hub, redis):
+        await asyncio.to_thread(redis_server.stop)
+        with capture_logs() as logs:
+            await hub._wake()
+        said = [e for e in logs if e["event"] == "redis unavailable"]
+        assert [(e["log_level"], e["during"]) for e in said] == [("warning", "dashboard wake")]
+        assert "connect" in said[0]["error"].lower()
 
     hub_run(test)

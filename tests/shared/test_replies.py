@@ -10,6 +10,7 @@ from structlog.testing import capture_logs
 from pagedserve.runtime.mailbox import MAX_RESENDS, Mailbox, failure
 from pagedserve.shared.protocol import OutputDelta, ReplyTarget, Resume, WireEvent, WireRequest
 from pagedserve.shared.sampling import SamplingParams
+from tests.service_helpers import messages, subscribed
 
 
 def event(seq: int, done: bool = False, tokens=(1,), request_id: str = "r") -> WireEvent:
@@ -286,17 +287,10 @@ def test_the_producer_pushes_onto_each_requests_stream_and_publishes_every_cance
                        for name in (keys.requests("m"), keys.requests("other"), routed)}
             await listener.initialize()  # a cluster client learns its slots first (its pub/sub needs them)
             pubsub = listener.pubsub()
-            await pubsub.subscribe(keys.cancel("m"))
-            while (await pubsub.get_message(timeout=1.0)) is None:
-                pass  # the subscription's confirmation
+            await subscribed(pubsub, keys.cancel("m"))
             await producer.cancel("m", [], "nothing")
             await producer.cancel("m", ["a", "c"], "client gone")
-            got = []
-            async with asyncio.timeout(10):
-                while len(got) < 2:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None:
-                        got.append(WireCancel.decode(message["data"]))
+            got = [WireCancel.decode(data) for data in await messages(pubsub, 2)]
             extra = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.3)
             await pubsub.aclose()
             return ids, streams, got, extra
@@ -329,7 +323,7 @@ def test_the_dispatcher_delivers_each_attempts_events_to_its_box_and_cancels_the
         dispatcher = ReplyDispatcher(r, keys.replies("d"), Producer(r, keys), watch_every_s=3600)
         await dispatcher.start()
         cancels = listener.pubsub()
-        await cancels.subscribe(keys.cancel("m"))
+        await subscribed(cancels, keys.cancel("m"))
         try:
             request = WireRequest(id="r", model="m", params=SamplingParams(max_tokens=4), prompt_token_ids=[1],
                                   reply=ReplyTarget("channel", dispatcher.channel))
@@ -348,12 +342,7 @@ def test_the_dispatcher_delivers_each_attempts_events_to_its_box_and_cancels_the
             assert dispatcher.wire_id("r") == "r~1"
             await r.publish(dispatcher.channel, encode_events([event(1, tokens=(99,)), event(1, tokens=(6,), request_id="r~1")]))
             resumed = await asyncio.wait_for(second, 5)
-            cancelled = []
-            async with asyncio.timeout(5):
-                while not cancelled:
-                    message = await cancels.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                    if message is not None:
-                        cancelled.append(WireCancel.decode(message["data"]))
+            cancelled = [WireCancel.decode(data) for data in await messages(cancels, 1, timeout=5)]
             dispatcher.close(box)
             await r.publish(dispatcher.channel, encode_events([event(2, done=True, request_id="r~1")]))
             await asyncio.sleep(0.3)
