@@ -16,6 +16,7 @@ from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
 from pagedserve.worker.serve.loop import EngineLoop
+from tests.service_helpers import poll
 
 PROMPT = list(range(20, 40))  # two full blocks of 8
 
@@ -79,8 +80,8 @@ def test_requests_run_to_the_end_as_the_model_says_and_every_call_carries_someth
 def test_every_wire_field_reaches_the_engine(fresh, zoo):
     """Priority orders the queue, a past deadline ends a request at once, a resume goes on from the
     tokens its client holds, a tenant's blocks hash apart from everyone else's."""
-    received, hashes = Received(), []
-    loop = EngineLoop(fresh, received, on_kv=lambda published, dropped, reset: hashes.append((published, dropped, reset)))
+    received = Received()
+    loop = EngineLoop(fresh, received)
     greedy = zoo.hf_greedy("llama-gqa", PROMPT, 4)
     run_all(loop, (request("later", 2, priority=1), PROMPT), (request("first", 2, priority=0), PROMPT[:9]),
             (request("expired", 4, deadline=time.time() - 1), PROMPT[:5]))
@@ -123,10 +124,8 @@ def test_an_abort_ends_a_running_request_and_frees_its_blocks(fresh):
     thread = threading.Thread(target=loop.run)
     thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not received.outputs:
-            assert thread.is_alive() and time.monotonic() < deadline, "the loop ended or gave no output in 30 s"
-            time.sleep(0.01)
+        poll(lambda: received.outputs or not thread.is_alive(), 30, "an output")
+        assert thread.is_alive(), "the loop ended"
         loop.abort("long")
     finally:
         loop.finish()
@@ -145,10 +144,7 @@ def test_an_idle_loop_waits_for_work_and_finish_returns_once_it_is_done(fresh):
         time.sleep(0.7)  # past the idle wait's first timeout: the loop must still be there
         assert thread.is_alive()
         loop.add(request("a", 2), PROMPT)
-        deadline = time.monotonic() + 30
-        while received.finished_order() != ["a"]:
-            assert thread.is_alive() and time.monotonic() < deadline, "the idle loop ended or did not take the request"
-            time.sleep(0.01)
+        poll(lambda: received.finished_order() == ["a"] or not thread.is_alive(), 30, "the idle loop to take the request")
         assert thread.is_alive()  # done, but not told to finish
     finally:
         loop.finish()

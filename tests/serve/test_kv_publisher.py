@@ -16,6 +16,7 @@ from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.worker.serve import kv_publisher
 from pagedserve.worker.serve.bridge import RedisBridge
 from pagedserve.worker.serve.kv_publisher import KvPublisher
+from tests.service_helpers import apoll
 
 MODEL = "m"
 
@@ -43,11 +44,6 @@ class Publisher:
     def start(self) -> asyncio.Task:
         return asyncio.create_task(self.publisher.run(self.stop))
 
-    async def until(self, condition, timeout: float = 10.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not await condition():
-                await asyncio.sleep(0.02)
-
 
 def run(redis_server, test):
     async def main():
@@ -73,13 +69,13 @@ def test_what_the_engine_thread_reports_goes_out_merged_at_the_publishers_pace(r
             thread.join()
             await asyncio.sleep(0.05)
             assert await events(redis) == []  # not before the interval
-            await p.until(lambda: _count(redis, 1))
+            await apoll(lambda: _count(redis, 1), 10, "the first KV event")
             (event,) = await events(redis)
             assert (event.worker, sorted(event.published), event.dropped, event.reset) == ("w1", [1, 3, 4], [], False)
             await asyncio.sleep(0.7)
             assert len(await events(redis)) == 1  # nothing changed: nothing sent
             p.publisher.from_engine_thread([9], [], True)
-            await p.until(lambda: _count(redis, 2))
+            await apoll(lambda: _count(redis, 2), 10, "the reset")
             assert (await events(redis))[1] == KvEvent("w1", [9], [], True)
             assert p.resyncs == 0 and p.waits == 0
         finally:
@@ -117,9 +113,7 @@ def test_with_redis_gone_it_says_why_waits_for_redis_and_then_asks_for_everythin
             await asyncio.to_thread(redis_server.stop)
             with capture_logs() as logs:
                 p.publisher.from_engine_thread([1], [], False)
-                async with asyncio.timeout(10):
-                    while p.resyncs == 0:
-                        await asyncio.sleep(0.02)
+                await apoll(lambda: p.resyncs > 0, 10, "a resync after Redis was lost")
             said = [e for e in logs if e["event"] == "redis unavailable"]
             assert [(e["log_level"], e["during"]) for e in said] == [("warning", "kv events")]
             assert "connect" in said[0]["error"].lower() and p.waits == 1
