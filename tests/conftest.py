@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,8 @@ MODEL_SPECS = {
 
 
 class ModelZoo:
-    """Builds each test model on first use, in the session's temporary directory."""
+    """Builds each test model on first use, in the session's temporary directory. A model's weights
+    follow from its name alone, never from which tests built models before it in this process."""
 
     def __init__(self, root: Path, specs: dict[str, dict] = MODEL_SPECS) -> None:
         self.root = root
@@ -68,19 +70,25 @@ class ModelZoo:
         if name not in self._paths:
             from pagedserve.worker.demo_model import build_model
 
-            self._paths[name] = build_model(self.root / name, **self.specs[name], seed=len(self._paths))
+            self._paths[name] = build_model(self.root / name, **self.specs[name], seed=zlib.crc32(name.encode()))
         return self._paths[name]
+
+    def hf_model(self, name: str):
+        """transformers' float32 model of ``name``, loaded once."""
+        if name not in self._hf:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            self._hf[name] = AutoModelForCausalLM.from_pretrained(self.path(name), dtype=torch.float32).eval()
+        return self._hf[name]
 
     def hf_greedy(self, name: str, prompt: list[int], max_new_tokens: int) -> list[int]:
         """transformers ``generate`` (greedy, float32, one prompt at a time: no padding)."""
         key = (name, tuple(prompt), max_new_tokens)
         if key not in self._refs:
             import torch
-            from transformers import AutoModelForCausalLM
 
-            if name not in self._hf:
-                self._hf[name] = AutoModelForCausalLM.from_pretrained(self.path(name), dtype=torch.float32).eval()
-            model = self._hf[name]
+            model = self.hf_model(name)
             _forget_dynamic_rope(model)
             ids = torch.tensor([prompt])
             with torch.inference_mode():

@@ -25,9 +25,11 @@ def hf_beams(hf, prompt, k, max_new, length_penalty=1.0, early_stopping=False):
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=k, num_return_sequences=k, do_sample=False,
                           max_new_tokens=max_new, length_penalty=length_penalty, early_stopping=early_stopping,
                           output_scores=True, return_dict_in_generate=True, pad_token_id=hf.config.pad_token_id)
-    pad = hf.config.pad_token_id
+    pad, eos = hf.config.pad_token_id, hf.config.eos_token_id
     seqs = []
     for row in out.sequences[:, len(prompt):].tolist():
+        if eos in row:  # a beam that finished: transformers fills its row out past the end of turn
+            row = row[: row.index(eos) + 1]
         while row and row[-1] == pad:
             row.pop()
         seqs.append(row)

@@ -52,13 +52,14 @@ def test_a_resumed_request_goes_on_as_the_uninterrupted_one(llm, case, cut):
 
 
 def test_a_stop_string_after_the_cut_still_stops(llm):
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    tokens, deltas, _, _ = stream(llm.engine, "plain", greedy)
+    seeded = dict(temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)  # greedy text of random weights loops
+    tokens, deltas, _, _ = stream(llm.engine, "plain", SamplingParams(**seeded))
     text = "".join(deltas)
     cut_text = "".join(deltas[:6])
-    stop = text[len(cut_text) + 8 : len(cut_text) + 11]
-    assert stop and stop not in text[: len(cut_text) + 8]
-    with_stop = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    # three characters that first appear well after the cut
+    at = next(i for i in range(len(cut_text) + 4, len(text) - 3) if text.index(text[i : i + 3]) == i)
+    stop = text[at : at + 3]
+    with_stop = SamplingParams(**seeded, stop=[stop])
     whole, whole_deltas, whole_finish, _ = stream(llm.engine, "whole", with_stop)
     rest, rest_deltas, finish, _ = stream(llm.engine, "resumed", with_stop, tokens[:6])
     assert whole_finish == finish == "stop"

@@ -185,8 +185,8 @@ def test_entries_of_a_worker_that_died_before_streaming_are_rerun_or_dead_letter
             reply = ReplyTarget("channel", client.dispatcher.channel)
             boxes = {rid: client.dispatcher.open(rid) for rid in ("orphan", "poison")}
             for rid in boxes:
-                req = WireRequest(id=rid, model=MODEL_NAME, params=SamplingParams(max_tokens=5, temperature=0.0), reply=reply,
-                                  prompt_token_ids=[7, 8, 9])
+                req = WireRequest(id=rid, model=MODEL_NAME, params=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+                                  reply=reply, prompt_token_ids=[7, 8, 9])
                 await r.xadd(stream, {"data": req.encode()})
             ghost = await r.xreadgroup(group, "ghost", {stream: ">"}, count=2)  # a worker that read and died
             poison_id = ghost[0][1][1][0]
