@@ -19,6 +19,7 @@
     pagedserve bench dashboard [args]            the KV dashboard's snapshot: time and bytes by pool size
     pagedserve bench kv-quality [args]           a quantized KV cache against the exact one, on real weights
     pagedserve bench kv-decode [args]            decode attention over an 8-bit cache vs the model-dtype one
+    pagedserve bench kv-tiers [args]             multi-turn chats: TTFT with host and disk KV tiers vs recompute
     pagedserve bench prefill-attention [args]    CPU prefill attention: the C kernel, the reference, flash
 """
 
@@ -47,6 +48,7 @@ BENCHES = {
     "dashboard-first-frame": "pagedserve.bench.dashboard_first_frame",
     "kv-quality": "pagedserve.bench.kv_quality",
     "kv-decode": "pagedserve.bench.kv_decode",
+    "kv-tiers": "pagedserve.bench.kv_tiers",
     "prefill-attention": "pagedserve.bench.prefill_attention",
 }
 

@@ -1,13 +1,17 @@
 """A stand-in model runner for scheduler tests: it stores token ids as "KV" in paged slots.
 
-It executes a StepPlan the way the real runner must (swap out, swap in, copy-on-write copies,
-write the step's tokens into their slots) and "samples" the next token as a hash of the context
+It executes a StepPlan the way the real runner must (the tiers' spills and demotions, swap out,
+the tiers' promotions and loads, swap in, copy-on-write copies, write the step's tokens into their
+slots) and "samples" the next token as a hash of the context
 it reads back through the block table. A wrong table, slot, copy or swap therefore changes the
 output, which ``reference_output`` computes without any paging.
 """
 
 from __future__ import annotations
 
+from array import array
+
+from pagedserve.worker.core.disk_tier import DiskTier
 from pagedserve.worker.core.plan import SampledToken, StepPlan, StepResult
 
 VOCAB = 97
@@ -33,15 +37,32 @@ def reference_output(prompt: list[int], index: int, max_tokens: int, eos: int | 
             return out
 
 
+def block_payload(tokens: list[int | None]) -> bytes:
+    """A simulated block as the bytes a disk tier stores (an unwritten slot as -1)."""
+    return array("q", [-1 if t is None else t for t in tokens]).tobytes()
+
+
 class KVSimulator:
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, num_host_slots: int = 0,
+                 disk: DiskTier | None = None) -> None:
         self.block_size = block_size
         self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.host = [[None] * block_size for _ in range(num_host_slots)]
+        self.disk = disk
 
     def execute(self, plan: StepPlan) -> StepResult:
+        tier = plan.tier  # in the runner's order (worker/runner/model_runner.py: apply_block_moves)
+        for source, index, block_hash, key in tier.spills:
+            self.disk.write(block_hash, key, block_payload((self.host if source == "host" else self.gpu)[index]))
+        for block, slot in tier.demotions:
+            self.host[slot] = list(self.gpu[block])
         for src, dst in plan.swap_out:
             self.cpu[dst] = list(self.gpu[src])
+        for slot, block in tier.promotions:
+            self.gpu[block] = list(self.host[slot])
+        for payload, block in tier.loads:
+            self.gpu[block] = [None if t == -1 else t for t in array("q", payload)]
         for src, dst in plan.swap_in:
             self.gpu[dst] = list(self.cpu[src])
         for src, dst in plan.copies:

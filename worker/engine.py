@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Hashable, Sequence as Seq
 
 import structlog
@@ -28,7 +29,10 @@ from pagedserve.shared.sampling_defaults import generation_defaults
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.detokenizer import Detokenizer
 from pagedserve.worker.core.engine_stats import engine_stats
+from pagedserve.worker.core.disk_tier import DiskTier
+from pagedserve.worker.core.host_tier import HostTier
 from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.core.kv_tiers import KvTiers
 from pagedserve.worker.core.kv_snapshot import kv_snapshot
 from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.core.plan import StepResult
@@ -40,6 +44,7 @@ from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.grammar import GrammarCompiler
 from pagedserve.worker.runner.key_turns import calibrate, calibration_text
+from pagedserve.worker.runner.kv_tiers import TierCopier, tier_fingerprint
 from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.loader import inspect_model, load_weights
 from pagedserve.worker.runner.memory_profile import peak_step_bytes, reserved_beside_pool
@@ -96,6 +101,7 @@ class Engine:
                 self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
                 if device.type == "cuda" and ops.backend == "triton":
                     self.runner.warm_decode(max_len)
+        tiers = None if config.simulate else self._kv_tiers(block_bytes)
         self.kv_bytes_per_token = block_bytes // config.block_size
         self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(
@@ -106,7 +112,7 @@ class Engine:
                 preemption_mode=config.preemption_mode, sliding_window=release_window(info.config),
                 rope_switch=rope_switch(info.config),
             ),
-            eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer),
+            eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer), tiers=tiers,
         )
         self.sampling_defaults = generation_defaults(info.path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, info.config.vocab_size, eos)
@@ -116,6 +122,25 @@ class Engine:
             kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
+
+    def _kv_tiers(self, block_bytes: int) -> KvTiers | None:
+        """The host and disk tiers under the prefix cache (``--kv-offload-*``), their bytes on the
+        runner; None without either (or without a prefix cache)."""
+        config, pool = self.config, self.runner.kv_pool
+        num_host = config.host_blocks(block_bytes)
+        if not config.enable_prefix_caching or (num_host == 0 and config.kv_offload_dir is None):
+            return None
+        disk = None
+        if config.kv_offload_dir is not None:
+            fingerprint = tier_fingerprint(self.info.path, pool, dtype=str(self.info.dtype), kv=config.kv_cache_dtype,
+                                           quantization=config.quantization)
+            disk = DiskTier(Path(config.kv_offload_dir), fingerprint, config.kv_offload_disk_bytes,
+                            TierCopier.payload_bytes(pool))
+        self.runner.tiers = TierCopier(pool, num_host, disk)
+        log.info("kv tiers under the prefix cache", host_blocks=num_host, host_bytes=num_host * block_bytes,
+                 disk_dir=None if disk is None else str(disk.root), disk_blocks_found=0 if disk is None else len(disk),
+                 disk_bytes=config.kv_offload_disk_bytes if disk is not None else 0)
+        return KvTiers(HostTier(num_host) if num_host else None, disk)
 
     def _calibrate_keys(self, make_runner, max_len: int) -> None:
         """A quantized cache's key turns, fitted on the shipped calibration text (worker/runner/key_turns.py)
@@ -210,6 +235,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty and (compiling := self.scheduler.compiling()):
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built
+        elif plan.is_empty and self.scheduler.waits_on_disk:
+            time.sleep(0.001)  # nothing to run until a prefix is read from disk
         started = time.perf_counter()
         try:
             with device_guard(self.device):

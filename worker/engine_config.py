@@ -67,6 +67,15 @@ class EngineConfig:
     swap_space: int = flag(GIB, "GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)",
                            kind=non_negative(float), unit=GIB)
     num_cpu_blocks: int | None = None  # exact CPU pool size (overrides swap_space)
+    kv_offload_host_bytes: int = flag(
+        0, "bytes of host memory under the prefix cache: full blocks the KV pool evicts are kept there, and a prompt "
+        "that comes back copies its prefix up instead of recomputing it (0: no host tier)", kind=non_negative(int))
+    num_host_blocks: int | None = None  # exact host tier size (overrides kv_offload_host_bytes)
+    kv_offload_dir: str | None = flag(
+        None, "a directory under the host tier (or the pool): evicted prefix blocks kept as verified files, found again "
+        "by a worker restarted on the same model; workers may share it (default: no disk tier)")
+    kv_offload_disk_bytes: int = flag(4 * GIB, "bytes of --kv-offload-dir this worker fills at most",
+                                      kind=non_negative(int))
     max_num_seqs: int = flag(256, "sequences in one running batch at most", kind=positive(int))
     max_num_batched_tokens: int = flag(2048, "tokens in one engine step at most (prefill chunks and decodes)",
                                        kind=positive(int))
@@ -94,6 +103,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.swap_space, int) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
+        if self.num_host_blocks is not None and (not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0):
+            raise ValueError(f"num_host_blocks must be an integer >= 0 or None, got {self.num_host_blocks!r}")
 
     @property
     def sizes_pool_from_memory(self) -> bool:
@@ -116,6 +131,12 @@ class EngineConfig:
             raise ValueError(f"a KV budget of {budget} bytes holds no block of {block_bytes} bytes; raise "
                              "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs")
         return blocks
+
+    def host_blocks(self, block_bytes: int) -> int:
+        """Blocks of the host tier under the prefix cache (0: none)."""
+        if self.num_host_blocks is not None:
+            return self.num_host_blocks
+        return self.kv_offload_host_bytes // block_bytes if block_bytes else 0
 
     def cpu_blocks(self, block_bytes: int) -> int:
         if self.num_cpu_blocks is not None:

@@ -176,6 +176,9 @@
       ["cached blocks", f.cached],
       ["queue (model's stream)", w.snap.queue_depth],
     ];
+    if (f.host_total !== undefined) rows.push(["host tier", `${f.host_used} / ${f.host_total} blocks`]);
+    if (f.disk_max_bytes !== undefined) rows.push(["disk tier", `${(f.disk_bytes / 2 ** 20).toFixed(1)} / ${(f.disk_max_bytes / 2 ** 20).toFixed(0)} MiB`]);
+    if (f.tier_hit_tokens !== undefined) rows.push(["prompt tokens from the tiers", f.tier_hit_tokens]);
     drawPaging(w.view.root.querySelector(".paging .bars"), f);
     w.view.figures.innerHTML = "";
     for (const [name, value] of rows) {

@@ -1,6 +1,8 @@
 """Many requests through a pool far too small: everything finishes, correctly, and nothing leaks."""
 
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import settings, strategies as st
@@ -8,6 +10,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.disk_tier import DiskTier
+from pagedserve.worker.core.host_tier import HostTier
+from pagedserve.worker.core.kv_tiers import KvTiers
 from pagedserve.worker.core.request import FinishReason
 from pagedserve.worker.core.scheduler import Scheduler
 from tests.conftest import examples
@@ -16,9 +21,11 @@ from tests.kv_simulator import KVSimulator, reference_output
 EOS = 0
 
 
-def run_workload(cfg: SchedulerConfig, requests: list[tuple[str, list[int], SamplingParams, int]], rng: random.Random):
-    sched = Scheduler(cfg, eos_token_ids=frozenset({EOS}))
-    sim = KVSimulator(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks)
+def run_workload(cfg: SchedulerConfig, requests: list[tuple[str, list[int], SamplingParams, int]], rng: random.Random,
+                 tiers: KvTiers | None = None):
+    sched = Scheduler(cfg, eos_token_ids=frozenset({EOS}), tiers=tiers)
+    host_slots = tiers.host.num_slots if tiers is not None and tiers.host is not None else 0
+    sim = KVSimulator(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, host_slots, tiers and tiers.disk)
     pending = list(requests)
     finished, steps, peak_running = {}, 0, 0
     while pending or sched.has_work:
@@ -31,6 +38,8 @@ def run_workload(cfg: SchedulerConfig, requests: list[tuple[str, list[int], Samp
         for out in sched.update(plan, sim.execute(plan)):
             if out.finished:
                 finished[out.request_id] = out
+        if tiers is not None and tiers.disk is not None:
+            tiers.disk.flush()  # the step's disk writes and reads done: the same run every time
         sched.blocks.check_invariants()
         peak_running = max(peak_running, len(sched.running))
         steps += 1
@@ -84,14 +93,18 @@ class SchedulerMachine(RuleBasedStateMachine):
     steps = 0  # steps with work to do
     pressured = 0  # of those, steps that preempted or moved blocks between the pools
 
-    @initialize(mode=st.sampled_from(["recompute", "swap"]), blocks=st.integers(16, 32), bs=st.sampled_from([2, 3]))
-    def setup(self, mode, blocks, bs):
+    @initialize(mode=st.sampled_from(["recompute", "swap"]), blocks=st.integers(16, 32), bs=st.sampled_from([2, 3]),
+                host=st.sampled_from([0, 0, 5]), disk=st.booleans())
+    def setup(self, mode, blocks, bs, host, disk):
         self.cfg = SchedulerConfig(
             num_gpu_blocks=blocks, block_size=bs, num_cpu_blocks=64, max_num_seqs=12,
             max_num_batched_tokens=32, max_model_len=64, preemption_mode=mode,
         )
-        self.sched = Scheduler(self.cfg, eos_token_ids=frozenset({EOS}))
-        self.sim = KVSimulator(bs, blocks, self.cfg.num_cpu_blocks)
+        self.scratch = tempfile.TemporaryDirectory() if disk else None  # tiers under the prefix cache, sometimes
+        self.tiers = KvTiers(HostTier(host) if host else None,
+                             DiskTier(Path(self.scratch.name), "sim", 4096, bs * 8) if disk else None)
+        self.sched = Scheduler(self.cfg, eos_token_ids=frozenset({EOS}), tiers=self.tiers)
+        self.sim = KVSimulator(bs, blocks, self.cfg.num_cpu_blocks, host, self.tiers.disk)
         self.count = 0
 
     def _add(self, prompt, n, max_tokens, prio):
@@ -125,6 +138,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         SchedulerMachine.steps += not plan.is_empty
         SchedulerMachine.pressured += bool(plan.num_preempted or plan.swap_out or plan.swap_in)
         self.sched.update(plan, self.sim.execute(plan))
+        if self.tiers.disk is not None:
+            self.tiers.disk.flush()
 
     @invariant()
     def consistent(self):
@@ -139,10 +154,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             plan = self.sched.schedule()
             self.sched.update(plan, self.sim.execute(plan))
+            if self.tiers.disk is not None:
+                self.tiers.disk.flush()
             self.sched.blocks.check_invariants()
         assert not self.sched.has_work
         assert self.sched.blocks.num_free_blocks == self.cfg.num_gpu_blocks
         assert self.sched.blocks.cpu.num_free == self.cfg.num_cpu_blocks
+        if self.scratch is not None:
+            self.tiers.disk.close()
+            self.scratch.cleanup()
 
 
 def test_scheduler_state_machine_under_memory_pressure():

@@ -31,6 +31,8 @@ from typing import Hashable, Sequence
 from pagedserve.shared.block_hash import block_hash
 from pagedserve.worker.core.block_pool import BlockPool
 from pagedserve.worker.core.config import BLOCK_SIZE
+from pagedserve.worker.core.kv_tiers import PENDING, KvTiers, LowerHit
+from pagedserve.worker.core.plan import NO_TIER_MOVES, TierMoves
 
 NO_BLOCK = -1  # a table entry whose block was released: wholly outside every layer's sliding window
 
@@ -52,11 +54,18 @@ class BlockUsage:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Cached blocks that match the start of a prompt, and their chained hashes."""
+    """Cached blocks that match the start of a prompt, and their chained hashes; then the blocks
+    that go on below the device (``worker/core/kv_tiers.py``), each needing a free device block."""
 
     blocks: tuple[int, ...]
     hashes: tuple[int, ...]
     num_reclaimed: int  # how many of them are cached-free now, so taking them uses free capacity
+    lower: tuple[LowerHit, ...] = ()
+    waits_on_disk: bool = False  # the prefix goes on in a block being read from disk: start later
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.lower)
 
 
 NO_HIT = PrefixHit((), (), 0)
@@ -69,6 +78,7 @@ class BlockManager:
         block_size: int = BLOCK_SIZE,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        tiers: KvTiers | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -76,6 +86,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu = BlockPool(num_blocks, name="gpu")
         self.cpu = BlockPool(num_cpu_blocks, name="cpu")
+        self.tiers = tiers if enable_prefix_caching else None
+        if self.tiers is not None:
+            self.gpu.on_evict = self.tiers.demote
         self._tables: dict[int, list[int]] = {}
         self._cpu_tables: dict[int, list[int]] = {}
         self._num_slots: dict[int, int] = {}
@@ -115,19 +128,65 @@ class BlockManager:
         ``known``: the leading blocks' hashes where the caller keeps them (a request's prompt chain)."""
         blocks: list[int] = []
         hashes: list[int] = []
+        lower: list[LowerHit] = []
+        waits = False
         if self.enable_prefix_caching:
             parent: int | None = None
             bs = self.block_size
             for i in range((len(token_ids) - 1) // bs):
                 key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
                 parent = known[i] if i < len(known) else block_hash(*key)
-                block = self.gpu.lookup(parent, key)
-                if block is None:
+                block = None if lower else self.gpu.lookup(parent, key)
+                if block is not None:
+                    blocks.append(block)
+                    hashes.append(parent)
+                    continue
+                below = self.tiers.find(parent, key) if self.tiers is not None else None
+                if below == PENDING:  # read the rest of the prefix on disk at the same time
+                    waits = True
+                    self._prefetch_after(i, parent, token_ids, extra_key, known)
+                if below is None or waits:
                     break
-                blocks.append(block)
-                hashes.append(parent)
+                lower.append(below)
         reclaimed = sum(1 for b in blocks if self.gpu.is_cached_free(b))
-        return PrefixHit(tuple(blocks), tuple(hashes), reclaimed)
+        return PrefixHit(tuple(blocks), tuple(hashes), reclaimed, tuple(lower), waits)
+
+    def _prefetch_after(self, index: int, parent: int, token_ids: Sequence[int], extra_key: Hashable,
+                        known: Sequence[int]) -> None:
+        """Ask the disk tier for the prompt's blocks after ``index`` while they are there."""
+        bs = self.block_size
+        for i in range(index + 1, (len(token_ids) - 1) // bs):
+            key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            parent = known[i] if i < len(known) else block_hash(*key)
+            if not self.tiers.prefetch(parent):
+                return
+
+    def hold(self, hits: Sequence[PrefixHit]) -> None:
+        """These hits start this step: the tier slots they read are kept until the copies ran."""
+        if self.tiers is not None:
+            self.tiers.hold([below for hit in hits for below in hit.lower])
+
+    def promote(self, seq_id: int, hit: PrefixHit) -> int:
+        """Give a started sequence the hit's blocks from below the device, each copied up into a
+        device block this step (a sibling that promoted the same block first is shared). Returns
+        the tokens now computed."""
+        table, chain = self._tables[seq_id], self._hashes[seq_id]
+        for below in hit.lower:
+            block = self.gpu.lookup(below.block_hash, below.key)
+            if block is not None:
+                self.gpu.incref(block)
+            else:
+                block = self.gpu.allocate()
+                self.gpu.register(block, below.block_hash, below.key)
+                self.tiers.promote(below, block)
+            table.append(block)
+            chain.append(below.block_hash)
+        self._num_slots[seq_id] = len(table) * self.block_size
+        return self._num_slots[seq_id]
+
+    def take_tier_moves(self) -> TierMoves:
+        """The copies this step's decisions need between the device and the tiers below it."""
+        return self.tiers.take_moves() if self.tiers is not None else NO_TIER_MOVES
 
     def register_full_blocks(
         self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: Hashable = None,
@@ -307,6 +366,8 @@ class BlockManager:
         """Raise AssertionError if any table, refcount, free list or hash entry disagrees."""
         self.gpu.check_invariants(Counter(b for t in self._tables.values() for b in _live(t)))
         self.cpu.check_invariants(Counter(b for t in self._cpu_tables.values() for b in _live(t)))
+        if self.tiers is not None:
+            self.tiers.check_invariants()
         both = self._tables.keys() & self._cpu_tables.keys()
         if both:
             raise AssertionError(f"sequences on both devices: {sorted(both)}")

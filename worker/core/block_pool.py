@@ -14,6 +14,7 @@ Pure Python, no torch: the pool only does bookkeeping, the model runner moves th
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 from pagedserve.worker.core.errors import OutOfBlocksError
 from pagedserve.worker.core.kv_events import KvEvents
@@ -35,6 +36,7 @@ class BlockPool:
         self._key_of: dict[int, tuple] = {}
         self._block_of_hash: dict[int, int] = {}
         self.events: KvEvents | None = None  # set by the worker: hashes published and dropped, for routing
+        self.on_evict: Callable[[int, int, tuple], None] | None = None  # (block, hash, key): the tiers demote it
 
     # ------------------------------------------------------------------ queries
     @property
@@ -75,6 +77,8 @@ class BlockPool:
             block = self._free.pop()
         elif self._cached:
             block, _ = self._cached.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block, self._hash_of[block], self._key_of[block])
             self._drop_hash(block)
         else:
             raise OutOfBlocksError(f"{self.name} pool exhausted ({self.num_blocks} blocks)")

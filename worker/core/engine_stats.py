@@ -16,4 +16,22 @@ def engine_stats(sched: Scheduler) -> dict[str, float]:
         "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
         "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "cow_copies_total": sched.stats.cow_copies,
         "kv_blocks_saved_by_sharing": usage.logical - usage.used,
+        **tier_stats(sched),
     }
+
+
+def tier_stats(sched: Scheduler) -> dict[str, float]:
+    """The host and disk tiers under the prefix cache (``worker/core/kv_tiers.py``), when there are any."""
+    tiers = sched.blocks.tiers
+    if tiers is None:
+        return {}
+    stats = {"kv_tier_hit_tokens_total": sched.stats.tier_hit_tokens, "kv_tier_demotions_total": tiers.stats.demotions,
+             "kv_tier_spills_total": tiers.stats.spills, "kv_tier_host_hits_total": tiers.stats.host_hits,
+             "kv_tier_disk_hits_total": tiers.stats.disk_hits}
+    if tiers.host is not None:
+        stats["kv_tier_host_blocks"] = len(tiers.host)
+    if tiers.disk is not None:
+        disk = tiers.disk.stats
+        stats.update({"kv_tier_disk_bytes": tiers.disk.num_bytes, "kv_tier_disk_corrupt_total": disk.corrupt,
+                      "kv_tier_disk_read_seconds_total": disk.read_seconds})
+    return stats

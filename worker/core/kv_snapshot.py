@@ -11,6 +11,7 @@ two pictures, ``MAX_REQUESTS`` rows of ``ROW_BYTES`` and ``MAX_TABLE_ENTRIES`` e
 
 ``figures.unpaged`` is what the running requests would reserve without paging (``unpaged_blocks``),
 to set against ``used`` (what they hold) and ``logical`` (what their tables name: without sharing).
+With tiers under the prefix cache, ``figures`` also has their occupancy (``tier_figures``).
 
 A request row: ``id``, ``state`` (running / swapped / waiting), ``prompt`` and ``generated``
 tokens (over its sequences), ``age`` in seconds, ``blocks`` (distinct blocks it holds), ``device``
@@ -52,10 +53,24 @@ def kv_snapshot(scheduler) -> dict:
             "preemptions": stats.num_preemptions, "cow_copies": stats.cow_copies,
             "prefix_query_tokens": stats.prefix_query_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
             "unpaged": unpaged_blocks(scheduler.running, blocks.block_size),
+            **tier_figures(blocks.tiers, stats.tier_hit_tokens),
         },
         "requests": rows,
         "unlisted": len(scheduler.running) + len(scheduler.swapped) + len(scheduler.waiting) - len(rows),
     }
+
+
+def tier_figures(tiers, hit_tokens: int) -> dict:
+    """The tiers under the prefix cache, when there are any: host slots held and total, disk
+    bytes, and prompt tokens served from them."""
+    if tiers is None:
+        return {}
+    figures = {"tier_hit_tokens": hit_tokens}
+    if tiers.host is not None:
+        figures.update(host_used=len(tiers.host), host_total=tiers.host.num_slots)
+    if tiers.disk is not None:
+        figures.update(disk_bytes=tiers.disk.num_bytes, disk_max_bytes=tiers.disk.max_bytes)
+    return figures
 
 
 def unpaged_blocks(running, block_size: int) -> int:

@@ -49,6 +49,25 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True)
+class TierMoves:
+    """One step's copies between the device pool and the tiers under it (``worker/core/host_tier.py``,
+    ``disk_tier.py``), applied before every other block move: spills (host slots, or device blocks
+    when there is no host tier, written to disk), demotions (device block -> host slot), then, after
+    the swap-outs, promotions (host slot -> device block) and loads (a disk payload -> device block)."""
+
+    spills: tuple[tuple[str, int, int, tuple], ...] = ()  # ("host" | "gpu", slot or block, hash, key)
+    demotions: tuple[tuple[int, int], ...] = ()  # (device block, host slot)
+    promotions: tuple[tuple[int, int], ...] = ()  # (host slot, device block)
+    loads: tuple[tuple[bytes, int], ...] = ()  # (payload, device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.spills or self.demotions or self.promotions or self.loads)
+
+
+NO_TIER_MOVES = TierMoves()
+
+
+@dataclass(frozen=True)
 class StepPlan:
     seqs: tuple[ScheduledSeq, ...]
     block_size: int
@@ -57,6 +76,7 @@ class StepPlan:
     swap_in: tuple[tuple[int, int], ...] = ()  # (cpu, gpu)
     num_preempted: int = 0
     finished_request_ids: tuple[str, ...] = ()  # ended since the last plan: the runner drops their state
+    tier: TierMoves = NO_TIER_MOVES
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +84,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.seqs or self.copies or self.swap_out or self.swap_in)
+        return not (self.seqs or self.copies or self.swap_out or self.swap_in or self.tier)
 
     def slot_mapping(self) -> list[int]:
         return [slot for s in self.seqs for slot in s.slot_mapping(self.block_size)]
@@ -103,6 +123,6 @@ class StepBuilder:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: int = 0
 
-    def build(self, block_size: int, finished_request_ids: tuple[str, ...] = ()) -> StepPlan:
+    def build(self, block_size: int, finished_request_ids: tuple[str, ...] = (), tier: TierMoves = NO_TIER_MOVES) -> StepPlan:
         return StepPlan(tuple(self.seqs), block_size, tuple(self.copies), tuple(self.swap_out),
-                        tuple(self.swap_in), self.preempted, finished_request_ids)
+                        tuple(self.swap_in), self.preempted, finished_request_ids, tier)

@@ -30,6 +30,7 @@ from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.detokenizer import Detokenizer
 from pagedserve.worker.core.grammar import grammar_error, start_state
 from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.core.kv_tiers import KvTiers
 from pagedserve.worker.core.output_builder import OutputBuilder
 from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
@@ -45,6 +46,7 @@ class SchedulerStats:
     prefix_hit_tokens: int = 0
     cow_copies: int = 0  # copy-on-write block copies (a shared block written by one of its sequences)
     rope_recomputes: int = 0  # long-rope sequences recomputed as they grew past the switch length
+    tier_hit_tokens: int = 0  # prefix-hit tokens copied up from the host or disk tier (kv_tiers.py)
 
 
 class Scheduler:
@@ -54,13 +56,15 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
         detokenizer: Detokenizer | None = None,
+        tiers: KvTiers | None = None,
     ) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.blocks = BlockManager(
-            config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, config.enable_prefix_caching
+            config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, config.enable_prefix_caching, tiers
         )
+        self.waits_on_disk = False  # the last schedule left a request waiting for its prefix from disk
         self.table = RequestTable(self.blocks)
         # The table's containers, under the names the scheduling policy reads (never rebound).
         self.requests, self.waiting = self.table.requests, self.table.waiting
@@ -143,12 +147,13 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._expire_deadlines()
         step = StepBuilder(budget=self.config.max_num_batched_tokens)
+        self.waits_on_disk = False
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step)
         if not step.preempted and not self.swapped:
             self._schedule_waiting(step)
-        return step.build(self.config.block_size, self.table.take_ended_ids())
+        return step.build(self.config.block_size, self.table.take_ended_ids(), self.blocks.take_tier_moves())
 
     def _expire_deadlines(self) -> None:
         now = self.clock()
@@ -220,20 +225,28 @@ class Scheduler:
             if not self._start_grammar(req):
                 continue
             hits = {s.seq_id: self._match(req, s) if req.params.prompt_logprobs is None else NO_HIT for s in req.live_seqs}
+            if any(hit.waits_on_disk for hit in hits.values()):
+                self.waits_on_disk = True
+                continue  # its prefix is being read from disk: later requests run meanwhile
             reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
             sizes, budget, new_blocks = [], step.budget, 0
             for seq in req.live_seqs:
-                cached = len(hits[seq.seq_id].blocks) * self.config.block_size
+                hit = hits[seq.seq_id]
+                cached = hit.num_blocks * self.config.block_size
                 count = min(seq.num_tokens - cached, budget)
                 budget -= count
                 sizes.append((seq.seq_id, count))
-                new_blocks += self.blocks.blocks_for(cached + count) - len(hits[seq.seq_id].blocks)
+                new_blocks += self.blocks.blocks_for(cached + count) - len(hit.blocks)  # promoted blocks are new
             if len(reclaimed) + new_blocks > self.blocks.num_free_blocks:
                 return
+            self.blocks.hold(list(hits.values()))
+            for seq in req.live_seqs:  # every device hit taken before a promotion may evict one
+                self.blocks.start(seq.seq_id, hits[seq.seq_id])
             for seq in req.live_seqs:
-                seq.num_computed = self.blocks.start(seq.seq_id, hits[seq.seq_id])
+                seq.num_computed = self.blocks.promote(seq.seq_id, hits[seq.seq_id])
                 self.stats.prefix_query_tokens += seq.num_tokens
                 self.stats.prefix_hit_tokens += seq.num_computed
+                self.stats.tier_hit_tokens += len(hits[seq.seq_id].lower) * self.config.block_size
             self.waiting.remove(req)
             self._run(req)
             self._emit(req, sizes, step)

@@ -22,6 +22,7 @@ from pagedserve.worker.core.plan import SampledToken, ScheduledSeq, StepPlan, St
 from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
+from pagedserve.worker.runner.kv_tiers import TierCopier
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampler import Sampler, scored_token
 
@@ -62,6 +63,7 @@ class ModelRunner:
                                         pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
             bar.update(1)
         self.kv_caches = [(self.kv_pool[2 * i], self.kv_pool[2 * i + 1]) for i in range(layers)]
+        self.tiers: TierCopier | None = None  # the host and disk tiers' bytes, when the engine has them
         self.graphs = None
         if graph_limits is not None and device.type == "cuda" and ops.backend == "triton":
             self.graphs = DecodeGraphs(model, self.kv_caches, device, block_size, graph_limits)
@@ -86,13 +88,20 @@ class ModelRunner:
         return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)
 
     def apply_block_moves(self, plan: StepPlan) -> None:
-        """Swap out, then swap in, then copy-on-write: a block freed by a swap-out may be reused."""
-        if plan.swap_out or plan.swap_in:
+        """The tiers' spills and demotions (reads of blocks the rest may overwrite), swap out, the
+        tiers' promotions and loads, swap in, then copy-on-write: a block freed by a swap-out may
+        be reused."""
+        tier = plan.tier if self.tiers is not None else None
+        if tier:
+            self.tiers.before_swaps(tier)
+        if plan.swap_out:
             with self._swap_stream():
-                if plan.swap_out:
-                    self.ops.swap_blocks(self.kv_pool, self.cpu_pool, self._pairs(plan.swap_out, self.device))
-                if plan.swap_in:
-                    self.ops.swap_blocks(self.cpu_pool, self.kv_pool, self._pairs(plan.swap_in, self.cpu_pool.device))
+                self.ops.swap_blocks(self.kv_pool, self.cpu_pool, self._pairs(plan.swap_out, self.device))
+        if tier:
+            self.tiers.after_swap_out(tier)
+        if plan.swap_in:
+            with self._swap_stream():
+                self.ops.swap_blocks(self.cpu_pool, self.kv_pool, self._pairs(plan.swap_in, self.cpu_pool.device))
         if plan.copies:
             self.ops.copy_blocks(self.kv_pool, self._pairs(plan.copies, self.device))
 

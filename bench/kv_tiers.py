@@ -1,0 +1,95 @@
+"""Multi-turn chats against a KV pool far smaller than their histories: time to first token with
+the host and disk tiers under the prefix cache against recomputing, and the same engine on a
+workload with no reuse (what the tiers cost when nothing comes back).
+
+Conversations take turns in round-robin, each turn's prompt the whole history so far (earlier
+prompts, outputs, a new user message), so by the time a chat speaks again the pool has evicted
+its blocks. Requests run one at a time (TTFT is the prompt's own prefill, not queueing).
+
+    python -m pagedserve.bench.kv_tiers [--chats 16] [--turns 6] [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from pagedserve.bench.offline_throughput import PRESETS
+from pagedserve.bench.stats import percentiles
+from pagedserve.bench.table import print_table
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.demo_model import build_model
+
+
+def first_token_seconds(engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
+    """(seconds to the first output token, the output) of one request run alone."""
+    started, first, tokens = time.perf_counter(), None, []
+    engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids and first is None:
+                first = time.perf_counter() - started
+            if out.finished:
+                tokens = list(out.outputs[0].token_ids)
+    return first, tokens
+
+
+def run(model: Path, label: str, chats: int, turns: int, reuse: bool, seed: int, **engine) -> dict:
+    from pagedserve import LLM
+
+    llm = LLM(model, dtype="float32", **engine)
+    vocab = llm.engine.info.config.vocab_size
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    histories = [[rng.randint(10, vocab - 1) for _ in range(96)] for _ in range(chats)]
+    ttfts, tokens, started = [], 0, time.perf_counter()
+    for turn in range(turns):
+        for chat in range(chats):
+            message = [rng.randint(10, vocab - 1) for _ in range(32)]
+            prompt = histories[chat] + message if reuse else [rng.randint(10, vocab - 1) for _ in range(len(histories[chat]) + 32)]
+            seconds, out = first_token_seconds(llm.engine, f"{chat}-{turn}", prompt, params)
+            histories[chat] = prompt + out
+            if turn:  # the first turn has no history anywhere
+                ttfts.append(seconds)
+            tokens += len(out)
+    wall = time.perf_counter() - started
+    stats = llm.engine.stats()
+    return {"config": label, "reuse": reuse, "ttft": percentiles(ttfts), "tokens_per_s": tokens / wall,
+            "prefix_hit_tokens": stats["prefix_cache_hits_total"], "tier_hit_tokens": stats.get("kv_tier_hit_tokens_total", 0),
+            "host_hits": stats.get("kv_tier_host_hits_total", 0), "disk_hits": stats.get("kv_tier_disk_hits_total", 0),
+            "longest_prompt": max(len(h) for h in histories)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="a model directory (default: the llama-90m random-weight preset)")
+    parser.add_argument("--chats", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--pool-blocks", type=int, default=64, help="device KV blocks of 16 tokens")
+    parser.add_argument("--host-blocks", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workloads", default="chats,no-reuse", help="which of chats, no-reuse, in this order")
+    parser.add_argument("--configs", default="recompute,host,disk", help="which of recompute, host, disk, in this order")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        model = args.model or build_model(Path(scratch) / "model", **PRESETS["llama-90m"], seed=0)
+        common = dict(num_gpu_blocks=args.pool_blocks, block_size=16, chats=args.chats, turns=args.turns, seed=args.seed)
+        configs = {"recompute": {}, "host": dict(num_host_blocks=args.host_blocks),
+                   "disk": dict(num_host_blocks=0, kv_offload_dir=str(Path(scratch) / "disk"))}
+        rows = [run(model, name, reuse=workload == "chats", **common, **configs[name])
+                for workload in args.workloads.split(",") for name in args.configs.split(",")]
+    for row in rows:
+        print(json.dumps({"bench": "kv_tiers", "pool_blocks": args.pool_blocks, **row}))
+    print_table(rows, [("workload", lambda r: "chats" if r["reuse"] else "no reuse"), ("tiers", lambda r: r["config"]),
+                       ("TTFT p50 ms", lambda r: r["ttft"]["p50_ms"]),
+                       ("TTFT p90 ms", lambda r: r["ttft"]["p90_ms"]),
+                       ("tok/s", lambda r: f"{r['tokens_per_s']:.1f}"), ("hit tokens", lambda r: r["prefix_hit_tokens"]),
+                       ("from tiers", lambda r: r["tier_hit_tokens"]), ("longest prompt", lambda r: r["longest_prompt"])])
+
+
+if __name__ == "__main__":
+    main()

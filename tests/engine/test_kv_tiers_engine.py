@@ -1,0 +1,84 @@
+"""The tiers under the prefix cache on the real engine (model, runner, pools of bytes): prompts
+whose prefixes the pool evicted come back from the host tier or from disk with the tokens
+transformers gives; a worker restarted on the directory starts warm; damaged files recompute."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.shared.sampling import SamplingParams
+from tests.engine.test_parity import run_checked
+
+MODEL = "llama-gqa"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def prompts(count: int = 5, length: int = 70) -> list[list[int]]:
+    rng = random.Random(11)
+    return [[rng.randint(10, 500) for _ in range(length)] for _ in range(count)]
+
+
+def tiered(zoo, **tiers) -> LLM:
+    """A pool of 12 blocks of 16: one prompt of 70 tokens and its output fit, the next evicts it."""
+    return LLM(zoo.path(MODEL), device="cpu", dtype="float32", num_gpu_blocks=12, block_size=16, **tiers)
+
+
+def one_at_a_time(llm: LLM, zoo, rounds: list[list[int]]) -> None:
+    """Each prompt alone (invariants every step), its tokens equal to transformers'."""
+    disk = llm.engine.scheduler.blocks.tiers.disk
+    for prompt in rounds:
+        done = run_checked(llm, [prompt], [GREEDY])
+        assert done[0].outputs[0].token_ids == zoo.hf_greedy(MODEL, prompt, 6)
+        if disk is not None:
+            disk.flush()  # the spills of this prompt on disk before the next one looks
+
+
+@pytest.mark.parametrize("tiers", [dict(num_host_blocks=32), dict(kv_offload_dir="disk"),
+                                   dict(num_host_blocks=3, kv_offload_dir="disk")], ids=["host", "disk", "host+disk"])
+def test_evicted_prefixes_come_back_from_below_with_transformers_tokens(zoo, tmp_path, tiers):
+    if "kv_offload_dir" in tiers:
+        tiers["kv_offload_dir"] = str(tmp_path / "disk")
+    llm = tiered(zoo, **tiers)
+    batch = prompts()
+    one_at_a_time(llm, zoo, batch + batch)
+    stats = llm.engine.stats()
+    assert stats["kv_tier_hit_tokens_total"] >= 4 * 4 * 16  # the second round: four full blocks of each prompt
+    assert stats["prefix_cache_hits_total"] == stats["kv_tier_hit_tokens_total"]  # the pool itself kept none
+    assert stats.get("kv_tier_disk_corrupt_total", 0) == 0
+
+
+def test_without_tiers_the_second_round_recomputes(zoo):
+    llm = tiered(zoo)
+    batch = prompts()
+    for prompt in batch + batch:
+        run_checked(llm, [prompt], [GREEDY])
+    assert llm.engine.stats()["prefix_cache_hits_total"] == 0
+
+
+def test_a_restarted_engine_serves_the_last_ones_prefixes_from_disk(zoo, tmp_path):
+    first = tiered(zoo, kv_offload_dir=str(tmp_path))
+    batch = prompts()
+    one_at_a_time(first, zoo, batch)
+    first.engine.scheduler.blocks.tiers.disk.close()
+    again = tiered(zoo, kv_offload_dir=str(tmp_path))
+    one_at_a_time(again, zoo, batch[:2])
+    assert again.engine.stats()["kv_tier_disk_hits_total"] == 2 * 4
+
+
+def test_damaged_files_are_recomputed_never_served(zoo, tmp_path):
+    first = tiered(zoo, kv_offload_dir=str(tmp_path))
+    batch = prompts()
+    one_at_a_time(first, zoo, batch)
+    files = sorted(tmp_path.glob("*/*.kv"))
+    assert files
+    for path in files:  # one flipped bit of K or V in every block
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x10
+        path.write_bytes(bytes(data))
+    again = tiered(zoo, kv_offload_dir=str(tmp_path))
+    one_at_a_time(again, zoo, batch)
+    stats = again.engine.stats()
+    assert stats["kv_tier_disk_hits_total"] == 0 and stats["kv_tier_disk_corrupt_total"] >= 2  # the first block of each prompt that was spilled

@@ -1,0 +1,65 @@
+"""The bytes of the tiers under the device pool (the bookkeeping: ``worker/core/kv_tiers.py``): a
+host pool laid out as the device pool (pinned on CUDA, so copies up are asynchronous), and the
+copies of a step's ``TierMoves`` in two halves around the swap-outs.
+
+A block's bytes on disk are its slice of the pool, every layer's K and V (and a quantized row's
+scale) in the pool's storage dtype, so a load is one copy into the device block.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from pagedserve.kernels import reference
+from pagedserve.worker.core.disk_tier import DiskTier
+from pagedserve.worker.core.plan import TierMoves
+
+
+class TierCopier:
+    def __init__(self, kv_pool: torch.Tensor, num_host_slots: int, disk: DiskTier | None) -> None:
+        self.kv_pool, self.disk = kv_pool, disk
+        pinned = kv_pool.device.type == "cuda" and num_host_slots > 0
+        self.host_pool = torch.zeros((kv_pool.shape[0], num_host_slots, *kv_pool.shape[2:]), dtype=kv_pool.dtype,
+                                     device="cpu", pin_memory=pinned)
+
+    @staticmethod
+    def payload_bytes(kv_pool: torch.Tensor) -> int:
+        """Bytes of one block's slice of ``kv_pool``: what a disk file carries."""
+        return kv_pool[:, 0].numel() * kv_pool.element_size()
+
+    def _pairs(self, pairs, device: torch.device) -> torch.Tensor:
+        return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)
+
+    def before_swaps(self, moves: TierMoves) -> None:
+        """Spills to disk, then demotions into the host pool: every read of a slot or block this
+        step's other moves or forward may overwrite."""
+        for source, index, block_hash, key in moves.spills:
+            pool = self.host_pool if source == "host" else self.kv_pool
+            data = pool[:, index].contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            self.disk.write(block_hash, key, data)
+        if moves.demotions:
+            reference.swap_blocks(self.kv_pool, self.host_pool, self._pairs(moves.demotions, self.kv_pool.device))
+
+    def after_swap_out(self, moves: TierMoves) -> None:
+        """Promotions from the host pool and loads from disk, into device blocks a swap-out may
+        have just freed."""
+        if moves.promotions:
+            reference.swap_blocks(self.host_pool, self.kv_pool, self._pairs(moves.promotions, self.host_pool.device))
+        shape, dtype = self.kv_pool[:, 0].shape, self.kv_pool.dtype
+        for payload, block in moves.loads:
+            with warnings.catch_warnings():  # read-only bytes: only read here
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(payload, dtype=torch.uint8)
+            self.kv_pool[:, block].copy_(data.view(dtype).view(shape))
+
+
+def tier_fingerprint(model_dir: Path, kv_pool: torch.Tensor, **settings) -> str:
+    """What a disk-tier block's bytes depend on besides its tokens: the model's files (names and
+    sizes), the pool's block layout and storage dtype, and ``settings`` (dtype, cache format,
+    weight quantization)."""
+    files = sorted((p.name, p.stat().st_size) for p in Path(model_dir).iterdir() if p.is_file())
+    layout = (tuple(kv_pool.shape[:1]) + tuple(kv_pool.shape[2:]), str(kv_pool.dtype))
+    return repr((str(Path(model_dir).resolve()), files, layout, sorted(settings.items())))
