@@ -124,42 +124,40 @@ class BlockManager:
         return (parent_hash, tuple(tokens), extra_key)
 
     def match_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None, known: Sequence[int] = ()) -> PrefixHit:
-        """Longest run of cached full blocks at the start of ``token_ids`` (last token excluded).
-        ``known``: the leading blocks' hashes where the caller keeps them (a request's prompt chain)."""
+        """Longest run of cached full blocks at the start of ``token_ids`` (last token excluded),
+        on the device, then below it. ``known``: the leading blocks' hashes where the caller keeps
+        them (a request's prompt chain)."""
         blocks: list[int] = []
         hashes: list[int] = []
         lower: list[LowerHit] = []
         waits = False
-        if self.enable_prefix_caching:
-            parent: int | None = None
-            bs = self.block_size
-            for i in range((len(token_ids) - 1) // bs):
-                key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
-                parent = known[i] if i < len(known) else block_hash(*key)
-                block = None if lower else self.gpu.lookup(parent, key)
-                if block is not None:
-                    blocks.append(block)
-                    hashes.append(parent)
-                    continue
-                below = self.tiers.find(parent, key) if self.tiers is not None else None
-                if below == PENDING:  # read the rest of the prefix on disk at the same time
-                    waits = True
-                    self._prefetch_after(i, parent, token_ids, extra_key, known)
-                if below is None or waits:
-                    break
-                lower.append(below)
+        chain = self._prompt_chain(token_ids, extra_key, known) if self.enable_prefix_caching else iter(())
+        for parent, key in chain:
+            block = None if lower else self.gpu.lookup(parent, key)
+            if block is not None:
+                blocks.append(block)
+                hashes.append(parent)
+                continue
+            below = self.tiers.find(parent, key) if self.tiers is not None else None
+            if below == PENDING:  # read the rest of the prefix on disk at the same time
+                waits = True
+                for later, _ in chain:  # up to the first block not on disk
+                    if not self.tiers.prefetch(later):
+                        break
+            if below is None or waits:
+                break
+            lower.append(below)
         reclaimed = sum(1 for b in blocks if self.gpu.is_cached_free(b))
         return PrefixHit(tuple(blocks), tuple(hashes), reclaimed, tuple(lower), waits)
 
-    def _prefetch_after(self, index: int, parent: int, token_ids: Sequence[int], extra_key: Hashable,
-                        known: Sequence[int]) -> None:
-        """Ask the disk tier for the prompt's blocks after ``index`` while they are there."""
+    def _prompt_chain(self, token_ids: Sequence[int], extra_key: Hashable, known: Sequence[int]):
+        """``(hash, key)`` of each full block a prefix hit can cover, hashed only past ``known``."""
+        parent: int | None = None
         bs = self.block_size
-        for i in range(index + 1, (len(token_ids) - 1) // bs):
+        for i in range((len(token_ids) - 1) // bs):
             key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
             parent = known[i] if i < len(known) else block_hash(*key)
-            if not self.tiers.prefetch(parent):
-                return
+            yield parent, key
 
     def hold(self, hits: Sequence[PrefixHit]) -> None:
         """These hits start this step: the tier slots they read are kept until the copies ran."""
