@@ -1,6 +1,9 @@
 """Multi-turn chats against a KV pool far smaller than their histories: time to first token with
 the host and disk tiers under the prefix cache against recomputing, and the same engine on a
-workload with no reuse (what the tiers cost when nothing comes back).
+workload with no reuse (what the tiers cost when nothing comes back); per block of 16 tokens, what
+a prompt's prefill costs against what copying a block up from a tier costs (and reading it from
+disk, on the reader thread while other requests step); and a worker restarted halfway through on
+the disk tier's directory, with the share of its histories it found there.
 
 Conversations take turns in round-robin, each turn's prompt the whole history so far (earlier
 prompts, outputs, a new user message), so by the time a chat speaks again the pool has evicted
@@ -38,7 +41,9 @@ def first_token_seconds(engine, request_id: str, prompt: list[int], params: Samp
     return first, tokens
 
 
-def run(model: Path, label: str, chats: int, turns: int, reuse: bool, seed: int, **engine) -> dict:
+def run(model: Path, label: str, chats: int, turns: int, reuse: bool, seed: int, restart_at: int = 0, **engine) -> dict:
+    """One configuration over the whole workload; ``restart_at``: a new engine on the same disk
+    directory takes over before that turn (what a worker restarted mid-benchmark finds)."""
     from pagedserve import LLM
 
     llm = LLM(model, dtype="float32", **engine)
@@ -46,22 +51,39 @@ def run(model: Path, label: str, chats: int, turns: int, reuse: bool, seed: int,
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     histories = [[rng.randint(10, vocab - 1) for _ in range(96)] for _ in range(chats)]
-    ttfts, tokens, started = [], 0, time.perf_counter()
+    ttfts, tokens, history_tokens, started = [], 0, 0, time.perf_counter()
+    restarted: dict[str, float] = {}
     for turn in range(turns):
+        if turn and turn == restart_at:
+            llm.engine.close()
+            llm = LLM(model, dtype="float32", **engine)
+            restarted = {"history": 0}
         for chat in range(chats):
             message = [rng.randint(10, vocab - 1) for _ in range(32)]
             prompt = histories[chat] + message if reuse else [rng.randint(10, vocab - 1) for _ in range(len(histories[chat]) + 32)]
             seconds, out = first_token_seconds(llm.engine, f"{chat}-{turn}", prompt, params)
-            histories[chat] = prompt + out
             if turn:  # the first turn has no history anywhere
                 ttfts.append(seconds)
+                history_tokens += len(histories[chat])
+            if restarted:
+                restarted["history"] += len(histories[chat])
+            histories[chat] = prompt + out
             tokens += len(out)
     wall = time.perf_counter() - started
     stats = llm.engine.stats()
-    return {"config": label, "reuse": reuse, "ttft": percentiles(ttfts), "tokens_per_s": tokens / wall,
-            "prefix_hit_tokens": stats["prefix_cache_hits_total"], "tier_hit_tokens": stats.get("kv_tier_hit_tokens_total", 0),
-            "host_hits": stats.get("kv_tier_host_hits_total", 0), "disk_hits": stats.get("kv_tier_disk_hits_total", 0),
-            "longest_prompt": max(len(h) for h in histories)}
+    llm.engine.close()
+    blocks_up = stats.get("kv_tier_host_hits_total", 0) + stats.get("kv_tier_disk_hits_total", 0)
+    row = {"config": label, "reuse": reuse, "ttft": percentiles(ttfts), "tokens_per_s": tokens / wall,
+           "prefix_hit_tokens": stats["prefix_cache_hits_total"], "tier_hit_tokens": stats.get("kv_tier_hit_tokens_total", 0),
+           "host_hits": stats.get("kv_tier_host_hits_total", 0), "disk_hits": stats.get("kv_tier_disk_hits_total", 0),
+           "history_tokens": history_tokens, "longest_prompt": max(len(h) for h in histories),
+           # per block of 16 tokens: the mean prefill time of a prompt block, and a tier block's copy up
+           "prefill_ms_per_block": 1e3 * sum(ttfts) / max(1, (history_tokens + 32 * len(ttfts)) / 16),
+           "copy_up_ms_per_block": 1e3 * stats.get("kv_tier_copy_up_seconds_total", 0.0) / max(1, blocks_up),
+           "disk_read_ms_per_block": 1e3 * stats.get("kv_tier_disk_read_seconds_total", 0.0) / max(1, stats.get("kv_tier_disk_hits_total", 0))}
+    if restarted:  # the new engine's prefix hits over the histories it was asked to continue
+        row["hit_rate_after_restart"] = stats["prefix_cache_hits_total"] / max(1, restarted["history"])
+    return row
 
 
 def main() -> None:
@@ -73,14 +95,19 @@ def main() -> None:
     parser.add_argument("--host-blocks", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workloads", default="chats,no-reuse", help="which of chats, no-reuse, in this order")
-    parser.add_argument("--configs", default="recompute,host,disk", help="which of recompute, host, disk, in this order")
+    parser.add_argument("--configs", default="recompute,host,disk,host+disk,disk-restart",
+                        help="which of recompute, host, disk, host+disk (a host tier of a quarter of --host-blocks "
+                             "over the disk), disk-restart (a new engine on the disk tier's directory halfway), in this order")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model or build_model(Path(scratch) / "model", **PRESETS["llama-90m"], seed=0)
         common = dict(num_gpu_blocks=args.pool_blocks, block_size=16, chats=args.chats, turns=args.turns, seed=args.seed)
-        configs = {"recompute": {}, "host": dict(num_host_blocks=args.host_blocks),
-                   "disk": dict(num_host_blocks=0, kv_offload_dir=str(Path(scratch) / "disk"))}
-        rows = [run(model, name, reuse=workload == "chats", **common, **configs[name])
+        configs = {"recompute": lambda: {}, "host": lambda: dict(num_host_blocks=args.host_blocks),
+                   "disk": lambda: dict(num_host_blocks=0, kv_offload_dir=tempfile.mkdtemp(dir=scratch)),  # each run its own
+                   "host+disk": lambda: dict(num_host_blocks=args.host_blocks // 4, kv_offload_dir=tempfile.mkdtemp(dir=scratch)),
+                   "disk-restart": lambda: dict(num_host_blocks=0, kv_offload_dir=tempfile.mkdtemp(dir=scratch),
+                                                restart_at=args.turns // 2)}
+        rows = [run(model, name, reuse=workload == "chats", **common, **configs[name]())
                 for workload in args.workloads.split(",") for name in args.configs.split(",")]
     for row in rows:
         print(json.dumps({"bench": "kv_tiers", "pool_blocks": args.pool_blocks, **row}))
@@ -88,7 +115,11 @@ def main() -> None:
                        ("TTFT p50 ms", lambda r: r["ttft"]["p50_ms"]),
                        ("TTFT p90 ms", lambda r: r["ttft"]["p90_ms"]),
                        ("tok/s", lambda r: f"{r['tokens_per_s']:.1f}"), ("hit tokens", lambda r: r["prefix_hit_tokens"]),
-                       ("from tiers", lambda r: r["tier_hit_tokens"]), ("longest prompt", lambda r: r["longest_prompt"])])
+                       ("from tiers", lambda r: r["tier_hit_tokens"]),
+                       ("prefill ms/block", lambda r: f"{r['prefill_ms_per_block']:.2f}"),
+                       ("copy up ms/block", lambda r: f"{r['copy_up_ms_per_block']:.3f}"),
+                       ("disk read ms/block", lambda r: f"{r['disk_read_ms_per_block']:.3f}"),
+                       ("hits after restart", lambda r: f"{r['hit_rate_after_restart']:.0%}" if "hit_rate_after_restart" in r else "")])
 
 
 if __name__ == "__main__":

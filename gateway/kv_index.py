@@ -1,4 +1,5 @@
-"""Which worker holds which prefix: block hash -> workers, kept from the model's KV stream.
+"""Which worker holds which prefix, and where: block hashes per worker on its device and on the
+tiers below it (host memory, disk), kept from the model's KV stream.
 
 Workers publish what their prefix caches gain and lose (``shared/kv_wire.py``); ``KvIndex`` applies
 those events in stream order and ``follow`` keeps reading the stream (from its start when the
@@ -10,7 +11,7 @@ A worker that stops beating is dropped by the router's liveness view (``forget``
 from __future__ import annotations
 
 import asyncio
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import redis.asyncio as aioredis
 import structlog
@@ -22,31 +23,50 @@ from pagedserve.shared.kv_wire import KvEvent
 log = structlog.get_logger("pagedserve.gateway")
 
 
+class Match(NamedTuple):
+    """The leading blocks of a prompt one worker holds: on its device, and below it."""
+    device: int
+    below: int
+
+    @property
+    def blocks(self) -> int:
+        return self.device + self.below
+
+
 class KvIndex:
     def __init__(self) -> None:
-        self.blocks: dict[str, set[int]] = {}  # worker -> the hashes its prefix cache holds
+        self.blocks: dict[str, set[int]] = {}  # worker -> the hashes on its device
+        self.lower: dict[str, set[int]] = {}  # worker -> the hashes only its tiers below the device hold
 
     def apply(self, event: KvEvent) -> None:
         held = self.blocks.setdefault(event.worker, set())
+        below = self.lower.setdefault(event.worker, set())
         if event.reset:
             held.clear()
-        held.difference_update(event.dropped)
+            below.clear()
+        for gone in (event.dropped, event.lowered):
+            held.difference_update(gone)
+        below.difference_update(event.dropped)
+        below.difference_update(event.published)
         held.update(event.published)
+        below.update(event.lowered)
 
     def forget(self, worker: str) -> None:
         self.blocks.pop(worker, None)
+        self.lower.pop(worker, None)
 
-    def matched(self, worker: str, hashes: Sequence[int]) -> int:
-        """How many leading blocks of a prompt (its hash chain) ``worker`` holds."""
-        held = self.blocks.get(worker)
-        if not held:
-            return 0
-        count = 0
+    def matched(self, worker: str, hashes: Sequence[int]) -> Match:
+        """How many leading blocks of a prompt (its hash chain) ``worker`` holds, on which tier."""
+        held, below = self.blocks.get(worker, ()), self.lower.get(worker, ())
+        device = lower = 0
         for block_hash in hashes:
-            if block_hash not in held:
+            if block_hash in held:
+                device += 1
+            elif block_hash in below:
+                lower += 1
+            else:
                 break
-            count += 1
-        return count
+        return Match(device, lower)
 
     async def follow(self, redis: aioredis.Redis, stream: str, stop: asyncio.Event, block_ms: int = 250) -> None:
         """Apply the stream's events as they come, until ``stop`` is set; after a lost connection,
@@ -61,6 +81,7 @@ class KvIndex:
                 await asyncio.sleep(delay)
                 delay, last = min(delay * 2, 5.0), "0"
                 self.blocks.clear()
+                self.lower.clear()
                 continue
             for _, items in reply or []:
                 for entry_id, fields in items:

@@ -203,7 +203,10 @@ class Engine:
     # ------------------------------------------------------------------ what the serve layer reads
     def stats(self) -> dict[str, float]:
         """The engine's numbers (``worker/core/engine_stats.py``); on the engine thread."""
-        return engine_stats(self.scheduler)
+        stats = engine_stats(self.scheduler)
+        if self.runner.tiers is not None:
+            stats["kv_tier_copy_up_seconds_total"] = self.runner.tiers.copy_up_seconds
+        return stats
 
     def limits(self) -> dict[str, int | str]:
         """The facts fixed when the engine started that a gateway needs (``shared/worker_info.py``):
@@ -227,8 +230,24 @@ class Engine:
     def cached_hashes(self) -> list[int]:
         return self.scheduler.cached_hashes()
 
+    def lowered_hashes(self) -> list[int]:
+        """Hashes held only below the device (host, disk tiers)."""
+        return self.scheduler.lowered_hashes()
+
     def forget_cached(self) -> None:
         self.scheduler.forget_cached()
+
+    def close(self) -> None:
+        """Write every cached block the disk tier lacks (from the device and the host tier) and
+        stop its threads, so an engine started later on the directory finds this one's whole
+        prefix cache; the engine serves nothing after. On the engine thread, once it is idle."""
+        tiers, blocks = self.runner.tiers, self.scheduler.blocks
+        if tiers is None or tiers.disk is None:
+            return
+        spills = blocks.tiers.write_back(blocks.gpu.hashed_blocks())
+        tiers.spill(spills, wait=True)
+        tiers.disk.close()
+        log.info("kv disk tier written back", blocks=len(spills), files=len(tiers.disk), dir=str(tiers.disk.root))
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from pagedserve.gateway.kv_index import KvIndex
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.disk_tier import DiskTier
@@ -52,8 +53,10 @@ def test_chats_whose_prefixes_left_the_pool_get_them_back_exactly(tmp_path, mode
     requests = conversations(rng, count=12, turns=5)
     tiers = KvTiers(HostTier(host_slots) if host_slots else None,
                     DiskTier(tmp_path, "sim", 1 << 20, BLOCK * 8) if disk else None)
-    sched, finished = run_workload(config(mode), requests, rng, tiers)
+    routing = KvIndex()  # follows the KV events, checked against the tiers every step
+    sched, finished = run_workload(config(mode), requests, rng, tiers, routing)
     check_outputs(requests, finished)
+    assert routing.lower["w"] or not tiers.stats.demotions + tiers.stats.spills
     stats = tiers.stats
     assert sched.stats.tier_hit_tokens > 0
     assert stats.host_hits > 0 if host_slots else stats.host_hits == 0
@@ -82,7 +85,7 @@ def test_a_disk_tier_full_of_other_blocks_and_a_host_of_two_slots_still_give_exa
     requests = conversations(rng, count=12, turns=5)
     bound = 2_000  # bytes: about 15 of these blocks' files
     tiers = KvTiers(HostTier(2), DiskTier(tmp_path, "sim", bound, BLOCK * 8))
-    _, finished = run_workload(config("swap"), requests, rng, tiers)
+    _, finished = run_workload(config("swap"), requests, rng, tiers, KvIndex())
     check_outputs(requests, finished)
     files = sum(f.stat().st_size for f in tiers.disk.root.glob("*.kv"))
     assert tiers.disk.stats.evictions > 0 and files == tiers.disk.num_bytes <= bound

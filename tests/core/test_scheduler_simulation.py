@@ -8,10 +8,13 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
+from pagedserve.gateway.kv_index import KvIndex
+from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.disk_tier import DiskTier
 from pagedserve.worker.core.host_tier import HostTier
+from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.core.kv_tiers import KvTiers
 from pagedserve.worker.core.request import FinishReason
 from pagedserve.worker.core.scheduler import Scheduler
@@ -22,8 +25,12 @@ EOS = 0
 
 
 def run_workload(cfg: SchedulerConfig, requests: list[tuple[str, list[int], SamplingParams, int]], rng: random.Random,
-                 tiers: KvTiers | None = None):
+                 tiers: KvTiers | None = None, kv_index: KvIndex | None = None):
+    """Run ``requests`` to the end against the simulated runner; with ``kv_index``, the KV events
+    are applied to it after every step and it must say exactly what the device and tiers hold."""
     sched = Scheduler(cfg, eos_token_ids=frozenset({EOS}), tiers=tiers)
+    events = KvEvents() if kv_index is not None else None
+    sched.record_kv_events(events)
     host_slots = tiers.host.num_slots if tiers is not None and tiers.host is not None else 0
     sim = KVSimulator(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, host_slots, tiers and tiers.disk)
     pending = list(requests)
@@ -40,6 +47,8 @@ def run_workload(cfg: SchedulerConfig, requests: list[tuple[str, list[int], Samp
                 finished[out.request_id] = out
         if tiers is not None and tiers.disk is not None:
             tiers.disk.flush()  # the step's disk writes and reads done: the same run every time
+        if events is not None:
+            check_kv_index(sched, events, kv_index)
         sched.blocks.check_invariants()
         peak_running = max(peak_running, len(sched.running))
         steps += 1
@@ -48,6 +57,16 @@ def run_workload(cfg: SchedulerConfig, requests: list[tuple[str, list[int], Samp
     assert sched.blocks.cpu.num_free == cfg.num_cpu_blocks
     assert sched.blocks.usage().used == 0
     return sched, finished
+
+
+def check_kv_index(sched: Scheduler, events: KvEvents, kv_index: KvIndex) -> None:
+    """What a gateway would know from the KV events is what the worker holds, tier by tier."""
+    if sched.blocks.tiers is not None:
+        sched.blocks.tiers.report_gone()
+    kv_index.apply(KvEvent("w", **events.take()._asdict()))
+    device, below = kv_index.blocks.get("w", set()), kv_index.lower.get("w", set())
+    assert device == set(sched.cached_hashes()), "the KV events disagree with the device pool"
+    assert below == set(sched.lowered_hashes()), "the KV events disagree with the tiers below the device"
 
 
 def random_requests(rng: random.Random, count: int, shared_prefix: list[int]):

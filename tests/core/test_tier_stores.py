@@ -7,9 +7,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
+from pagedserve.worker.core import disk_tier
 from pagedserve.worker.core.disk_tier import DiskTier
 from pagedserve.worker.core.host_tier import HostTier
 
@@ -79,6 +81,61 @@ def test_a_file_another_worker_deleted_is_a_plain_miss(tmp_path):
     assert read(disk, 7) is None and disk.stats.corrupt == 0 and 7 not in disk
 
 
+def test_two_live_workers_on_one_directory_find_each_others_blocks_and_share_the_bound(tmp_path):
+    one = DiskTier(tmp_path, "m", 1 << 20, len(PAYLOAD))
+    one.write(1, KEY, PAYLOAD)
+    one.flush()
+    size = one.num_bytes
+    bounded = DiskTier(tmp_path, "m", 3 * size, len(PAYLOAD))  # started beside it: sees block 1
+    for block_hash in (2, 3):
+        one.write(block_hash, KEY, PAYLOAD)
+    one.flush()
+    assert 2 not in bounded  # written after it looked
+    bounded.refresh(now=True)
+    bounded.flush()
+    assert all(h in bounded for h in (1, 2, 3)) and read(bounded, 2) == PAYLOAD
+    bounded.write(4, KEY, PAYLOAD)  # one file over its bound: the oldest goes, for both
+    bounded.flush()
+    assert sorted(p.name for p in one.root.glob("*.kv")) == [f"{h:016x}.kv" for h in (2, 3, 4)]
+    one.refresh(now=True)
+    one.flush()
+    assert [h in one for h in (1, 2, 3, 4)] == [False, True, True, True] and read(one, 4) == PAYLOAD
+    assert sorted(one.take_gone()) == [1] and one.stats.corrupt == bounded.stats.corrupt == 0
+
+
+def test_workers_writing_and_reading_the_same_blocks_at_once_never_read_a_bad_one(tmp_path):
+    disks = [DiskTier(tmp_path, "m", 1 << 20, len(PAYLOAD)) for _ in range(2)]
+    for round_ in range(30):
+        for disk in disks:  # both write the same blocks while the other looks for them and reads them
+            for block_hash in range(8):
+                disk.write(block_hash + 8 * (round_ % 3), KEY, PAYLOAD)
+                disk.refresh(now=True)
+                disk.request(block_hash)
+    for disk in disks:
+        disk.flush()
+        assert all(disk.take_ready(h, KEY) in (PAYLOAD, None) for h in range(24))
+        disk.refresh(now=True)
+        disk.flush()
+    assert all(read(disk, h) == PAYLOAD for disk in disks for h in range(24))
+    assert [disk.stats.corrupt for disk in disks] == [0, 0]
+
+
+def test_a_writer_too_far_behind_skips_a_spill_instead_of_queueing_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "WRITE_BACKLOG_BYTES", 2 * len(PAYLOAD))
+    disk = DiskTier(tmp_path, "m", 1 << 20, len(PAYLOAD))
+    stalled = threading.Event()
+    disk._writer.submit(stalled.wait)  # a disk that does not keep up
+    for block_hash in (1, 2, 3):
+        disk.write(block_hash, KEY, PAYLOAD)
+    assert disk.stats.skipped == 1 and disk.take_gone() == [3]
+    stalled.set()
+    disk.flush()
+    assert [h in disk for h in (1, 2, 3)] == [True, True, False] and read(disk, 2) == PAYLOAD
+    disk.write(3, KEY, PAYLOAD)  # caught up: written again
+    disk.flush()
+    assert 3 in disk and disk.stats.skipped == 1
+
+
 def test_the_byte_bound_evicts_the_oldest_files(tmp_path):
     disk = DiskTier(tmp_path, "m", 1 << 20, len(PAYLOAD))
     disk.write(1, KEY, PAYLOAD)
@@ -105,7 +162,6 @@ def test_a_restart_finds_the_blocks_and_ignores_temporary_files(tmp_path):
 
 WRITER = """
 import os, signal, sys
-from pathlib import Path
 from pagedserve.worker.core.disk_tier import DiskTier
 
 disk = DiskTier(sys.argv[1], "m", 1 << 20, 1024)
@@ -113,12 +169,13 @@ for i in (1, 2):
     disk.write(i, (None, (i,), None), bytes(range(256)) * 4)
 disk.flush()
 
-def half_then_killed(path, data):  # the process dies with half of the third block written
+def half_then_killed(path, parts):  # the process dies with half of the third block written
+    data = b"".join(bytes(part) for part in parts)
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
     os.kill(os.getpid(), signal.SIGKILL)
 
-Path.write_bytes = half_then_killed
+DiskTier._write_parts = staticmethod(half_then_killed)
 disk.write(3, (None, (3,), None), bytes(range(256)) * 4)
 disk.flush()
 """

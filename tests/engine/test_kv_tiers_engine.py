@@ -47,7 +47,7 @@ def test_evicted_prefixes_come_back_from_below_with_transformers_tokens(zoo, tmp
     stats = llm.engine.stats()
     assert stats["kv_tier_hit_tokens_total"] >= 4 * 4 * 16  # the second round: four full blocks of each prompt
     assert stats["prefix_cache_hits_total"] == stats["kv_tier_hit_tokens_total"]  # the pool itself kept none
-    assert stats.get("kv_tier_disk_corrupt_total", 0) == 0
+    assert stats.get("kv_tier_disk_corrupt_total", 0) == stats.get("kv_tier_disk_skipped_total", 0) == 0
 
 
 def test_without_tiers_the_second_round_recomputes(zoo):
@@ -62,10 +62,23 @@ def test_a_restarted_engine_serves_the_last_ones_prefixes_from_disk(zoo, tmp_pat
     first = tiered(zoo, kv_offload_dir=str(tmp_path))
     batch = prompts()
     one_at_a_time(first, zoo, batch)
-    first.engine.scheduler.blocks.tiers.disk.close()
+    first.engine.scheduler.blocks.tiers.disk.close()  # killed: what it had not spilled is lost
     again = tiered(zoo, kv_offload_dir=str(tmp_path))
     one_at_a_time(again, zoo, batch[:2])
     assert again.engine.stats()["kv_tier_disk_hits_total"] == 2 * 4
+
+
+@pytest.mark.parametrize("host,count", [(0, 2), (32, 3)])
+def test_an_engine_closed_writes_back_what_only_its_device_and_host_held(zoo, tmp_path, host, count):
+    first = tiered(zoo, kv_offload_dir=str(tmp_path), num_host_blocks=host)
+    batch = prompts(count)  # two fit in the pool; a third sends the first to the host tier
+    one_at_a_time(first, zoo, batch)
+    stats = first.engine.stats()
+    assert stats["kv_tier_spills_total"] == 0 and (stats["kv_tier_demotions_total"] > 0) == bool(host)
+    first.engine.close()
+    again = tiered(zoo, kv_offload_dir=str(tmp_path))
+    one_at_a_time(again, zoo, batch)
+    assert again.engine.stats()["kv_tier_disk_hits_total"] == count * 4
 
 
 def test_damaged_files_are_recomputed_never_served(zoo, tmp_path):
@@ -82,3 +95,25 @@ def test_damaged_files_are_recomputed_never_served(zoo, tmp_path):
     one_at_a_time(again, zoo, batch)
     stats = again.engine.stats()
     assert stats["kv_tier_disk_hits_total"] == 0 and stats["kv_tier_disk_corrupt_total"] >= 2  # the first block of each prompt that was spilled
+
+
+def test_the_kv_events_say_which_blocks_left_the_device_for_a_tier(zoo, tmp_path):
+    """What prefix routing learns: evicted blocks the host tier keeps are lowered, not dropped, and
+    a resync lists them apart from the device's."""
+    from pagedserve.worker.core.kv_events import KvEvents
+    from pagedserve.worker.serve.loop import EngineLoop
+
+    llm = tiered(zoo, num_host_blocks=32)
+    events = KvEvents()
+    llm.engine.record_kv_events(events)
+    one_at_a_time(llm, zoo, prompts(3))  # the third evicts the first
+    changes = events.take()
+    lowered = set(llm.engine.lowered_hashes())
+    assert lowered and lowered == set(changes.lowered) and not changes.dropped
+    assert not lowered & set(llm.engine.cached_hashes())
+    sent = []
+    loop = EngineLoop(llm.engine, lambda outputs, errors: None, on_kv=sent.append)
+    loop.resync_kv()
+    loop.finish()
+    loop.run()
+    assert [(set(c.published), set(c.lowered), c.reset) for c in sent] == [(set(llm.engine.cached_hashes()), lowered, True)]

@@ -221,7 +221,7 @@ def test_prefix_routing_follows_the_kv_events_to_the_worker_holding_the_prompt(r
         held = prefix_hashes(prompt, 16, cache_salt("acme", len(prompt)))
         await redis.xadd(service.keys.kv_events(MODEL_NAME), {"data": KvEvent("w1", held).encode()})
         async with asyncio.timeout(10):
-            while not service.router.index.matched("w1", held):
+            while not service.router.index.matched("w1", held).blocks:
                 await asyncio.sleep(0.02)
         wires = service.wire_requests(parsed(service, {"prompt": prompt, "user": "acme"}), [prompt], ["r1"])
         routes = await service.routes(wires)

@@ -164,7 +164,7 @@ def test_the_inbox_counts_what_waits_for_the_engine(fresh):
 
 def test_prefix_cache_hashes_are_sent_as_they_change_and_all_of_them_on_a_resync(fresh):
     sent = []
-    loop = EngineLoop(fresh, Received(), on_kv=lambda published, dropped, reset: sent.append((list(published), list(dropped), reset)))
+    loop = EngineLoop(fresh, Received(), on_kv=lambda changes: sent.append((list(changes.published), list(changes.dropped), changes.reset)))
     run_all(loop, (request("a", 1), PROMPT))
     loop.run()  # the blocks were published by the last step: the next pass sends them
     assert len(sent) == 1 and len(sent[0][0]) == 2 and sent[0][1:] == ([], False)

@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.kv_wire import KvEvent
+from pagedserve.worker.core.kv_events import KvChanges
 from pagedserve.worker.serve import kv_publisher
 from pagedserve.worker.serve.bridge import RedisBridge
 from pagedserve.worker.serve.kv_publisher import KvPublisher
@@ -61,8 +62,8 @@ def test_what_the_engine_thread_reports_goes_out_merged_at_the_publishers_pace(r
         task = p.start()
         try:
             def engine_thread():  # two steps' worth, from another thread, before the first flush
-                p.publisher.from_engine_thread([1, 2, 3], [], False)
-                p.publisher.from_engine_thread([4], [2], False)
+                p.publisher.from_engine_thread(KvChanges([1, 2, 3], [], False))
+                p.publisher.from_engine_thread(KvChanges([4], [2], False, [3]))
 
             thread = threading.Thread(target=engine_thread)
             thread.start()
@@ -71,12 +72,12 @@ def test_what_the_engine_thread_reports_goes_out_merged_at_the_publishers_pace(r
             assert await events(redis) == []  # not before the interval
             await apoll(lambda: _count(redis, 1), 10, "the first KV event")
             (event,) = await events(redis)
-            assert (event.worker, sorted(event.published), event.dropped, event.reset) == ("w1", [1, 3, 4], [], False)
+            assert (event.worker, sorted(event.published), event.dropped, event.reset, event.lowered) == ("w1", [1, 4], [2], False, [3])
             await asyncio.sleep(0.7)
             assert len(await events(redis)) == 1  # nothing changed: nothing sent
-            p.publisher.from_engine_thread([9], [], True)
+            p.publisher.from_engine_thread(KvChanges([9], [], True, [8]))
             await apoll(lambda: _count(redis, 2), 10, "the reset")
-            assert (await events(redis))[1] == KvEvent("w1", [9], [], True)
+            assert (await events(redis))[1] == KvEvent("w1", [9], [], True, [8])
             assert p.resyncs == 0 and p.waits == 0
         finally:
             p.stop.set()
@@ -112,7 +113,7 @@ def test_with_redis_gone_it_says_why_waits_for_redis_and_then_asks_for_everythin
         try:
             await asyncio.to_thread(redis_server.stop)
             with capture_logs() as logs:
-                p.publisher.from_engine_thread([1], [], False)
+                p.publisher.from_engine_thread(KvChanges([1], [], False))
                 await apoll(lambda: p.resyncs > 0, 10, "a resync after Redis was lost")
             said = [e for e in logs if e["event"] == "redis unavailable"]
             assert [(e["log_level"], e["during"]) for e in said] == [("warning", "kv events")]

@@ -23,7 +23,7 @@ from pagedserve.shared.block_hash import block_hash, cache_salt, prefix_hashes
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.kv_wire import KvEvent
-from pagedserve.shared.protocol import ReplyTarget, WireRequest
+from pagedserve.shared.protocol import ReplyTarget, WireRequest, pack
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.engine import Engine
@@ -51,20 +51,32 @@ def test_kv_events_merge_to_net_changes_and_the_index_follows_them():
     events = KvEvents()
     for h in (1, 2, 3):
         events.published(h)
-    events.dropped(2)  # published and dropped since the last take: never heard of
+    events.dropped(2)  # each hash is told in the list of its last state
     events.dropped(9)
-    assert events.take() == ([1, 3], [9], False) and not events
+    events.lowered(3)
+    events.lowered(4)
+    events.published(4)  # promoted back to the device
+    assert events.take() == ([1, 4], [2, 9], False, [3]) and not events
     events.published(5)
-    events.reset([7, 8])
-    assert events.take() == ([7, 8], [], True)
+    events.reset([7, 8], [6])
+    events.dropped(8)  # after a reset only what it lists needs telling
+    events.dropped(99)
+    events.lowered(7)
+    assert events.take() == ([], [], True, [6, 7])
 
     index = KvIndex()
     index.apply(KvEvent("w1", [10, 11, 12]))
     index.apply(KvEvent("w2", [10]))
     index.apply(KvEvent("w1", [], [11]))
-    assert index.matched("w1", [10, 11, 12]) == 1 and index.matched("w2", [10, 11]) == 1
+    assert index.matched("w1", [10, 11, 12]) == (1, 0) and index.matched("w2", [10, 11]) == (1, 0)
+    index.apply(KvEvent("w1", [11], lowered=[10]))  # 10 left the device for a tier below, 11 came back
+    index.apply(KvEvent("w1", [], lowered=[12]))
+    assert index.matched("w1", [10, 11, 12, 13]) == (1, 2) and index.matched("w1", [10, 11, 12]).blocks == 3
+    index.apply(KvEvent("w1", [], [12]))  # gone from every tier
+    assert index.matched("w1", [10, 11, 12]) == (1, 1) and index.lower["w1"] == {10}
     index.apply(KvEvent("w1", [20], reset=True))
-    assert index.blocks["w1"] == {20} and index.matched("nobody", [10]) == 0
+    assert index.blocks["w1"] == {20} and not index.lower["w1"] and index.matched("nobody", [10]) == (0, 0)
+    assert KvEvent.decode(pack({"w": "old", "p": [1], "d": [], "r": False})) == KvEvent("old", [1])  # before tiers
     for junk in (b"", b"\x93\x01\x02\x03", KvEvent("w", [1]).encode()[:-1]):
         with pytest.raises(InvalidRequestError):
             KvEvent.decode(junk)
@@ -209,7 +221,7 @@ def test_a_simulated_worker_runs_the_real_scheduler_with_calibrated_step_times(z
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs.values())
     prefill = 0.01 + 0.003 + 0.0001 * 3 * 65
     assert elapsed >= prefill + 3 * (0.01 + 0.003 + 0.0003) * 0.95
-    published, _, _ = events.take()
+    published = events.take().published
     assert published[:4] == prefix_hashes(system + [100], 16)[:4]
     with pytest.raises(SystemExit):
         worker_settings(["--simulate", "0.01,fast,0"])
@@ -238,10 +250,11 @@ def test_a_draining_worker_gives_back_only_what_it_never_read(redis_server):
 
 
 async def routed(url: str, infos: list, held: dict[str, list[int]], prompt: list[int], tenant: str | None = None,
-                 times: int = 1, then=None) -> list:
+                 times: int = 1, then=None, below: dict[str, list[int]] | None = None) -> list:
     """What a router over these workers' infos (written into real Redis as heartbeats write them)
-    and prefix caches (as their KV events say) does with ``prompt`` ``times`` in a row (the loads
-    read once); then what ``await then(router)`` returns, if given."""
+    and prefix caches (as their KV events say: ``held`` on the device, ``below`` on a lower tier)
+    does with ``prompt`` ``times`` in a row (the loads read once); then what ``await then(router)``
+    returns, if given."""
     from pagedserve.gateway.router import Router, RoutingPolicy
     from pagedserve.gateway.worker_directory import WorkerDirectory
 
@@ -253,6 +266,8 @@ async def routed(url: str, infos: list, held: dict[str, list[int]], prompt: list
         router = Router(WorkerDirectory(r, KEYS, ttl_s=3600), KEYS, MODEL_NAME, RoutingPolicy())
         for name, hashes in held.items():
             router.index.apply(KvEvent(name, hashes))
+        for name, hashes in (below or {}).items():
+            router.index.apply(KvEvent(name, lowered=hashes))
         routes = [await router.route(prompt, tenant) for _ in range(times)]
         return routes if then is None else await then(router)
     finally:
@@ -264,6 +279,21 @@ def worker_info(name: str, running: int = 0, waiting: int = 0, max_num_seqs: int
     from pagedserve.shared.worker_info import WorkerInfo
 
     return WorkerInfo(name, MODEL_NAME, 4096, 512, block_size, rope_switch, max_num_seqs, running=running, waiting=waiting)
+
+
+def test_a_prefix_below_a_workers_device_counts_for_less_than_one_on_it(redis_url):
+    prompt = [40 + i for i in range(80)]
+    chain = prefix_hashes(prompt, 16)
+    infos = [worker_info("w1"), worker_info("w2")]
+
+    def route(device: dict[str, int], lower: dict[str, int]) -> str | None:
+        return asyncio.run(routed(redis_url, infos, {n: chain[:k] for n, k in device.items()}, prompt,
+                                  below={n: chain[:k] for n, k in lower.items()}))[0]
+
+    assert route({}, {"w1": 4}) == KEYS.routed(MODEL_NAME, "w1")  # a hit below is still a hit
+    assert route({"w2": 3}, {"w1": 4}) == KEYS.routed(MODEL_NAME, "w2")  # 3 on a device beat 4 x 0.5 below
+    assert route({"w2": 1}, {"w1": 4}) == KEYS.routed(MODEL_NAME, "w1")
+    assert route({"w1": 1}, {"w1": 4, "w2": 2}) == KEYS.routed(MODEL_NAME, "w1")  # lowered: off w1's device
 
 
 def test_the_router_weighs_load_and_passes_over_a_busy_or_overloaded_worker(redis_url):

@@ -31,6 +31,7 @@ from typing import Hashable, Sequence
 from pagedserve.shared.block_hash import block_hash
 from pagedserve.worker.core.block_pool import BlockPool
 from pagedserve.worker.core.config import BLOCK_SIZE
+from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.core.kv_tiers import PENDING, KvTiers, LowerHit
 from pagedserve.worker.core.plan import NO_TIER_MOVES, TierMoves
 
@@ -89,6 +90,7 @@ class BlockManager:
         self.tiers = tiers if enable_prefix_caching else None
         if self.tiers is not None:
             self.gpu.on_evict = self.tiers.demote
+            self.tiers.on_device = self.gpu.holds
         self._tables: dict[int, list[int]] = {}
         self._cpu_tables: dict[int, list[int]] = {}
         self._num_slots: dict[int, int] = {}
@@ -181,6 +183,16 @@ class BlockManager:
             chain.append(below.block_hash)
         self._num_slots[seq_id] = len(table) * self.block_size
         return self._num_slots[seq_id]
+
+    def record_kv_events(self, events: KvEvents | None) -> None:
+        """Tell ``events`` each hash the prefix cache publishes, lowers to a tier or drops (None: stop)."""
+        self.gpu.events = events
+        if self.tiers is not None:
+            self.tiers.events = events
+
+    def lowered_hashes(self) -> list[int]:
+        """The hashes only the tiers below the device hold."""
+        return self.tiers.lowered_hashes() if self.tiers is not None else []
 
     def take_tier_moves(self) -> TierMoves:
         """The copies this step's decisions need between the device and the tiers below it."""

@@ -35,8 +35,8 @@ class BlockPool:
         self._hash_of: dict[int, int] = {}
         self._key_of: dict[int, tuple] = {}
         self._block_of_hash: dict[int, int] = {}
-        self.events: KvEvents | None = None  # set by the worker: hashes published and dropped, for routing
-        self.on_evict: Callable[[int, int, tuple], None] | None = None  # (block, hash, key): the tiers demote it
+        self.events: KvEvents | None = None  # set by the worker: hashes published, lowered and dropped, for routing
+        self.on_evict: Callable[[int, int, tuple], bool] | None = None  # (block, hash, key): the tiers demote it (kept?)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -77,9 +77,8 @@ class BlockPool:
             block = self._free.pop()
         elif self._cached:
             block, _ = self._cached.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(block, self._hash_of[block], self._key_of[block])
-            self._drop_hash(block)
+            kept = self.on_evict is not None and self.on_evict(block, self._hash_of[block], self._key_of[block])
+            self._drop_hash(block, kept)
         else:
             raise OutOfBlocksError(f"{self.name} pool exhausted ({self.num_blocks} blocks)")
         self._ref[block] = 1
@@ -133,12 +132,19 @@ class BlockPool:
             self._free.append(block)
         return count
 
-    def _drop_hash(self, block: int) -> None:
+    def hashed_blocks(self) -> list[tuple[int, int, tuple]]:
+        """``(block, hash, key)`` of every block in the prefix cache."""
+        return [(block, block_hash, self._key_of[block]) for block, block_hash in self._hash_of.items()]
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._block_of_hash
+
+    def _drop_hash(self, block: int, kept_below: bool = False) -> None:
         block_hash = self._hash_of.pop(block)
         del self._key_of[block]
         del self._block_of_hash[block_hash]
         if self.events is not None:
-            self.events.dropped(block_hash)
+            (self.events.lowered if kept_below else self.events.dropped)(block_hash)
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self, table_refs: dict[int, int]) -> None:

@@ -3,16 +3,23 @@ found again by a worker started later on the same directory and model.
 
 One file per block, named by its content hash, under a folder named by the engine's fingerprint
 (model, dtype, cache format, block shape: a block is only ever read back into the layout that
-wrote it). A file holds a header (magic, hash, key length, payload length, a blake2b digest of key
-and payload), the block's key (its parent hash, tokens and salt) and the payload. A file is written
-beside its final name and renamed into place, so a process killed mid-write leaves at most a
-temporary file, never a half-written block under a block's name; a file that is truncated,
-corrupted or holds another key is deleted when read and counted, and the prompt recomputes.
+wrote it). A file holds a header (magic, hash, key length, payload length, a CRC-32 of key and
+payload: it guards against truncation and damage, not forgery; the directory is the worker's own),
+the block's key (its parent hash, tokens and salt) and the payload. A file is written beside its
+final name and renamed into place, so a process killed mid-write leaves at most a temporary file,
+never a half-written block under a block's name; a file that is truncated, corrupted or holds
+another key is deleted when read and counted, and the prompt recomputes.
 
 Reads and writes run on two background threads: the engine thread asks for a block
 (``request``), goes on stepping other requests, and finds the payload ready later
-(``take_ready``). Workers may share a directory: renames are atomic and every read is verified,
-so one never serves another's half-written or deleted file; each bounds the bytes it has seen.
+(``take_ready``). Writes are best effort and never slow the forward: the writer runs at idle CPU
+priority (``SCHED_IDLE``: only on a core nothing else wants), and a spill that finds
+``WRITE_BACKLOG_BYTES`` already waiting is skipped (counted) rather than queued without bound.
+
+Workers may share a directory: renames are atomic and every read is verified, so one never serves
+another's half-written or deleted file, and each looks at the directory again every ``RESCAN_S``
+(``refresh``): it finds the blocks the others wrote and forgets the ones they evicted, so every
+worker's byte bound applies to the directory as a whole.
 """
 
 from __future__ import annotations
@@ -22,17 +29,20 @@ import os
 import struct
 import threading
 import time
+import zlib
 from array import array
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-MAGIC = b"PSKVBLK1"
-HEADER = struct.Struct("<8sQIQ16s")  # magic, hash, key length, payload length, digest
+MAGIC = b"PSKVBLK2"
+HEADER = struct.Struct("<8sQIQI")  # magic, hash, key length, payload length, CRC-32 of key and payload
 SUFFIX = ".kv"
 STALE_TEMP_S = 3600.0  # a temporary file this old belongs to no live writer
 READY_BYTES = 256 << 20  # payloads read and not yet taken (their requests may have gone), at most
+WRITE_BACKLOG_BYTES = 64 << 20  # payloads handed to the writer and not yet on disk, at most
+RESCAN_S = 5.0  # how often a worker looks for the blocks other workers on its directory wrote or evicted
 
 
 def key_bytes(key: tuple) -> bytes:
@@ -48,7 +58,16 @@ class DiskStats:
     reads: int = 0
     corrupt: int = 0  # files that failed verification (deleted)
     evictions: int = 0
+    skipped: int = 0  # spills not written: the writer's backlog was full
     read_seconds: float = 0.0
+
+
+def _idle_priority() -> None:
+    """Run the calling thread only when a core is otherwise idle (Linux; elsewhere a no-op)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 class DiskTier:
@@ -65,10 +84,14 @@ class DiskTier:
         self.stats = DiskStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[int, int] = OrderedDict()  # hash -> file bytes, least recently used first
+        self._bytes = 0  # the sum of ``_index``'s values
+        self._backlog = 0  # payload bytes queued for the writer
         self._ready: OrderedDict[int, tuple[bytes, bytes]] = OrderedDict()  # hash -> (key bytes, payload)
         self._inflight: set[int] = set()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write")
+        self._gone: list[int] = []  # hashes given up (evicted, damaged, not written) since ``take_gone``
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-write", initializer=_idle_priority)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kv-disk-read")
+        self._rescan_at = time.monotonic() + RESCAN_S
         self._scan()
 
     # ------------------------------------------------------------------ the engine thread's calls
@@ -78,17 +101,38 @@ class DiskTier:
 
     @property
     def num_bytes(self) -> int:
-        with self._lock:
-            return sum(self._index.values())
+        return self._bytes
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._index)
 
-    def write(self, block_hash: int, key: tuple, payload: bytes) -> None:
-        """Store a block (in the background); already stored, nothing happens."""
-        if block_hash in self or len(payload) != self.payload_bytes:
+    def hashes(self) -> list[int]:
+        with self._lock:
+            return list(self._index)
+
+    def take_gone(self) -> list[int]:
+        """The hashes this tier gave up since the last call: evicted, found damaged, or never
+        written (the writer's backlog was full, the disk refused)."""
+        with self._lock:
+            gone, self._gone = self._gone, []
+        return gone
+
+    def write(self, block_hash: int, key: tuple, payload, wait: bool = False) -> None:
+        """Store a block (in the background) from ``payload``, a bytes-like object the caller no
+        longer writes to; already stored, nothing happens; the writer too far behind, nothing
+        happens either, unless ``wait``: then the caller waits for it to catch up."""
+        size = memoryview(payload).nbytes
+        if block_hash in self or size != self.payload_bytes:
             return
+        if wait and self._backlog + size > WRITE_BACKLOG_BYTES:
+            self._writer.submit(lambda: None).result()
+        with self._lock:
+            if self._backlog + size > WRITE_BACKLOG_BYTES:
+                self.stats.skipped += 1
+                self._gone.append(block_hash)
+                return
+            self._backlog += size
         self._writer.submit(self._write, block_hash, key_bytes(key), payload)
 
     def request(self, block_hash: int) -> bool:
@@ -117,6 +161,12 @@ class DiskTier:
                 del self._ready[block_hash]
             return ready[1]
 
+    def refresh(self, now: bool = False) -> None:
+        """Look at the directory again (on the writer thread) if ``RESCAN_S`` passed, or ``now``."""
+        if now or time.monotonic() >= self._rescan_at:
+            self._rescan_at = time.monotonic() + RESCAN_S
+            self._writer.submit(self._scan)
+
     def flush(self) -> None:
         """Wait for the writes and reads asked for so far."""
         self._writer.submit(lambda: None).result()
@@ -131,7 +181,9 @@ class DiskTier:
         return self.root / f"{block_hash:016x}{SUFFIX}"
 
     def _scan(self) -> None:
-        """Index the blocks a worker before this one left (oldest first); clear stale temporaries."""
+        """Index the blocks other workers (before this one, or beside it) wrote, as most recently
+        used (oldest first among them); forget the ones whose files are gone; clear stale
+        temporaries. At start, or on the writer thread: this worker's own writes cannot race it."""
         now, found = time.time(), []
         for path in self.root.iterdir():
             try:
@@ -142,34 +194,60 @@ class DiskTier:
                     path.unlink()
             except (OSError, ValueError):
                 continue
-        for _, block_hash, size in sorted(found):
-            self._index[block_hash] = size
-        self._evict_over_bound()
+        on_disk = {block_hash for _, block_hash, _ in found}
+        with self._lock:
+            for block_hash in [h for h in self._index if h not in on_disk and h not in self._inflight]:
+                self._forget(block_hash)
+            for _, block_hash, size in sorted(found):
+                if block_hash not in self._index:
+                    self._index[block_hash] = size
+                    self._bytes += size
+            self._evict_over_bound()
 
-    def _write(self, block_hash: int, key: bytes, payload: bytes) -> None:
-        digest = hashlib.blake2b(key, digest_size=16)
-        digest.update(payload)
-        data = b"".join((HEADER.pack(MAGIC, block_hash, len(key), len(payload), digest.digest()), key, payload))
-        if len(data) > self.max_bytes:
-            return
+    def _write(self, block_hash: int, key: bytes, payload) -> None:
+        written = False
+        try:
+            written = self._write_file(block_hash, key, memoryview(payload).cast("B"))
+        finally:
+            with self._lock:
+                self._backlog -= self.payload_bytes
+                if not written:
+                    self._gone.append(block_hash)
+
+    def _write_file(self, block_hash: int, key: bytes, payload: memoryview) -> bool:
+        header = HEADER.pack(MAGIC, block_hash, len(key), len(payload), zlib.crc32(payload, zlib.crc32(key)))
+        size = len(header) + len(key) + len(payload)
+        if size > self.max_bytes:
+            return False
         target = self._path(block_hash)
         partial = target.with_name(f".{target.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            partial.write_bytes(data)
+            self._write_parts(partial, (header, key, payload))
             os.replace(partial, target)
         except OSError:
             partial.unlink(missing_ok=True)
-            return
+            return False
         with self._lock:
-            self._index[block_hash] = len(data)
+            self._bytes += size - self._index.get(block_hash, 0)
+            self._index[block_hash] = size
             self.stats.writes += 1
             self._evict_over_bound()
+        return True
+
+    @staticmethod
+    def _write_parts(path: Path, parts: tuple) -> None:
+        with open(path, "wb") as out:
+            for part in parts:
+                out.write(part)
+
+    def _forget(self, block_hash: int) -> None:
+        self._bytes -= self._index.pop(block_hash, 0)
+        self._gone.append(block_hash)
 
     def _evict_over_bound(self) -> None:
-        total = sum(self._index.values())
-        while total > self.max_bytes and self._index:
-            block_hash, size = self._index.popitem(last=False)
-            total -= size
+        while self._bytes > self.max_bytes and self._index:
+            block_hash = next(iter(self._index))
+            self._forget(block_hash)
             self._path(block_hash).unlink(missing_ok=True)
             self.stats.evictions += 1
 
@@ -180,7 +258,7 @@ class DiskTier:
             self._inflight.discard(block_hash)
             self.stats.read_seconds += time.perf_counter() - started
             if not result:  # None: gone (another worker's eviction); False: failed verification
-                self._index.pop(block_hash, None)
+                self._forget(block_hash)
                 self.stats.corrupt += result is False
                 return
             self.stats.reads += 1
@@ -204,7 +282,7 @@ class DiskTier:
             magic, stored_hash, key_len, payload_len, digest = HEADER.unpack_from(data)
             body = data[HEADER.size :]
             ok = (magic == MAGIC and stored_hash == block_hash and len(body) == key_len + payload_len
-                  and payload_len == self.payload_bytes and hashlib.blake2b(body, digest_size=16).digest() == digest)
+                  and payload_len == self.payload_bytes and zlib.crc32(body) == digest)
         if not ok:
             path.unlink(missing_ok=True)
             return False

@@ -33,5 +33,5 @@ def tier_stats(sched: Scheduler) -> dict[str, float]:
     if tiers.disk is not None:
         disk = tiers.disk.stats
         stats.update({"kv_tier_disk_bytes": tiers.disk.num_bytes, "kv_tier_disk_corrupt_total": disk.corrupt,
-                      "kv_tier_disk_read_seconds_total": disk.read_seconds})
+                      "kv_tier_disk_skipped_total": disk.skipped, "kv_tier_disk_read_seconds_total": disk.read_seconds})
     return stats

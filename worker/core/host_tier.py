@@ -35,6 +35,9 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._entries
+
     def lookup(self, block_hash: int, key: tuple) -> HostEntry | None:
         """The entry of ``block_hash`` whose key equals ``key`` (a collision is a miss)."""
         entry = self._entries.get(block_hash)

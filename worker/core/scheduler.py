@@ -126,10 +126,13 @@ class Scheduler:
 
     def record_kv_events(self, events: KvEvents | None) -> None:
         """Tell ``events`` each hash the prefix cache gains or loses (None: stop)."""
-        self.blocks.gpu.events = events
+        self.blocks.record_kv_events(events)
 
     def cached_hashes(self) -> list[int]:
         return self.blocks.gpu.published_hashes()
+
+    def lowered_hashes(self) -> list[int]:
+        return self.blocks.lowered_hashes()
 
     def forget_cached(self) -> None:
         """Empty the prefix cache (blocks in use stay)."""

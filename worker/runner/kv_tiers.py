@@ -8,6 +8,7 @@ scale) in the pool's storage dtype, so a load is one copy into the device block.
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 
@@ -24,6 +25,7 @@ class TierCopier:
         pinned = kv_pool.device.type == "cuda" and num_host_slots > 0
         self.host_pool = torch.zeros((kv_pool.shape[0], num_host_slots, *kv_pool.shape[2:]), dtype=kv_pool.dtype,
                                      device="cpu", pin_memory=pinned)
+        self.copy_up_seconds = 0.0  # spent copying blocks up (on CUDA: queueing the copies)
 
     @staticmethod
     def payload_bytes(kv_pool: torch.Tensor) -> int:
@@ -36,16 +38,23 @@ class TierCopier:
     def before_swaps(self, moves: TierMoves) -> None:
         """Spills to disk, then demotions into the host pool: every read of a slot or block this
         step's other moves or forward may overwrite."""
-        for source, index, block_hash, key in moves.spills:
-            pool = self.host_pool if source == "host" else self.kv_pool
-            data = pool[:, index].contiguous().cpu().view(torch.uint8).numpy().tobytes()
-            self.disk.write(block_hash, key, data)
+        self.spill(moves.spills)
         if moves.demotions:
             reference.swap_blocks(self.kv_pool, self.host_pool, self._pairs(moves.demotions, self.kv_pool.device))
+
+    def spill(self, spills, wait: bool = False) -> None:
+        """Hand these blocks' bytes to the disk tier (``wait``: for its writer, rather than skip)."""
+        for source, index, block_hash, key in spills:
+            pool = self.host_pool if source == "host" else self.kv_pool
+            data = pool[:, index].to("cpu", copy=True, memory_format=torch.contiguous_format)
+            self.disk.write(block_hash, key, data.view(torch.uint8).numpy(), wait)  # a copy of its own: the slot may be reused
 
     def after_swap_out(self, moves: TierMoves) -> None:
         """Promotions from the host pool and loads from disk, into device blocks a swap-out may
         have just freed."""
+        if not (moves.promotions or moves.loads):
+            return
+        started = time.perf_counter()
         if moves.promotions:
             reference.swap_blocks(self.host_pool, self.kv_pool, self._pairs(moves.promotions, self.host_pool.device))
         shape, dtype = self.kv_pool[:, 0].shape, self.kv_pool.dtype
@@ -54,6 +63,7 @@ class TierCopier:
                 warnings.simplefilter("ignore", UserWarning)
                 data = torch.frombuffer(payload, dtype=torch.uint8)
             self.kv_pool[:, block].copy_(data.view(dtype).view(shape))
+        self.copy_up_seconds += time.perf_counter() - started
 
 
 def tier_fingerprint(model_dir: Path, kv_pool: torch.Tensor, **settings) -> str:

@@ -1,5 +1,5 @@
-"""The worker's KV events: what its prefix cache published and dropped (block hashes, taken on the
-engine thread after each step), merged on the I/O thread and sent on the model's KV stream at
+"""The worker's KV events: what its prefix cache published, lowered to a tier below the device and
+dropped (block hashes, taken on the engine thread after each step), merged on the I/O thread and sent on the model's KV stream at
 most every ``interval_s``. A reset with every hash the cache holds goes out at start, every
 ``resync_s`` and after Redis was lost; an empty reset when the worker stops. Gateways route on
 them (``gateway/kv_index.py``).
@@ -15,7 +15,7 @@ import structlog
 
 from pagedserve.runtime.redis_io import REDIS_DOWN
 from pagedserve.shared.kv_wire import KvEvent
-from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.core.kv_events import KvChanges, KvEvents
 from pagedserve.worker.serve.bridge import RedisBridge
 
 log = structlog.get_logger("pagedserve.worker")
@@ -32,8 +32,8 @@ class KvPublisher:
         self.pending = KvEvents()  # merged until the next flush (I/O thread only)
         self.loop: asyncio.AbstractEventLoop | None = None
 
-    def from_engine_thread(self, published: list[int], dropped: list[int], reset: bool) -> None:
-        self.loop.call_soon_threadsafe(self.pending.add, published, dropped, reset)
+    def from_engine_thread(self, changes: KvChanges) -> None:
+        self.loop.call_soon_threadsafe(self.pending.add, changes)
 
     async def run(self, stop: asyncio.Event) -> None:
         resync_at = time.monotonic() + self.resync_s
@@ -44,9 +44,10 @@ class KvPublisher:
                 self.resync()
             if not self.pending:
                 continue
-            published, dropped, reset = self.pending.take()
+            changes = self.pending.take()
+            event = KvEvent(self.worker, changes.published, changes.dropped, changes.reset, changes.lowered)
             try:
-                await self.bridge.publish_kv(KvEvent(self.worker, published, dropped, reset).encode(), KV_STREAM_LEN)
+                await self.bridge.publish_kv(event.encode(), KV_STREAM_LEN)
             except REDIS_DOWN as err:  # the stream may be gone with Redis: send everything once it is back
                 log.warning("redis unavailable", during="kv events", error=str(err))
                 await self.redis_back()

@@ -18,13 +18,13 @@ import structlog
 
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.protocol import WireRequest
-from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.core.kv_events import KvChanges, KvEvents
 from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.engine import Engine
 
 log = structlog.get_logger("pagedserve.worker")
 OnOutputs = Callable[[list[RequestOutput], list[tuple[str, str]]], None]
-OnKv = Callable[[list[int], list[int], bool], None]  # (published, dropped, reset): prefix-cache hashes
+OnKv = Callable[[KvChanges], None]  # the prefix cache's hashes published, dropped, lowered
 OnPicture = Callable[[dict], None]  # a KV dashboard snapshot (worker.core.kv_snapshot)
 
 
@@ -95,12 +95,12 @@ class EngineLoop:
     def _send_kv(self) -> None:
         if self.kv_events is None:
             return
-        published, dropped, _ = self.kv_events.take()
+        changes = self.kv_events.take()
         if self._kv_resync.is_set():
             self._kv_resync.clear()
-            self.on_kv(self.engine.cached_hashes(), [], True)
-        elif published or dropped:
-            self.on_kv(published, dropped, False)
+            self.on_kv(KvChanges(self.engine.cached_hashes(), [], True, self.engine.lowered_hashes()))
+        elif changes.published or changes.dropped or changes.lowered:
+            self.on_kv(changes)
 
     def _send_picture(self) -> None:
         if self._picture_wanted.is_set():

@@ -142,10 +142,18 @@ class WorkerService:
             except REDIS_DOWN:
                 pass
             await self.redis.aclose()
+            await self._close_engine()
             self._engine_thread.shutdown()
             self._text_thread.shutdown()
         log.info("worker stopped", exit_code=self.exit_code)
         return self.exit_code
+
+    async def _close_engine(self) -> None:
+        """The engine loop has returned: let the engine write back its cache (the disk tier)."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._engine_thread, self.engine.close)
+        except Exception as err:  # a broken device cannot be read back: the cache is lost, nothing else
+            log.warning("engine close failed; its cache is not written back", error=str(err))
 
     def _give_up(self, task: str) -> None:
         """A task that keeps failing: stop (in-flight work is aborted) and exit non-zero, so the
