@@ -110,7 +110,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode, sliding_window=release_window(info.config),
-                rope_switch=rope_switch(info.config),
+                rope_switch=rope_switch(info.config), speculative=config.speculative,
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer), tiers=tiers,
         )
@@ -229,6 +229,11 @@ class Engine:
 
     def cached_hashes(self) -> list[int]:
         return self.scheduler.cached_hashes()
+
+    def spec_counts(self) -> list[int]:
+        """Speculative guesses accepted, by position in the draft (empty when it is off)."""
+        spec = self.scheduler.config.speculative
+        return self.scheduler.applier.spec_stats.accepted_by_position[: spec.num_speculative_tokens] if spec else []
 
     def lowered_hashes(self) -> list[int]:
         """Hashes held only below the device (host, disk tiers)."""

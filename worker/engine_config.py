@@ -14,6 +14,7 @@ from typing import Any, Callable
 from pagedserve.kernels.backends import BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedserve.runtime.env import checked, fraction, non_negative, positive
 from pagedserve.worker.core.config import BLOCK_SIZE, PREEMPTION_MODES, PreemptionMode
+from pagedserve.worker.core.speculative import SpeculativeConfig
 from pagedserve.worker.core.step_cost import StepCost
 
 CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
@@ -76,6 +77,10 @@ class EngineConfig:
         "by a worker restarted on the same model; workers may share it (default: no disk tier)")
     kv_offload_disk_bytes: int = flag(4 * GIB, "bytes of --kv-offload-dir this worker fills at most",
                                       kind=non_negative(int))
+    speculative_config: str | dict | None = flag(
+        None, 'speculative decoding, as vLLM spells it (JSON): {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} guesses greedy rows\' next tokens from their own history '
+        "and checks them in one forward (default: off)", metavar="JSON")
     max_num_seqs: int = flag(256, "sequences in one running batch at most", kind=positive(int))
     max_num_batched_tokens: int = flag(2048, "tokens in one engine step at most (prefill chunks and decodes)",
                                        kind=positive(int))
@@ -109,6 +114,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
         if self.num_host_blocks is not None and (not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0):
             raise ValueError(f"num_host_blocks must be an integer >= 0 or None, got {self.num_host_blocks!r}")
+        SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def sizes_pool_from_memory(self) -> bool:

@@ -13,8 +13,8 @@ from tests.conftest import random_prompts
 VOCAB = 512
 
 
-def run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
-    """Drive the engine step by step, checking the block manager after each step."""
+def run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], check=None) -> dict:
+    """Drive the engine step by step, checking the block manager (and ``check(engine)``) after each step."""
     engine = llm.engine
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, p)
@@ -24,6 +24,8 @@ def run_checked(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]
             if out.finished:
                 done[int(out.request_id)] = out
         engine.scheduler.blocks.check_invariants()
+        if check is not None:
+            check(engine)
     usage = engine.scheduler.blocks.usage()
     assert usage.used == 0 and usage.free == usage.total, "blocks leaked"
     return done

@@ -265,6 +265,16 @@ class BlockManager:
         self._num_slots[seq_id] = start + count
         return copies
 
+    def rewind(self, seq_id: int, num_slots: int) -> None:
+        """Give back the seq's slots past ``num_slots`` (speculative guesses rejected); a block left
+        without a slot goes back to the pool. Those slots were never published (not computed)."""
+        table = self._tables[seq_id]
+        if not 0 <= num_slots <= self._num_slots[seq_id]:
+            raise ValueError(f"seq {seq_id}: cannot rewind {self._num_slots[seq_id]} slots to {num_slots}")
+        while len(table) > self.blocks_for(num_slots):
+            self.gpu.decref(table.pop())
+        self._num_slots[seq_id] = num_slots
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (no copy until one of them writes)."""
         if self.has_seq(child_id):

@@ -8,6 +8,7 @@ from typing import Literal, get_args
 from pagedserve.shared.block_hash import cache_salt
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.speculative import SpeculativeConfig
 
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
@@ -26,6 +27,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     sliding_window: int = 0  # > 0: every layer sees only its last W positions, so older blocks are released
     rope_switch: int = 0  # > 0 (long-rope): a sequence growing past this length has its KV recomputed
+    speculative: SpeculativeConfig | None = None  # prompt-lookup drafts for greedy rows (worker/core/speculative.py)
 
     def __post_init__(self) -> None:
         positive = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")

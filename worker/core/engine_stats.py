@@ -16,8 +16,17 @@ def engine_stats(sched: Scheduler) -> dict[str, float]:
         "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
         "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "cow_copies_total": sched.stats.cow_copies,
         "kv_blocks_saved_by_sharing": usage.logical - usage.used,
-        **tier_stats(sched),
+        **tier_stats(sched), **spec_stats(sched),
     }
+
+
+def spec_stats(sched: Scheduler) -> dict[str, float]:
+    """Speculative decoding's counters (vLLM's ``spec_decode_*``), when it is on."""
+    if sched.config.speculative is None:
+        return {}
+    spec = sched.applier.spec_stats
+    return {"spec_decode_num_drafts_total": spec.drafts, "spec_decode_num_draft_tokens_total": spec.draft_tokens,
+            "spec_decode_num_accepted_tokens_total": spec.accepted_tokens}
 
 
 def tier_stats(sched: Scheduler) -> dict[str, float]:

@@ -181,13 +181,36 @@ class Scheduler:
             if self._crossed_rope_switch(req):
                 continue
             sizes = self._chunk_sizes(req, step.budget)
+            drafts = self._drafts(req, sizes, step.budget)
+            if drafts:  # only into free blocks: a guess never preempts anyone
+                guessed = [(seq_id, count + len(drafts.get(seq_id, ()))) for seq_id, count in sizes]
+                if self.blocks.cost_to_grow(guessed) <= self.blocks.num_free_blocks:
+                    sizes = guessed
+                else:
+                    drafts = {}
             while self.blocks.cost_to_grow(sizes) > self.blocks.num_free_blocks:
                 victim = queue.pop() if queue else req
                 self._preempt(victim, step)
                 if victim is req:
                     break
             else:
-                self._emit(req, sizes, step)
+                self._emit(req, sizes, step, drafts)
+
+    def _drafts(self, req: Request, sizes: list[tuple[int, int]], budget: int) -> dict[int, tuple[int, ...]]:
+        """Speculative decoding: the tokens prompt lookup guesses for a greedy decode row (one
+        sequence, no grammar, no beam search), within its ``max_tokens``, the context and the
+        step's budget; empty without ``speculative`` or a guess."""
+        spec, p = self.config.speculative, req.params
+        if (spec is None or not p.greedy or p.use_beam_search or p.num_seqs != 1 or len(sizes) != 1
+                or self.config.sliding_window or self.config.rope_switch):
+            return {}
+        (seq_id, count), = sizes
+        seq = self.table.seq(seq_id)
+        if count != 1 or seq.num_uncomputed != 1 or seq.grammar is not None:
+            return {}
+        room = min(p.max_tokens - seq.num_output - 1, self.config.max_model_len - seq.num_tokens, budget - 1)
+        draft = spec.propose(seq.token_ids, room)
+        return {seq_id: draft} if draft else {}
 
     def _crossed_rope_switch(self, req: Request) -> bool:
         """Long-rope: a sequence that grew past ``rope_switch`` holds KV rotated with the short
@@ -276,8 +299,9 @@ class Scheduler:
             req.first_scheduled = self.clock()
         self.running.append(req)
 
-    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder) -> None:
-        """Grow the seqs' tables and add their work to the step."""
+    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder,
+              drafts: dict[int, tuple[int, ...]] | None = None) -> None:
+        """Grow the seqs' tables (a draft's slots too) and add their work to the step."""
         for seq_id, count in sizes:
             if count <= 0:
                 continue
@@ -285,22 +309,24 @@ class Scheduler:
             copies = self.blocks.grow(seq_id, count)
             self.stats.cow_copies += len(copies)
             step.copies.extend(copies)
-            step.seqs.append(self._scheduled(req, seq, count))
+            draft = (drafts or {}).get(seq_id, ())
+            step.seqs.append(self._scheduled(req, seq, count - len(draft), draft))
             step.budget -= count
 
-    def _scheduled(self, req: Request, seq: Sequence, count: int) -> ScheduledSeq:
-        """The work and everything the runner needs to sample it, without asking back."""
+    def _scheduled(self, req: Request, seq: Sequence, count: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
+        """The work and everything the runner needs to sample it, without asking back; a draft's
+        tokens follow the row's own (the runner checks them)."""
         p, start = req.params, seq.num_computed
         samples = 0
         if start + count == seq.num_tokens:
             samples = p.num_seqs if req.needs_fork else 1
         history = samples and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
         return ScheduledSeq(
-            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]), start,
+            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + draft, start,
             self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
-            seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
+            seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count), len(draft),
         )
 
     @staticmethod

@@ -14,6 +14,7 @@ from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.plan import BeamStep, SampledToken, StepPlan, StepResult
 from pagedserve.worker.core.request import FinishReason, Request, Sequence
 from pagedserve.worker.core.request_table import RequestTable
+from pagedserve.worker.core.speculative import SpecStats
 
 
 class StepApplier:
@@ -22,6 +23,7 @@ class StepApplier:
         self.eos_token_ids = eos_token_ids
         self.config = config
         self.sliding_window = config.sliding_window
+        self.spec_stats = SpecStats()
 
     def apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """The requests that got tokens or ended, in plan order (those ended outside ``update`` first)."""
@@ -32,6 +34,10 @@ class StepApplier:
             if seq is None or seq.finished:
                 continue  # aborted after it was scheduled
             req = self.table.owner(item.seq_id)
+            if item.num_draft:
+                self._apply_drafted(req, seq, item, result.samples[item.seq_id])
+                touched[req.request_id] = req
+                continue
             seq.num_computed += item.num_tokens
             key = self.config.prefix_key(req.extra_key, seq.num_tokens)  # before this step's token is appended
             self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key,
@@ -55,6 +61,28 @@ class StepApplier:
                 self._beam_step(req, step)
                 touched[request_id] = req
         return list(touched.values())
+
+    def _apply_drafted(self, req: Request, seq: Sequence, item, tokens: tuple[SampledToken, ...]) -> None:
+        """Speculative decoding: the guesses the runner accepted (their KV is computed) and its own
+        next token, each appended as a step of its own would (stops included: a stop inside the run
+        ends it there); the rejected guesses' slots go back (a block left empty to the pool)."""
+        if not 1 <= len(tokens) <= item.num_draft + 1:
+            raise ValueError(f"seq {item.seq_id}: {len(tokens)} tokens for a draft of {item.num_draft}")
+        self.spec_stats.record(item.num_draft, len(tokens) - 1)
+        blocks = self.table.blocks
+        blocks.rewind(seq.seq_id, item.start + len(tokens))  # the row's own token and the accepted guesses
+        seq.num_computed = item.start + 1
+        key = self.config.prefix_key(req.extra_key, seq.num_tokens)
+        blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key,
+                                    req.prompt_hashes(self.config.block_size, key))
+        for index, token in enumerate(tokens):
+            self._append(req, seq, token)
+            if seq.finished:
+                return
+            if index < len(tokens) - 1:
+                seq.num_computed += 1  # an accepted guess: its KV was computed this step
+        blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key,
+                                    req.prompt_hashes(self.config.block_size, key))
 
     def _append(self, req: Request, seq: Sequence, token: SampledToken) -> None:
         seq.token_ids.append(token.token_id)

@@ -10,7 +10,7 @@ no scheduling decision.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -32,6 +32,7 @@ class StepLogits:
     logits: torch.Tensor  # float32 [num_rows, vocab]
     items: tuple[ScheduledSeq, ...]  # the sampling sequence of each row
     prompt: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # prompt_logprobs, by seq id
+    drafts: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logits [num_draft, vocab] before each guess
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are taken at once
@@ -131,9 +132,27 @@ class ModelRunner:
             items = [step.items[i] for i in sampled]
             drawn = self.sampler.sample(step.logits[sampled], items)
             samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
+            for item, logits in zip(items, step.logits[sampled]):
+                if item.num_draft:
+                    samples[item.seq_id] = self._verify(item, step.drafts[item.seq_id], logits)
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
         return StepResult(samples, beams, step.prompt)
+
+    def _verify(self, item: ScheduledSeq, draft_logits: torch.Tensor, last_logits: torch.Tensor) -> tuple[SampledToken, ...]:
+        """Speculative decoding (greedy rows): what the sampler picks at each guessed position,
+        with the guesses before it as the row's history, up to the first guess it disagrees with;
+        then its own token there (or after the last guess). Exactly the tokens of one step at a time."""
+        draft = item.token_ids[-item.num_draft :]
+        history = bool(item.output_ids or item.prompt_ids)
+        rows = [replace(item, num_samples=1, num_output=item.num_output + j,
+                        output_ids=item.output_ids + draft[:j] if history else item.output_ids)
+                for j in range(item.num_draft + 1)]
+        picked = [tokens[0] for tokens in self.sampler.sample(torch.cat([draft_logits, last_logits[None]]), rows)]
+        accepted = 0
+        while accepted < item.num_draft and picked[accepted].token_id == draft[accepted]:
+            accepted += 1
+        return tuple(picked[: accepted + 1])
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -145,7 +164,8 @@ class ModelRunner:
             return StepLogits(torch.empty(0, 0, device=self.device), ())
         sampling = [i for i, s in enumerate(items) if s.num_samples]
         wants_prompt = any(s.prompt_targets for s in items)
-        if self.graphs is not None and not wants_prompt and self.graphs.can_run(items):
+        drafted = any(s.num_draft for s in items)
+        if self.graphs is not None and not wants_prompt and not drafted and self.graphs.can_run(items):
             logits = self.graphs.run(items)
             rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
             return StepLogits(logits[rows], tuple(items[i] for i in sampling))
@@ -165,7 +185,9 @@ class ModelRunner:
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=dev)
         prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
                   for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
-        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt)
+        drafts = {s.seq_id: self.model.compute_logits(hidden[last - s.num_draft : last])
+                  for s, last in zip(items, last_index) if s.num_draft} if drafted else {}
+        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, drafts)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first: int, item: ScheduledSeq) -> tuple[SampledToken, ...]:
         """Each chunk position's log-softmax at the prompt token after it, and the top-N, in slices
