@@ -8,7 +8,7 @@ ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE_DIR=/models
 
 WORKDIR /app
-# A C compiler: the CPU attention kernel (kernels/csrc) is compiled for the host CPU on first use.
+# A C compiler: the CPU attention kernel (paged_kernels/csrc) is compiled for the host CPU on first use.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN pip install ${TORCH_INDEX:+--index-url $TORCH_INDEX} "$TORCH_SPEC"
 COPY pyproject.toml README.md ./
@@ -16,7 +16,7 @@ COPY shared ./shared
 COPY runtime ./runtime
 COPY gateway ./gateway
 COPY worker ./worker
-COPY kernels ./kernels
+COPY paged_kernels ./paged_kernels
 COPY pagedserve ./pagedserve
 COPY bench ./bench
 RUN pip install .

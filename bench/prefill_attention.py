@@ -1,5 +1,5 @@
 """Prefill attention on the CPU: one prompt of each length as one chunk (causal over itself), GQA 9/3
-with heads of 64 (SmolLM2's shape), the C kernel (``kernels/csrc/paged_prefill.c``: tiles of a
+with heads of 64 (SmolLM2's shape), the C kernel (``paged_kernels/csrc/paged_prefill.c``: tiles of a
 chunk's tokens) against the torch reference (gather, then masked attention), and torch's own flash
 attention on the same K/V laid out contiguously (no paging: a floor, not a backend). Median of
 ``--repeats`` calls, milliseconds per layer; one whole prefill is that times the layers.

@@ -21,7 +21,7 @@ fi
 rm -rf "$tree/pagedserve" "$tree/tests" "$tree/mutants"  # mutants/: mutmut would keep the results of unchanged sources, however the tests changed
 mkdir -p "$tree"
 cp -r "$root/pagedserve" "$root/tests" "$tree/"
-for folder in shared runtime kernels gateway worker bench; do
+for folder in shared runtime paged_kernels gateway worker bench; do
     cp -r "$root/$folder" "$tree/pagedserve/$folder"
 done
 cp "$root/pyproject.toml" "$tree/"

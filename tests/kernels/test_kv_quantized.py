@@ -1,4 +1,4 @@
-"""A quantized KV cache (``kernels/kv_format.py``): codes and scales round trip within the format's
+"""A quantized KV cache (``paged_kernels/kv_format.py``): codes and scales round trip within the format's
 step, and every CPU backend attends over the quantized blocks exactly as plain attention over the
 whole cache decoded up front (block sizes 1/7/16, GQA and MHA, sliding window, soft cap)."""
 

@@ -3,8 +3,8 @@
 A router (``gate``, no bias) scores every expert per token; softmax in float32, the top ``k``,
 renormalised to sum to one where the family does (Mixtral always, Qwen ``norm_topk_prob``). The
 experts run as the kernel ops' ``moe``: on the CPU a grouped loop over the experts that received
-tokens (``kernels/moe_reference.py``), on CUDA a fused Triton kernel over tokens sorted by expert
-(``kernels/fused_moe.py``). Expert weights are stacked as
+tokens (``paged_kernels/moe_reference.py``), on CUDA a fused Triton kernel over tokens sorted by expert
+(``paged_kernels/fused_moe.py``). Expert weights are stacked as
 transformers 5 keeps them: ``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj``
 ``[E, H, I]``; checkpoints store them per expert and ``worker/runner/models/families.py`` stacks
 them on load. Qwen2-MoE adds a shared expert, gated per token by a sigmoid.

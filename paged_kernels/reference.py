@@ -1,7 +1,7 @@
 """Plain PyTorch versions of the paged-KV kernels: the CPU path, and the oracle for the Triton ones.
 
 Cache layout (one K and one V tensor per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``
-(a quantized cache: uint8 rows of ``head_dim + 2``, ``kernels/kv_format.py``; the gathered context is
+(a quantized cache: uint8 rows of ``head_dim + 2``, ``paged_kernels/kv_format.py``; the gathered context is
 decoded to float32 before attending).
 Block tables are ``int32 [num_seqs, max_blocks]``; a slot is ``block * block_size + offset``;
 a negative slot means "skip" (padding). Attention accumulates in float32.

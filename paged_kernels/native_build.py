@@ -1,4 +1,4 @@
-"""Compiling the C kernels in ``kernels/csrc`` for the CPU they run on, once per machine.
+"""Compiling the C kernels in ``paged_kernels/csrc`` for the CPU they run on, once per machine.
 
 The library is built with the system C compiler (``cc -O3 -march=native -fopenmp``) into
 the caller's cache directory (the engine passes ``<pagedserve cache>/kernels``), keyed by the source, the compiler and the

@@ -4,7 +4,7 @@ prefill read K/V through the block tables, with no gathered copy of any context.
 The kernel takes, for every query token, its sequence and how many positions it sees (the whole
 context for a decode token, the positions up to its own for a prefill token). Float32 and bfloat16
 run natively, over a cache of the same dtype or a quantized one (one-byte codes decoded through the
-format's table inside the loop, ``kernels/kv_format.py``); other dtypes and shapes past the
+format's table inside the loop, ``paged_kernels/kv_format.py``); other dtypes and shapes past the
 kernel's limits go to the torch reference.
 """
 

@@ -1,4 +1,4 @@
-"""How the decode kernel (``kernels/paged_attention.py``) splits a context, as plain numbers that
+"""How the decode kernel (``paged_kernels/paged_attention.py``) splits a context, as plain numbers that
 memory planning and the CUDA graphs read without importing Triton: slices of ``PARTITION`` tokens,
 each leaving float32 partials (an output row, a maximum and a sum per query head) for the reduction.
 """

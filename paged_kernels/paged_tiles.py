@@ -41,7 +41,7 @@ def load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
 def _load_rows(ptr, offs, d, valid, mask, DIM: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr,
                BIAS: tl.constexpr):
     """float32 ``[len(offs), DIM_PAD]``: plain values, or one-byte codes times the row's bfloat16
-    scale (the two bytes after the codes; ``kernels/kv_format.py``), decoded with integer
+    scale (the two bytes after the codes; ``paged_kernels/kv_format.py``), decoded with integer
     arithmetic only, as exact as the torch reference's table."""
     if CODE == 0:
         return tl.load(ptr + offs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)

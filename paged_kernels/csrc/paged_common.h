@@ -1,6 +1,6 @@
 /* What the paged-attention kernels share: bfloat16 loads and stores, a vectorisable e^x, and the
  * loaders that turn one cache row (a position's head_dim values of one KV head, at the model's dtype
- * or quantized: kernels/kv_format.py) into float32. Included by paged_attention.c (one query token
+ * or quantized: paged_kernels/kv_format.py) into float32. Included by paged_attention.c (one query token
  * per task) and paged_prefill.c (a tile of a prefill chunk's tokens per task).
  */
 #ifndef PAGED_COMMON_H
@@ -90,7 +90,7 @@ static inline void int8_row(float *dst, const uint8_t *src, int64_t n, const flo
 /* Every layout a kernel is built for, as X(name, T, LOAD, STORE, C, EXTRA, ROW): T the type of q and
  * out, C the cache's element type, EXTRA the elements a row holds past its head_dim values (a
  * quantized row's scale), ROW the loader of one row; the name gets the layout's suffix
- * (kernels/native_attention.py looks them up by it). */
+ * (paged_kernels/native_attention.py looks them up by it). */
 #define FOR_EACH_LAYOUT(X, NAME)                                                \
     X(NAME##_f32, float, f32_load, f32_store, float, 0, f32_row)                \
     X(NAME##_bf16, uint16_t, bf16_load, bf16_store, uint16_t, 0, bf16_row)      \

@@ -1,5 +1,5 @@
 """Mixture-of-experts feed-forward in torch: the CPU path and the reference the Triton kernel
-(``kernels/fused_moe.py``) is tested against.
+(``paged_kernels/fused_moe.py``) is tested against.
 
 Each expert that received tokens runs once on all of them (one gather, two matmuls, one
 ``index_add_``), so the work is proportional to the tokens routed, not to tokens x experts. The

@@ -9,7 +9,7 @@ the end). Padding rows hold the pair id ``T * K``, which the kernels mask.
 and ``x[token] @ up_e`` in float32, then ``silu(gate) * up`` stored per pair. ``_down_kernel``:
 that times ``down_e``, scaled by the pair's routing weight, stored per pair; the ``K`` rows of a
 token are summed at the end (no atomics, so the result is deterministic). Reference:
-``kernels/moe_reference.grouped_moe``.
+``paged_kernels/moe_reference.grouped_moe``.
 """
 
 from __future__ import annotations

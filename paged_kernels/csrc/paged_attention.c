@@ -9,13 +9,13 @@
  * block by block with an online softmax, in float32 whatever the storage type.
  *
  * Layouts (contiguous): q/out [T, Hq, D]; k/v cache [num_blocks, block_size, Hkv, D], or, for a
- * quantized cache (kernels/kv_format.py), uint8 rows [num_blocks, block_size, Hkv, D + 2]: D one-byte
+ * quantized cache (paged_kernels/kv_format.py), uint8 rows [num_blocks, block_size, Hkv, D + 2]: D one-byte
  * codes, decoded through `lut` (256 floats), then the row's bfloat16 scale; block_tables int32
- * [S, table_stride]. Built and loaded by kernels/native_attention.py (ctypes).
+ * [S, table_stride]. Built and loaded by paged_kernels/native_attention.py (ctypes).
  */
 #include "paged_common.h"
 
-/* Limits the caller checks before choosing this kernel (kernels/native.py mirrors them). */
+/* Limits the caller checks before choosing this kernel (paged_kernels/native.py mirrors them). */
 int paged_attention_limits(int64_t *head_dim, int64_t *group, int64_t *block_size) {
     *head_dim = MAX_HEAD_DIM;
     *group = MAX_GROUP;
