@@ -40,8 +40,7 @@ class StepApplier:
                 continue
             seq.num_computed += item.num_tokens
             key = self.config.prefix_key(req.extra_key, seq.num_tokens)  # before this step's token is appended
-            self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key,
-                                                   req.prompt_hashes(self.config.block_size, key))
+            self._publish(req, seq, key)
             if self.sliding_window:  # the next query is at num_computed and sees positions > it - W
                 self.table.blocks.release_before(seq.seq_id, seq.num_computed - self.sliding_window + 1)
             if item.prompt_targets:
@@ -69,20 +68,22 @@ class StepApplier:
         if not 1 <= len(tokens) <= item.num_draft + 1:
             raise ValueError(f"seq {item.seq_id}: {len(tokens)} tokens for a draft of {item.num_draft}")
         self.spec_stats.record(item.num_draft, len(tokens) - 1)
-        blocks = self.table.blocks
-        blocks.rewind(seq.seq_id, item.start + len(tokens))  # the row's own token and the accepted guesses
+        self.table.blocks.rewind(seq.seq_id, item.start + len(tokens))  # the row's own token and the accepted guesses
         seq.num_computed = item.start + 1
         key = self.config.prefix_key(req.extra_key, seq.num_tokens)
-        blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key,
-                                    req.prompt_hashes(self.config.block_size, key))
+        self._publish(req, seq, key)  # as a plain step would, before a stop in the run frees the blocks
         for index, token in enumerate(tokens):
             self._append(req, seq, token)
             if seq.finished:
                 return
             if index < len(tokens) - 1:
                 seq.num_computed += 1  # an accepted guess: its KV was computed this step
-        blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key,
-                                    req.prompt_hashes(self.config.block_size, key))
+        self._publish(req, seq, key)
+
+    def _publish(self, req: Request, seq: Sequence, key) -> None:
+        """Register the seq's full, computed blocks in the prefix cache under ``key``'s salt."""
+        self.table.blocks.register_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed, key,
+                                               req.prompt_hashes(self.config.block_size, key))
 
     def _append(self, req: Request, seq: Sequence, token: SampledToken) -> None:
         seq.token_ids.append(token.token_id)

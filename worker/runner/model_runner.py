@@ -126,15 +126,15 @@ class ModelRunner:
         self.beams.forget(plan.finished_request_ids)
         step = self.forward(plan)
         beam_rows = [i for i, item in enumerate(step.items) if item.params.use_beam_search]
-        sampled = [i for i, item in enumerate(step.items) if not item.params.use_beam_search]
+        sampled = [i for i, item in enumerate(step.items) if not item.params.use_beam_search and not item.num_draft]
         samples, beams = {}, {}
         if sampled:
             items = [step.items[i] for i in sampled]
             drawn = self.sampler.sample(step.logits[sampled], items)
             samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
-            for item, logits in zip(items, step.logits[sampled]):
-                if item.num_draft:
-                    samples[item.seq_id] = self._verify(item, step.drafts[item.seq_id], logits)
+        for item, logits in zip(step.items, step.logits):  # speculative rows: every guessed position checked
+            if item.num_draft:
+                samples[item.seq_id] = self._verify(item, step.drafts[item.seq_id], logits)
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
         return StepResult(samples, beams, step.prompt)
