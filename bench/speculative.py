@@ -1,9 +1,11 @@
-"""Speculative decoding by prompt lookup, one stream at a time, on the real default model
-(SmolLM2-135M-Instruct): decode tokens/s with and without it, on prompts whose answers copy from
-them (quote a paragraph, edit a function) and on W64's random prompts (where lookup rarely finds
-anything, and must cost nothing), with the acceptance rate by position in the draft.
+"""Speculative decoding by prompt lookup on the real default model (SmolLM2-135M-Instruct): tokens/s
+with and without it on prompts whose answers copy from them (quote a paragraph, edit a function),
+one stream and 16 at once, and on W64's random prompts, greedy (this model's answer to noise loops,
+which lookup predicts) and sampled at temperature 1 (text that does not repeat: speculation must
+cost nearly nothing), one stream and W64's 64 requests at once; with the acceptance rate and
+whether the tokens equal those without speculation (greedy and seeded rows must).
 
-    python -m pagedserve.bench.speculative [--model PATH] [--count 4] [--max-tokens 128] [--k 6] [--lookup-min 2]
+    python -m pagedserve.bench.speculative [--model PATH] [--count 4] [--max-tokens 128] [--k 6] [--lookup-min 2] [--only NAME]
 """
 
 from __future__ import annotations
@@ -36,22 +38,49 @@ def copy_prompts(tokenizer, count: int) -> list[list[int]]:
     return [encode_chat(tokenizer, [{"role": "user", "content": ask}]) for ask in asks[:count]]
 
 
-def one_stream(engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Each prompt alone: decode tokens/s after the first token, summed over the prompts."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    decode_tokens, decode_seconds, outputs = 0, 0.0, []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"s{i}", prompt, params)
-        first = None
-        while engine.has_unfinished():
-            for out in engine.step():
-                if first is None and out.outputs[0].token_ids:
-                    first = (time.perf_counter(), len(out.outputs[0].token_ids))
-                if out.finished:
-                    outputs.append(list(out.outputs[0].token_ids))
-                    decode_tokens += len(out.outputs[0].token_ids) - first[1]
-                    decode_seconds += time.perf_counter() - first[0]
-    return {"decode_tokens_per_s": decode_tokens / max(decode_seconds, 1e-9), "outputs": outputs}
+def run(engine, prompts: list[list[int]], params: list[SamplingParams], at_once: bool) -> dict:
+    """The prompts one at a time (decode tokens/s after each first token, summed) or all at once
+    (output tokens/s over the wall time, prefill included, as the peers' W64 is read)."""
+    decode_tokens, decode_seconds, outputs, first = 0, 0.0, {}, {}
+    started = time.perf_counter()
+    pending = list(enumerate(zip(prompts, params)))
+    while pending or engine.has_unfinished():
+        if pending and (at_once or not engine.has_unfinished()):
+            for i, (prompt, p) in pending if at_once else pending[:1]:
+                engine.add_request(f"s{i}", prompt, p)
+            pending = [] if at_once else pending[1:]
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+            if out.request_id not in first and tokens:
+                first[out.request_id] = (time.perf_counter(), len(tokens))
+            if out.finished:
+                outputs[out.request_id] = list(tokens)
+                decode_tokens += len(tokens) - first[out.request_id][1]
+                decode_seconds += time.perf_counter() - first[out.request_id][0]
+    wall = time.perf_counter() - started
+    generated = sum(len(t) for t in outputs.values())
+    rate = generated / wall if at_once else decode_tokens / max(decode_seconds, 1e-9)
+    return {"tokens_per_s": rate, "outputs": [outputs[f"s{i}"] for i in range(len(prompts))]}
+
+
+def workloads(tokenizer, vocab: int, count: int, max_tokens: int) -> list[tuple[str, list[list[int]], list[SamplingParams], bool]]:
+    """(name, prompts, params, all at once): what speculation is for (text that copies, one stream
+    and 16 at once) and what it must not slow down (sampled text that does not repeat, one stream
+    and W64's 64 requests at once)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    copies = copy_prompts(tokenizer, count)
+    many = [copies[i % len(copies)] for i in range(16)]
+    random_work = w64(vocab, count)
+    batch = w64(vocab)
+    return [
+        ("copies, one stream", copies, [greedy] * len(copies), False),
+        ("W64 random greedy, one stream", [p for p, _ in random_work], [greedy] * len(random_work), False),
+        ("W64 random sampled T=1, one stream", [p for p, _ in random_work],
+         [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True) for i in range(len(random_work))], False),
+        ("copies, 16 at once", many, [greedy] * len(many), True),
+        ("W64 sampled T=1, 64 at once", [p for p, _ in batch],
+         [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, (_, n) in enumerate(batch)], True),
+    ]
 
 
 def main() -> None:
@@ -59,40 +88,42 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model directory or .gguf (default: the packaged SmolLM2-135M-Instruct)")
-    parser.add_argument("--count", type=int, default=4, help="prompts per workload")
+    parser.add_argument("--count", type=int, default=4, help="prompts per one-stream workload")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=6, help="num_speculative_tokens")
     parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--only", help="run only the workloads whose name contains this")
     args = parser.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}
     rows = []
     for label, speculative in (("off", None), (f"ngram k={args.k}", spec)):
         llm = LLM(args.model, dtype=args.dtype, speculative_config=speculative)
-        workloads = {"copies from its prompt": copy_prompts(llm.tokenizer, args.count),
-                     "W64 random": [p for p, _ in w64(llm.engine.info.config.vocab_size, args.count)]}
-        for workload, prompts in workloads.items():
+        for workload, prompts, params, at_once in workloads(llm.tokenizer, llm.engine.info.config.vocab_size,
+                                                             args.count, args.max_tokens):
+            if args.only and args.only not in workload:
+                continue
             before = llm.engine.stats()
-            result = one_stream(llm.engine, prompts, args.max_tokens)
+            result = run(llm.engine, prompts, params, at_once)
             after = llm.engine.stats()
-            drafted = after.get("spec_decode_num_draft_tokens_total", 0) - before.get("spec_decode_num_draft_tokens_total", 0)
-            accepted = after.get("spec_decode_num_accepted_tokens_total", 0) - before.get("spec_decode_num_accepted_tokens_total", 0)
+            drafted, accepted = (after.get(f"spec_decode_num_{name}_tokens_total", 0) - before.get(f"spec_decode_num_{name}_tokens_total", 0)
+                                 for name in ("draft", "accepted"))
             rows.append({"bench": "speculative", "config": label, "workload": workload, "prompts": len(prompts),
-                         "max_tokens": args.max_tokens, "decode_tokens_per_s": result["decode_tokens_per_s"],
+                         "max_tokens": args.max_tokens, "tokens_per_s": result["tokens_per_s"],
                          "draft_tokens": drafted, "accepted_tokens": accepted,
                          "acceptance": accepted / drafted if drafted else None, "outputs": result["outputs"]})
         if speculative:
             rows[-1]["accepted_by_position"] = llm.engine.spec_counts()
     for row in rows:
         base = next(r for r in rows if r["workload"] == row["workload"] and r["config"] == "off")
-        row["speedup"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["same_tokens"] = row["outputs"] == base["outputs"]
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "outputs"}))
     print_table(rows, [("workload", lambda r: r["workload"]), ("speculation", lambda r: r["config"]),
-                       ("decode tok/s", lambda r: f"{r['decode_tokens_per_s']:.1f}"),
+                       ("tok/s", lambda r: f"{r['tokens_per_s']:.1f}"),
                        ("vs off", lambda r: f"{r['speedup']:.2f}x"),
                        ("acceptance", lambda r: "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"),
                        ("same tokens", lambda r: "yes" if r["same_tokens"] else "NO")])

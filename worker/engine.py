@@ -273,6 +273,8 @@ class Engine:
             self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
             result = StepResult()
         self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, time.perf_counter() - started)
+        if self.scheduler.step_cost is not None and plan.seqs:
+            self.scheduler.step_cost.observe(plan.num_tokens, self.last_forward.seconds)
         return self.scheduler.update(plan, result)
 
     def _fail_holders(self, plan, message: str) -> None:

@@ -79,7 +79,7 @@ class EngineConfig:
                                       kind=non_negative(int))
     speculative_config: str | dict | None = flag(
         None, 'speculative decoding, as vLLM spells it (JSON): {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} guesses greedy rows\' next tokens from their own history '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} guesses a row\'s next tokens from its own history '
         "and checks them in one forward (default: off)", metavar="JSON")
     max_num_seqs: int = flag(256, "sequences in one running batch at most", kind=positive(int))
     max_num_batched_tokens: int = flag(2048, "tokens in one engine step at most (prefill chunks and decodes)",

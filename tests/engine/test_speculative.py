@@ -1,7 +1,9 @@
 """Speculative decoding by prompt lookup on the real engine: greedy output is token for token what
 the engine gives without it (and what transformers gives), with guesses accepted, under
-preemption, beside sampled rows, with stops and ``max_tokens`` landing inside an accepted run; the
-block manager's invariants hold after every step and nothing leaks."""
+preemption, beside sampled rows, with stops and ``max_tokens`` landing inside an accepted run;
+seeded sampled rows (penalties, logprobs) and structured outputs get their tokens unchanged too,
+with guesses kept; the block manager's invariants hold after every step and nothing leaks. Each
+row paces its guesses: one whose guesses keep failing guesses rarely."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.speculative import SpeculativeConfig
+from pagedserve.shared.structured import StructuredOutputs
+from pagedserve.worker.core.kv_snapshot import kv_snapshot
+from pagedserve.worker.core.request import Sequence
+from pagedserve.worker.core.speculative import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig, StepCost, next_draft
 from tests.engine.test_parity import run_checked
 
 MODEL = "llama-gqa"
@@ -29,7 +34,11 @@ def prompts(count: int, seed: int = 5) -> list[list[int]]:
 
 
 def engine(zoo, speculative=None, **kwargs) -> LLM:
-    return LLM(zoo.path(MODEL), device="cpu", dtype="float32", seed=0, speculative_config=speculative, **kwargs)
+    """With speculation, rows guess as their pace allows whatever a step costs (no ``StepCost``:
+    which guesses pay off on this machine's timings is tested on its own, below)."""
+    llm = LLM(zoo.path(MODEL), device="cpu", dtype="float32", seed=0, speculative_config=speculative, **kwargs)
+    llm.engine.scheduler.step_cost = None
+    return llm
 
 
 def slots_match_tokens(engine) -> None:
@@ -42,9 +51,17 @@ def slots_match_tokens(engine) -> None:
             assert len(blocks.block_table(seq.seq_id)) == blocks.blocks_for(seq.num_computed)
 
 
-def outputs(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+def finished(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> list:
     done = run_checked(llm, batch, params, slots_match_tokens)
-    return [list(done[i].outputs[0].token_ids) for i in range(len(batch))]
+    return [done[i].outputs[0] for i in range(len(batch))]
+
+
+def outputs(llm: LLM, batch: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    return [list(out.token_ids) for out in finished(llm, batch, params)]
+
+
+def accepted(llm: LLM) -> int:
+    return llm.engine.scheduler.applier.spec_stats.accepted_tokens
 
 
 def test_greedy_tokens_are_the_engines_and_transformers_with_guesses_accepted(zoo):
@@ -62,6 +79,9 @@ def test_greedy_tokens_are_the_engines_and_transformers_with_guesses_accepted(zo
     figures = spec.engine.stats()
     assert (figures["spec_decode_num_drafts_total"], figures["spec_decode_num_accepted_tokens_total"]) == (
         stats.drafts, stats.accepted_tokens)
+    dashboard = kv_snapshot(spec.engine.scheduler)["figures"]
+    assert (dashboard["spec_draft_tokens"], dashboard["spec_accepted_tokens"]) == (stats.draft_tokens, stats.accepted_tokens)
+    assert "spec_draft_tokens" not in kv_snapshot(engine(zoo).engine.scheduler)["figures"]
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 8, 13])
@@ -105,3 +125,116 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert spec.propose([1, 2, 3, 4], 10) == () and spec.propose([4, 4], 0) == ()
     assert spec.propose([1, 2, 1, 2], 10) == (1, 2)  # what is there, fewer than k
     assert SpeculativeConfig(prompt_lookup_min=2).propose([5, 1, 6, 1], 10) == ()
+
+
+def test_seeded_sampled_rows_keep_their_tokens_and_logprobs_with_penalties(zoo):
+    """A guess is checked by the row's own seeded draw at each position, with the guesses before it
+    as history: the same tokens as one step at a time, and the target's logprobs."""
+    batch = prompts(8, seed=21)
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0.02, top_k=0 if i % 2 else 5, top_p=0.9, seed=i,
+                             max_tokens=32, ignore_eos=True, logprobs=2, repetition_penalty=1.0 + 0.05 * (i % 3),
+                             frequency_penalty=0.1 * (i % 4 > 1)) for i in range(8)]  # near greedy: guesses kept
+    spec = engine(zoo, NGRAM)
+    ours, plain = finished(spec, batch, params), finished(engine(zoo), batch, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
+    for a, b in zip(ours, plain):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert x.top_logprobs.keys() == y.top_logprobs.keys()
+            assert all(abs(x.top_logprobs[t] - y.top_logprobs[t]) < 1e-4 for t in x.top_logprobs)
+    stats = spec.engine.scheduler.applier.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_structured_rows_guess_only_what_their_grammar_allows(zoo):
+    """JSON under a schema repeats its keys and punctuation: guesses are cut where the grammar
+    refuses, every position is masked, and the seeded outputs are the ones without guesses."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["page", "block"]},
+                                                        "minItems": 3, "maxItems": 6}},
+              "required": ["tags"], "additionalProperties": False}
+    batch = [[11, 12, 13 + i] for i in range(6)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80, structured=StructuredOutputs(json=schema))
+              for i in range(6)]
+    spec = engine(zoo, NGRAM)
+    ours = finished(spec, batch, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in finished(engine(zoo), batch, params)]
+    assert all(o.finish_reason == "stop" for o in ours) and accepted(spec) > 0
+
+
+def test_a_row_whose_guesses_fail_guesses_less_and_less_often():
+    pace = DraftPace(limit=6)
+    waits = []
+    for _ in range(7):
+        assert pace.ready()
+        pace.checked(pace.length, 0)
+        waits.append(pace.wait)
+        while not pace.ready():
+            pass
+        pace.wait = 0
+    assert waits == [1, 3, 7, 15, min(31, MAX_DRAFT_WAIT), MAX_DRAFT_WAIT, MAX_DRAFT_WAIT] and pace.length == 1
+    pace.checked(1, 1)  # kept whole: doubles, up to the limit
+    assert (pace.length, pace.misses) == (2, 0)
+    pace.checked(2, 2), pace.checked(4, 4)
+    assert pace.length == 6
+    pace.checked(6, 2)  # kept in part: one more than what was kept
+    assert pace.length == 3
+
+
+def test_the_pace_skips_steps_and_caps_the_guess():
+    spec = SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=2)
+    seq = Sequence(0, [1, 2, 3, 4, 5, 6, 1, 2], prompt_len=8)
+    assert next_draft(spec, seq, 10) == (3, 4, 5, 6, 1)
+    seq.draft_pace.checked(5, 0)  # nothing kept: the next step waits, then one token
+    assert next_draft(spec, seq, 10) == () and next_draft(spec, seq, 10) == (3,)
+    assert next_draft(spec, Sequence(1, [1, 2, 3, 1, 2], prompt_len=5), 1) == (3,)
+
+
+def test_a_guess_is_only_as_long_as_its_tokens_pay_for_themselves():
+    pace = DraftPace(limit=6)
+    assert pace.kept_rate == 0.5 and pace.worth(0.0) == 6 and pace.worth(1.0) == 0
+    assert pace.worth(0.3) == 1  # 0.5 > 0.3 > 0.25: the second token would be kept too rarely
+    for _ in range(20):
+        pace.checked(6, 6)
+    assert pace.kept_rate > 0.95 and pace.worth(0.3) == 6
+    for _ in range(60):  # older checks fade: 0.9 ** 60 of them is left
+        pace.checked(4, 1)  # one kept, the next rejected: a kept rate of 1/2
+    assert abs(pace.kept_rate - 0.5) < 0.01 and pace.worth(0.2) == 2
+
+
+def test_the_step_cost_share_grows_with_the_rows_a_step_carries():
+    cost = StepCost()
+    assert cost.token_share(16) == 0.0  # nothing seen: guess freely
+    for tokens in [1, 4, 16, 64, 100, 3, 30] * 3:
+        cost.observe(tokens, 0.030 + 0.002 * tokens)  # 30 ms fixed, 2 ms a token
+    assert abs(cost.token_share(1) - 0.002 / 0.032) < 1e-6
+    assert abs(cost.token_share(16) - 0.032 / 0.062) < 1e-6
+    assert cost.token_share(64) > 0.8
+    flat = StepCost()
+    for tokens in [1, 4, 16, 64] * 3:
+        flat.observe(tokens, 0.030)  # a step that costs the same whatever it carries
+    assert flat.token_share(64) < 1e-9
+
+
+class FrozenCost(StepCost):
+    """A step cost fitted once, on steps where each token costs 10 ms and the rest 1 ms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for tokens in (1, 2, 8, 32) * 4:
+            super().observe(tokens, 0.001 + 0.010 * tokens)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
+def test_the_engine_fits_its_step_cost_and_guesses_nothing_where_a_token_costs_a_step(zoo):
+    llm = LLM(zoo.path(MODEL), device="cpu", dtype="float32", seed=0, speculative_config=NGRAM)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 6
+    outputs(llm, prompts(6), params)
+    assert llm.engine.scheduler.step_cost.sums[0] > 0  # the steps were timed
+    stats = llm.engine.scheduler.applier.spec_stats
+    before = stats.draft_tokens
+    llm.engine.scheduler.step_cost = FrozenCost()
+    assert llm.engine.scheduler.step_cost.token_share(6) > 0.95
+    assert outputs(llm, prompts(6, seed=7), params) == outputs(engine(zoo), prompts(6, seed=7), params)
+    assert stats.draft_tokens == before  # no guess pays for itself there

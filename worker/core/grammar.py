@@ -36,3 +36,15 @@ def start_state(pristine: GrammarState, output_ids: list[int]) -> GrammarState:
     for token in output_ids:
         state.consume_token(token)
     return state
+
+
+def grammar_prefix(state: GrammarState | None, tokens: tuple[int, ...]) -> tuple[int, ...]:
+    """The longest start of ``tokens`` the grammar accepts from ``state`` (all of them without a
+    grammar), tried on a copy: a speculative guess is cut before the first token it refuses."""
+    if state is None or not tokens:
+        return tokens
+    trial = state.deep_copy()
+    for kept, token in enumerate(tokens):
+        if trial.is_stopped() or not trial.consume_token(token):
+            return tokens[:kept]
+    return tokens

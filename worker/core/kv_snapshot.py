@@ -11,7 +11,8 @@ two pictures, ``MAX_REQUESTS`` rows of ``ROW_BYTES`` and ``MAX_TABLE_ENTRIES`` e
 
 ``figures.unpaged`` is what the running requests would reserve without paging (``unpaged_blocks``),
 to set against ``used`` (what they hold) and ``logical`` (what their tables name: without sharing).
-With tiers under the prefix cache, ``figures`` also has their occupancy (``tier_figures``).
+With tiers under the prefix cache, ``figures`` also has their occupancy (``tier_figures``); with
+speculative decoding, the guessed and kept tokens (``spec_figures``).
 
 A request row: ``id``, ``state`` (running / swapped / waiting), ``prompt`` and ``generated``
 tokens (over its sequences), ``age`` in seconds, ``blocks`` (distinct blocks it holds), ``device``
@@ -54,6 +55,7 @@ def kv_snapshot(scheduler) -> dict:
             "prefix_query_tokens": stats.prefix_query_tokens, "prefix_hit_tokens": stats.prefix_hit_tokens,
             "unpaged": unpaged_blocks(scheduler.running, blocks.block_size),
             **tier_figures(blocks.tiers, stats.tier_hit_tokens),
+            **spec_figures(scheduler),
         },
         "requests": rows,
         "unlisted": len(scheduler.running) + len(scheduler.swapped) + len(scheduler.waiting) - len(rows),
@@ -71,6 +73,14 @@ def tier_figures(tiers, hit_tokens: int) -> dict:
     if tiers.disk is not None:
         figures.update(disk_bytes=tiers.disk.num_bytes, disk_max_bytes=tiers.disk.max_bytes)
     return figures
+
+
+def spec_figures(scheduler) -> dict:
+    """Speculative decoding, when it is on: guessed tokens checked and kept so far."""
+    if scheduler.config.speculative is None:
+        return {}
+    spec = scheduler.applier.spec_stats
+    return {"spec_draft_tokens": spec.draft_tokens, "spec_accepted_tokens": spec.accepted_tokens}
 
 
 def unpaged_blocks(running, block_size: int) -> int:

@@ -42,6 +42,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # one entry per output token when asked
     cumulative_logprob: float = 0.0
     grammar: object = None  # this sequence's GrammarState (worker.core.grammar) when the output is constrained
+    draft_pace: object = None  # speculative decoding: its DraftPace (worker.core.speculative), once it guessed
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,7 @@ from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
 from pagedserve.worker.core.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.request_table import RequestTable
+from pagedserve.worker.core.speculative import StepCost, next_draft
 from pagedserve.worker.core.step_apply import StepApplier
 
 
@@ -71,6 +72,7 @@ class Scheduler:
         self.running, self.swapped = self.table.running, self.table.swapped
         self.stats = SchedulerStats()
         self.applier = StepApplier(self.table, self.eos_token_ids, config)
+        self.step_cost = StepCost() if config.speculative else None  # what a guessed token costs (Engine.step feeds it)
         self.outputs = OutputBuilder(self.table, detokenizer)
         self._orders = itertools.count()
 
@@ -176,12 +178,13 @@ class Scheduler:
     def _schedule_running(self, step: StepBuilder) -> None:
         self.running.sort(key=lambda r: r.sort_key)
         queue = list(self.running)
+        share = self.step_cost.token_share(sum(len(r.live_seqs) for r in queue)) if self.step_cost else 0.0
         while queue and step.budget > 0:
             req = queue.pop(0)
             if self._crossed_rope_switch(req):
                 continue
             sizes = self._chunk_sizes(req, step.budget)
-            drafts = self._drafts(req, sizes, step.budget)
+            drafts = self._drafts(req, sizes, step.budget, share)
             if drafts:  # only into free blocks: a guess never preempts anyone
                 guessed = [(seq_id, count + len(drafts.get(seq_id, ()))) for seq_id, count in sizes]
                 if self.blocks.cost_to_grow(guessed) <= self.blocks.num_free_blocks:
@@ -196,20 +199,21 @@ class Scheduler:
             else:
                 self._emit(req, sizes, step, drafts)
 
-    def _drafts(self, req: Request, sizes: list[tuple[int, int]], budget: int) -> dict[int, tuple[int, ...]]:
-        """Speculative decoding: the tokens prompt lookup guesses for a greedy decode row (one
-        sequence, no grammar, no beam search), within its ``max_tokens``, the context and the
-        step's budget; empty without ``speculative`` or a guess."""
+    def _drafts(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float) -> dict[int, tuple[int, ...]]:
+        """Speculative decoding: the tokens prompt lookup guesses for a decode row of one sequence
+        (no fork, no beam search), as long as its pace allows and they pay for themselves at
+        ``share`` (``StepCost.token_share``), within its ``max_tokens``, the context and the step's
+        budget, cut before the first token its grammar refuses; empty without ``speculative`` or a guess."""
         spec, p = self.config.speculative, req.params
-        if (spec is None or not p.greedy or p.use_beam_search or p.num_seqs != 1 or len(sizes) != 1
+        if (spec is None or p.use_beam_search or p.num_seqs != 1 or len(sizes) != 1
                 or self.config.sliding_window or self.config.rope_switch):
             return {}
         (seq_id, count), = sizes
         seq = self.table.seq(seq_id)
-        if count != 1 or seq.num_uncomputed != 1 or seq.grammar is not None:
+        if count != 1 or seq.num_uncomputed != 1:
             return {}
         room = min(p.max_tokens - seq.num_output - 1, self.config.max_model_len - seq.num_tokens, budget - 1)
-        draft = spec.propose(seq.token_ids, room)
+        draft = next_draft(spec, seq, room, share)
         return {seq_id: draft} if draft else {}
 
     def _crossed_rope_switch(self, req: Request) -> bool:

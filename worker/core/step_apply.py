@@ -68,6 +68,8 @@ class StepApplier:
         if not 1 <= len(tokens) <= item.num_draft + 1:
             raise ValueError(f"seq {item.seq_id}: {len(tokens)} tokens for a draft of {item.num_draft}")
         self.spec_stats.record(item.num_draft, len(tokens) - 1)
+        if seq.draft_pace is not None:
+            seq.draft_pace.checked(item.num_draft, len(tokens) - 1)
         self.table.blocks.rewind(seq.seq_id, item.start + len(tokens))  # the row's own token and the accepted guesses
         seq.num_computed = item.start + 1
         key = self.config.prefix_key(req.extra_key, seq.num_tokens)

@@ -10,7 +10,8 @@ no scheduling decision.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -22,6 +23,7 @@ from pagedserve.worker.core.plan import SampledToken, ScheduledSeq, StepPlan, St
 from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
+from pagedserve.worker.runner.draft_check import check_drafts
 from pagedserve.worker.runner.kv_tiers import TierCopier
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampler import Sampler, scored_token
@@ -134,25 +136,10 @@ class ModelRunner:
             samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
         for item, logits in zip(step.items, step.logits):  # speculative rows: every guessed position checked
             if item.num_draft:
-                samples[item.seq_id] = self._verify(item, step.drafts[item.seq_id], logits)
+                samples[item.seq_id] = check_drafts(self.sampler, item, step.drafts[item.seq_id], logits)
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
         return StepResult(samples, beams, step.prompt)
-
-    def _verify(self, item: ScheduledSeq, draft_logits: torch.Tensor, last_logits: torch.Tensor) -> tuple[SampledToken, ...]:
-        """Speculative decoding (greedy rows): what the sampler picks at each guessed position,
-        with the guesses before it as the row's history, up to the first guess it disagrees with;
-        then its own token there (or after the last guess). Exactly the tokens of one step at a time."""
-        draft = item.token_ids[-item.num_draft :]
-        history = bool(item.output_ids or item.prompt_ids)
-        rows = [replace(item, num_samples=1, num_output=item.num_output + j,
-                        output_ids=item.output_ids + draft[:j] if history else item.output_ids)
-                for j in range(item.num_draft + 1)]
-        picked = [tokens[0] for tokens in self.sampler.sample(torch.cat([draft_logits, last_logits[None]]), rows)]
-        accepted = 0
-        while accepted < item.num_draft and picked[accepted].token_id == draft[accepted]:
-            accepted += 1
-        return tuple(picked[: accepted + 1])
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -185,9 +172,17 @@ class ModelRunner:
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=dev)
         prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
                   for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
-        drafts = {s.seq_id: self.model.compute_logits(hidden[last - s.num_draft : last])
-                  for s, last in zip(items, last_index) if s.num_draft} if drafted else {}
+        drafts = self._draft_logits(hidden, items, last_index) if drafted else {}
         return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, drafts)
+
+    def _draft_logits(self, hidden: torch.Tensor, items: list[ScheduledSeq], last_index: list[int]) -> dict[int, torch.Tensor]:
+        """Speculative rows: the logits before each guess (the positions ahead of a row's last), for
+        every such row with one head call."""
+        spans = [(s.seq_id, last - s.num_draft, last) for s, last in zip(items, last_index) if s.num_draft]
+        index = torch.tensor([i for _, lo, hi in spans for i in range(lo, hi)], dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        starts = itertools.accumulate((hi - lo for _, lo, hi in spans), initial=0)
+        return {seq_id: logits[at : at + hi - lo] for (seq_id, lo, hi), at in zip(spans, starts)}
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first: int, item: ScheduledSeq) -> tuple[SampledToken, ...]:
         """Each chunk position's log-softmax at the prompt token after it, and the top-N, in slices

@@ -1,0 +1,83 @@
+"""Speculative decoding's check leaves the target distribution unchanged: thousands of draws of a
+two-token guess, seeded and unseeded, with temperature, top-k, top-p, min-p and every penalty, and
+a chi-square test at each position against the sampler's own filtered softmax given the history
+the position really has (the guesses before it count for the penalties)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.plan import ScheduledSeq
+from pagedserve.worker.runner.draft_check import check_drafts
+from pagedserve.worker.runner.sampler import Sampler, SampleRow, apply_penalties, filtered_probs
+from tests.runner.test_sampler_distribution import chi_square_critical
+
+VOCAB, DRAWS, GUESS = 48, 4000, 7
+PROMPT, OUTPUT = (1, 2, 3), (4, 5, 6)
+PARAMS = dict(temperature=0.9, top_k=30, top_p=0.95, min_p=0.02, repetition_penalty=1.8,
+              presence_penalty=0.6, frequency_penalty=0.4)
+
+
+def position_logits() -> torch.Tensor:
+    """Logits before the first guess, before the second, after the last. The guess (7, 7) is
+    likely at both guessed positions, so the penalty the first guess puts on the second moves real
+    mass, and a check that forgot the history would be seen."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    logits[0, GUESS] = 4.0
+    logits[1, GUESS] = 7.0
+    return logits
+
+
+def target(logits: torch.Tensor, params: SamplingParams, output: tuple[int, ...]) -> torch.Tensor:
+    row = SampleRow(params, PROMPT, output, 0, 1, len(output))
+    probs = filtered_probs(apply_penalties(logits[None].clone(), [row], ()), [params])[0]
+    return probs / probs.sum()
+
+
+def chi_square(tokens: list[int], expected: torch.Tensor) -> tuple[float, float]:
+    counts = torch.bincount(torch.tensor(tokens, dtype=torch.int64), minlength=VOCAB).double()
+    allowed = expected > 0
+    assert counts[~allowed].sum() == 0, "a token outside the filtered set"
+    wanted = expected[allowed] * len(tokens)
+    return float(((counts[allowed] - wanted) ** 2 / wanted).sum()), chi_square_critical(int(allowed.sum()) - 1)
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_guessed_positions_draw_from_the_targets_filtered_softmax(seeded):
+    logits = position_logits()
+    sampler = Sampler(frozenset())
+    runs = []
+    for s in range(DRAWS):
+        params = SamplingParams(seed=s if seeded else None, **PARAMS)
+        item = ScheduledSeq(0, "r", (OUTPUT[-1], GUESS, GUESS), 6, (0,), 1, params, 0, len(OUTPUT), PROMPT, OUTPUT,
+                            num_draft=2)
+        runs.append([t.token_id for t in check_drafts(sampler, item, logits[:2], logits[2])])
+    params = SamplingParams(**PARAMS)
+    first = [run[0] for run in runs]
+    second = [run[1] for run in runs if len(run) > 1]
+    third = [run[2] for run in runs if len(run) > 2]
+    assert all(len(run) == 1 or run[0] == GUESS for run in runs) and all(len(run) < 3 or run[1] == GUESS for run in runs)
+    assert len(second) > DRAWS / 3 and len(third) > DRAWS / 8  # guesses kept often enough to test what follows
+    for tokens, expected in ((first, target(logits[0], params, OUTPUT)),
+                             (second, target(logits[1], params, OUTPUT + (GUESS,))),
+                             (third, target(logits[2], params, OUTPUT + (GUESS, GUESS)))):
+        statistic, critical = chi_square(tokens, expected)
+        assert statistic < critical, (statistic, critical)
+
+
+def test_a_seeded_row_draws_what_it_draws_one_step_at_a_time():
+    """The guesses' check is the plain step's draw: same seed, same tokens, same logprobs."""
+    logits = position_logits()
+    sampler = Sampler(frozenset())
+    for s in range(200):
+        params = SamplingParams(seed=s, logprobs=3, **PARAMS)
+        item = ScheduledSeq(0, "r", (OUTPUT[-1], GUESS, GUESS), 6, (0,), 1, params, 0, len(OUTPUT), PROMPT, OUTPUT,
+                            num_draft=2)
+        checked = check_drafts(sampler, item, logits[:2], logits[2])
+        history = OUTPUT
+        for position, token in enumerate(checked):
+            alone = sampler.sample(logits[position][None], [SampleRow(params, PROMPT, history, 0, 1, len(history))])[0][0]
+            assert alone == token
+            history += (token.token_id,)
