@@ -205,6 +205,11 @@ def prefill_attention(
     return out[valid_q].to(q.dtype)
 
 
+def block_pairs(pairs, device: torch.device) -> torch.Tensor:
+    """``(src, dst)`` block pairs as the ``[N, 2]`` int64 tensor ``copy_blocks`` and ``swap_blocks`` take."""
+    return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)
+
+
 def copy_blocks(kv_pool: torch.Tensor, pairs: torch.Tensor) -> None:
     """Copy-on-write for every layer at once: block ``dst`` becomes a copy of block ``src``.
 

@@ -14,9 +14,11 @@ import pytest
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
+from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.guesses import row_guess
 from pagedserve.worker.core.kv_snapshot import kv_snapshot
-from pagedserve.worker.core.request import Sequence
-from pagedserve.worker.core.speculative import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig, StepCost, next_draft
+from pagedserve.worker.core.request import Request, Sequence
+from pagedserve.worker.core.speculative import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig, StepCost
 from tests.engine.test_parity import run_checked
 
 MODEL = "llama-gqa"
@@ -182,11 +184,20 @@ def test_a_row_whose_guesses_fail_guesses_less_and_less_often():
 
 def test_the_pace_skips_steps_and_caps_the_guess():
     spec = SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=2)
+    config = SchedulerConfig(num_gpu_blocks=8, speculative=spec)
     seq = Sequence(0, [1, 2, 3, 4, 5, 6, 1, 2], prompt_len=8)
-    assert next_draft(spec, seq, 10) == (3, 4, 5, 6, 1)
+    req = Request("r", list(seq.token_ids), SamplingParams(max_tokens=20), 0.0, 0, seqs=[seq])
+
+    def guess(budget=11):
+        made = row_guess(config, req, seq, 1, budget, 0.0)
+        return made.tokens if made else ()
+
+    seq.num_computed = 7
+    assert guess() == (3, 4, 5, 6, 1)
     seq.draft_pace.checked(5, 0)  # nothing kept: the next step waits, then one token
-    assert next_draft(spec, seq, 10) == () and next_draft(spec, seq, 10) == (3,)
-    assert next_draft(spec, Sequence(1, [1, 2, 3, 1, 2], prompt_len=5), 1) == (3,)
+    assert guess() == () and guess() == (3,)
+    seq.draft_pace = None
+    assert guess(budget=2) == (3,)  # the step's budget caps it
 
 
 def test_a_guess_is_only_as_long_as_its_tokens_pay_for_themselves():

@@ -53,7 +53,7 @@ def test_guessed_positions_draw_from_the_targets_filtered_softmax(seeded):
         params = SamplingParams(seed=s if seeded else None, **PARAMS)
         item = ScheduledSeq(0, "r", (OUTPUT[-1], GUESS, GUESS), 6, (0,), 1, params, 0, len(OUTPUT), PROMPT, OUTPUT,
                             num_draft=2)
-        runs.append([t.token_id for t in check_drafts(sampler, item, logits[:2], logits[2])])
+        runs.append([t.token_id for t in check_drafts(sampler, [item], [logits[:2]], logits[2:])[0]])
     params = SamplingParams(**PARAMS)
     first = [run[0] for run in runs]
     second = [run[1] for run in runs if len(run) > 1]
@@ -75,9 +75,27 @@ def test_a_seeded_row_draws_what_it_draws_one_step_at_a_time():
         params = SamplingParams(seed=s, logprobs=3, **PARAMS)
         item = ScheduledSeq(0, "r", (OUTPUT[-1], GUESS, GUESS), 6, (0,), 1, params, 0, len(OUTPUT), PROMPT, OUTPUT,
                             num_draft=2)
-        checked = check_drafts(sampler, item, logits[:2], logits[2])
+        checked = check_drafts(sampler, [item], [logits[:2]], logits[2:])[0]
         history = OUTPUT
         for position, token in enumerate(checked):
             alone = sampler.sample(logits[position][None], [SampleRow(params, PROMPT, history, 0, 1, len(history))])[0][0]
             assert alone == token
             history += (token.token_id,)
+
+
+def test_rows_checked_together_draw_what_each_draws_alone():
+    """One sampler call for every guessing row of a step: seeded rows with guesses of different
+    lengths get, together, the tokens each gets checked alone."""
+    logits = position_logits()
+    sampler = Sampler(frozenset())
+    items, befores, lasts = [], [], []
+    for s in range(12):
+        num_draft = 1 + s % 2
+        params = SamplingParams(seed=100 + s, logprobs=2, **PARAMS)
+        items.append(ScheduledSeq(s, f"r{s}", (OUTPUT[-1],) + (GUESS,) * num_draft, 6, (s,), 1, params, 0, len(OUTPUT),
+                                  PROMPT, OUTPUT, num_draft=num_draft))
+        befores.append(logits[:num_draft])
+        lasts.append(logits[num_draft])
+    together = check_drafts(sampler, items, befores, torch.stack(lasts))
+    alone = [check_drafts(sampler, [item], [before], last[None])[0] for item, before, last in zip(items, befores, lasts)]
+    assert together == alone and {len(run) for run in together} == {1, 2, 3}

@@ -38,13 +38,16 @@ def start_state(pristine: GrammarState, output_ids: list[int]) -> GrammarState:
     return state
 
 
-def grammar_prefix(state: GrammarState | None, tokens: tuple[int, ...]) -> tuple[int, ...]:
-    """The longest start of ``tokens`` the grammar accepts from ``state`` (all of them without a
-    grammar), tried on a copy: a speculative guess is cut before the first token it refuses."""
-    if state is None or not tokens:
-        return tokens
-    trial = state.deep_copy()
-    for kept, token in enumerate(tokens):
+def guess_states(state: GrammarState | None, tokens: tuple[int, ...]) -> tuple:
+    """A speculative guess under a grammar: the state before each of the longest start of
+    ``tokens`` the grammar accepts from ``state``, and after its last (copies, the sequence's own
+    state untouched); the guess is cut to one fewer token than there are states. () without a grammar."""
+    if state is None:
+        return ()
+    states = [state]
+    for token in tokens:
+        trial = states[-1].deep_copy()
         if trial.is_stopped() or not trial.consume_token(token):
-            return tokens[:kept]
-    return tokens
+            break
+        states.append(trial)
+    return tuple(states)

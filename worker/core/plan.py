@@ -34,6 +34,7 @@ class ScheduledSeq:
     seq_len: int = 0  # the sequence's length now, computed or not (rope that changes with length reads it)
     prompt_targets: tuple[int, ...] = ()  # prompt_logprobs: the prompt token after each of the first positions
     num_draft: int = 0  # speculative decoding: the last num_draft of token_ids are guesses the runner checks
+    draft_grammars: tuple = ()  # with a grammar: its state before each guess and after the last
 
     @property
     def num_tokens(self) -> int:

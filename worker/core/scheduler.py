@@ -36,7 +36,8 @@ from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
 from pagedserve.worker.core.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.request_table import RequestTable
-from pagedserve.worker.core.speculative import StepCost, next_draft
+from pagedserve.worker.core.guesses import Guess, row_guess
+from pagedserve.worker.core.speculative import StepCost
 from pagedserve.worker.core.step_apply import StepApplier
 
 
@@ -184,37 +185,27 @@ class Scheduler:
             if self._crossed_rope_switch(req):
                 continue
             sizes = self._chunk_sizes(req, step.budget)
-            drafts = self._drafts(req, sizes, step.budget, share)
-            if drafts:  # only into free blocks: a guess never preempts anyone
-                guessed = [(seq_id, count + len(drafts.get(seq_id, ()))) for seq_id, count in sizes]
+            guess = self._guess(req, sizes, step.budget, share)
+            if guess:  # only into free blocks: a guess never preempts anyone
+                guessed = [(seq_id, count + len(guess.tokens)) for seq_id, count in sizes]
                 if self.blocks.cost_to_grow(guessed) <= self.blocks.num_free_blocks:
                     sizes = guessed
                 else:
-                    drafts = {}
+                    guess = None
             while self.blocks.cost_to_grow(sizes) > self.blocks.num_free_blocks:
                 victim = queue.pop() if queue else req
                 self._preempt(victim, step)
                 if victim is req:
                     break
             else:
-                self._emit(req, sizes, step, drafts)
+                self._emit(req, sizes, step, guess)
 
-    def _drafts(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float) -> dict[int, tuple[int, ...]]:
-        """Speculative decoding: the tokens prompt lookup guesses for a decode row of one sequence
-        (no fork, no beam search), as long as its pace allows and they pay for themselves at
-        ``share`` (``StepCost.token_share``), within its ``max_tokens``, the context and the step's
-        budget, cut before the first token its grammar refuses; empty without ``speculative`` or a guess."""
-        spec, p = self.config.speculative, req.params
-        if (spec is None or p.use_beam_search or p.num_seqs != 1 or len(sizes) != 1
-                or self.config.sliding_window or self.config.rope_switch):
-            return {}
+    def _guess(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float) -> Guess | None:
+        """Speculative decoding: a one-sequence request's guess (``worker/core/guesses.py``)."""
+        if self.config.speculative is None or len(sizes) != 1:
+            return None
         (seq_id, count), = sizes
-        seq = self.table.seq(seq_id)
-        if count != 1 or seq.num_uncomputed != 1:
-            return {}
-        room = min(p.max_tokens - seq.num_output - 1, self.config.max_model_len - seq.num_tokens, budget - 1)
-        draft = next_draft(spec, seq, room, share)
-        return {seq_id: draft} if draft else {}
+        return row_guess(self.config, req, self.table.seq(seq_id), count, budget, share)
 
     def _crossed_rope_switch(self, req: Request) -> bool:
         """Long-rope: a sequence that grew past ``rope_switch`` holds KV rotated with the short
@@ -303,9 +294,8 @@ class Scheduler:
             req.first_scheduled = self.clock()
         self.running.append(req)
 
-    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder,
-              drafts: dict[int, tuple[int, ...]] | None = None) -> None:
-        """Grow the seqs' tables (a draft's slots too) and add their work to the step."""
+    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder, guess: Guess | None = None) -> None:
+        """Grow the seqs' tables (a guess's slots too: one sequence's) and add their work to the step."""
         for seq_id, count in sizes:
             if count <= 0:
                 continue
@@ -313,12 +303,12 @@ class Scheduler:
             copies = self.blocks.grow(seq_id, count)
             self.stats.cow_copies += len(copies)
             step.copies.extend(copies)
-            draft = (drafts or {}).get(seq_id, ())
-            step.seqs.append(self._scheduled(req, seq, count - len(draft), draft))
+            guessed = guess.tokens if guess else ()
+            step.seqs.append(self._scheduled(req, seq, count - len(guessed), guess))
             step.budget -= count
 
-    def _scheduled(self, req: Request, seq: Sequence, count: int, draft: tuple[int, ...] = ()) -> ScheduledSeq:
-        """The work and everything the runner needs to sample it, without asking back; a draft's
+    def _scheduled(self, req: Request, seq: Sequence, count: int, guess: Guess | None = None) -> ScheduledSeq:
+        """The work and everything the runner needs to sample it, without asking back; a guess's
         tokens follow the row's own (the runner checks them)."""
         p, start = req.params, seq.num_computed
         samples = 0
@@ -326,11 +316,12 @@ class Scheduler:
             samples = p.num_seqs if req.needs_fork else 1
         history = samples and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
         return ScheduledSeq(
-            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + draft, start,
+            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + (guess.tokens if guess else ()), start,
             self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
-            seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count), len(draft),
+            seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
+            len(guess.tokens) if guess else 0, guess.grammars if guess else (),
         )
 
     @staticmethod

@@ -24,8 +24,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pagedserve.worker.core.grammar import grammar_prefix
-
 MAX_SPECULATIVE_TOKENS = 16
 MAX_DRAFT_WAIT = 31  # steps a row whose guesses keep failing waits, at most, before it guesses again
 RATE_DECAY = 0.9  # a row's kept rate: each older check weighs this much as the next
@@ -194,12 +192,3 @@ class SpeculativeConfig:
             return ()
         return tuple(tokens[best_end + 1 : best_end + 1 + limit])
 
-
-def next_draft(spec: SpeculativeConfig, seq, room: int, token_share: float = 0.0) -> tuple[int, ...]:
-    """The guess for ``seq``'s next step (a ``worker.core.request.Sequence`` decoding one token), at
-    most ``room`` tokens and as many as pay for themselves at ``token_share`` (``StepCost``): none
-    while its pace waits; cut before the first token its grammar refuses."""
-    pace = seq.draft_pace = seq.draft_pace or DraftPace(spec.num_speculative_tokens)
-    if not pace.ready():
-        return ()
-    return grammar_prefix(seq.grammar, spec.propose(seq.token_ids, min(room, pace.worth(token_share))))

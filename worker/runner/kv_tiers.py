@@ -32,15 +32,12 @@ class TierCopier:
         """Bytes of one block's slice of ``kv_pool``: what a disk file carries."""
         return kv_pool[:, 0].numel() * kv_pool.element_size()
 
-    def _pairs(self, pairs, device: torch.device) -> torch.Tensor:
-        return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)
-
     def before_swaps(self, moves: TierMoves) -> None:
         """Spills to disk, then demotions into the host pool: every read of a slot or block this
         step's other moves or forward may overwrite."""
         self.spill(moves.spills)
         if moves.demotions:
-            reference.swap_blocks(self.kv_pool, self.host_pool, self._pairs(moves.demotions, self.kv_pool.device))
+            reference.swap_blocks(self.kv_pool, self.host_pool, reference.block_pairs(moves.demotions, self.kv_pool.device))
 
     def spill(self, spills, wait: bool = False) -> None:
         """Hand these blocks' bytes to the disk tier (``wait``: for its writer, rather than skip)."""
@@ -56,7 +53,7 @@ class TierCopier:
             return
         started = time.perf_counter()
         if moves.promotions:
-            reference.swap_blocks(self.host_pool, self.kv_pool, self._pairs(moves.promotions, self.host_pool.device))
+            reference.swap_blocks(self.host_pool, self.kv_pool, reference.block_pairs(moves.promotions, self.host_pool.device))
         shape, dtype = self.kv_pool[:, 0].shape, self.kv_pool.dtype
         for payload, block in moves.loads:
             with warnings.catch_warnings():  # read-only bytes: only read here

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from pagedserve.kernels.decode_partitions import decode_variant_lengths
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.ops import AttentionOps
+from pagedserve.kernels.reference import block_pairs
 from pagedserve.worker.core.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
 from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.beam_search import BeamSearcher
@@ -87,9 +88,6 @@ class ModelRunner:
             for length in decode_variant_lengths(max_model_len):
                 self.ops.decode(q, *self.kv_caches[0], tables, lens, 1.0, max_seq_len=length, **dict(extra))
 
-    def _pairs(self, pairs, device: torch.device) -> torch.Tensor:
-        return torch.tensor(pairs, dtype=torch.int64, device=device).view(-1, 2)
-
     def apply_block_moves(self, plan: StepPlan) -> None:
         """The tiers' spills and demotions (reads of blocks the rest may overwrite), swap out, the
         tiers' promotions and loads, swap in, then copy-on-write: a block freed by a swap-out may
@@ -99,14 +97,14 @@ class ModelRunner:
             self.tiers.before_swaps(tier)
         if plan.swap_out:
             with self._swap_stream():
-                self.ops.swap_blocks(self.kv_pool, self.cpu_pool, self._pairs(plan.swap_out, self.device))
+                self.ops.swap_blocks(self.kv_pool, self.cpu_pool, block_pairs(plan.swap_out, self.device))
         if tier:
             self.tiers.after_swap_out(tier)
         if plan.swap_in:
             with self._swap_stream():
-                self.ops.swap_blocks(self.cpu_pool, self.kv_pool, self._pairs(plan.swap_in, self.cpu_pool.device))
+                self.ops.swap_blocks(self.cpu_pool, self.kv_pool, block_pairs(plan.swap_in, self.cpu_pool.device))
         if plan.copies:
-            self.ops.copy_blocks(self.kv_pool, self._pairs(plan.copies, self.device))
+            self.ops.copy_blocks(self.kv_pool, block_pairs(plan.copies, self.device))
 
     @contextlib.contextmanager
     def _swap_stream(self):
@@ -134,9 +132,11 @@ class ModelRunner:
             items = [step.items[i] for i in sampled]
             drawn = self.sampler.sample(step.logits[sampled], items)
             samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
-        for item, logits in zip(step.items, step.logits):  # speculative rows: every guessed position checked
-            if item.num_draft:
-                samples[item.seq_id] = check_drafts(self.sampler, item, step.drafts[item.seq_id], logits)
+        guessing = [i for i, item in enumerate(step.items) if item.num_draft]
+        if guessing:  # speculative rows: every guessed position checked, all rows in one sampler call
+            items = [step.items[i] for i in guessing]
+            checked = check_drafts(self.sampler, items, [step.drafts[item.seq_id] for item in items], step.logits[guessing])
+            samples.update((item.seq_id, tokens) for item, tokens in zip(items, checked))
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
         return StepResult(samples, beams, step.prompt)

@@ -1,0 +1,41 @@
+"""Which rows guess this step, and what: the scheduler's half of speculative decoding.
+
+A row guesses when it decodes one token of one sequence (no fork, no beam search; not under a
+sliding window or long-rope's switch), its pace allows (``DraftPace``), and its guessed tokens pay
+for themselves at this step's size (``StepCost``). Prompt lookup's guess is cut before the first
+token the row's grammar refuses, and carries the grammar's state at each guessed position for the
+runner's check (``worker/runner/draft_check.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.worker.core.config import SchedulerConfig
+from pagedserve.worker.core.grammar import guess_states
+from pagedserve.worker.core.request import Request, Sequence
+from pagedserve.worker.core.speculative import DraftPace
+
+
+@dataclass(frozen=True)
+class Guess:
+    tokens: tuple[int, ...]
+    grammars: tuple = ()  # with a grammar: its state before each guessed token and after the last
+
+
+def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, budget: int, token_share: float) -> Guess | None:
+    """The guess for ``seq``'s step of ``count`` tokens, at most ``budget - 1`` tokens, within its
+    ``max_tokens`` and the context; None where it makes none."""
+    spec, p = config.speculative, req.params
+    if (spec is None or p.use_beam_search or p.num_seqs != 1 or count != 1 or seq.num_uncomputed != 1
+            or config.sliding_window or config.rope_switch):
+        return None
+    room = min(p.max_tokens - seq.num_output - 1, config.max_model_len - seq.num_tokens, budget - 1)
+    pace = seq.draft_pace = seq.draft_pace or DraftPace(spec.num_speculative_tokens)
+    if not pace.ready():
+        return None
+    tokens = spec.propose(seq.token_ids, min(room, pace.worth(token_share)))
+    states = guess_states(seq.grammar, tokens)
+    if states:
+        tokens = tokens[: len(states) - 1]
+    return Guess(tokens, states) if tokens else None
