@@ -6,6 +6,10 @@ cost nearly nothing), one stream and W64's 64 requests at once; with the accepta
 whether the tokens equal those without speculation (greedy and seeded rows must).
 
     python -m pagedserve.bench.speculative [--model PATH] [--count 4] [--max-tokens 128] [--k 6] [--lookup-min 2] [--only NAME]
+        [--draft PATH|same --draft-quantization int4 --draft-k 4 [--no-ngram]]
+
+With ``--draft`` a draft model's guesses are timed too (``same``: the model itself with its weights
+quantized, a draft with the target's tokenizer where no smaller one is at hand).
 """
 
 from __future__ import annotations
@@ -95,11 +99,25 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--only", help="run only the workloads whose name contains this")
+    parser.add_argument("--draft", help="also time a draft model: its path, or 'same' (the model itself, its weights "
+                        "quantized by --draft-quantization)")
+    parser.add_argument("--draft-quantization", default="int4", help="the draft's weights: none, int8 or int4")
+    parser.add_argument("--draft-k", type=int, help="the draft's num_speculative_tokens (default: --k)")
+    parser.add_argument("--no-ngram", action="store_true", help="time no prompt lookup (off and the draft only)")
     args = parser.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-            "prompt_lookup_min": args.lookup_min}
+    configs = [("off", None)]
+    if not args.no_ngram:
+        configs.append((f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k,
+                                               "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}))
+    if args.draft:
+        from pagedserve.worker.default_model import packaged_model_file
+
+        path = (args.model or str(packaged_model_file(download=False))) if args.draft == "same" else args.draft
+        k = args.draft_k or args.k
+        configs.append((f"draft {args.draft_quantization} k={k}", {"model": path, "num_speculative_tokens": k,
+                                                                         "quantization": args.draft_quantization}))
     rows = []
-    for label, speculative in (("off", None), (f"ngram k={args.k}", spec)):
+    for label, speculative in configs:
         llm = LLM(args.model, dtype=args.dtype, speculative_config=speculative)
         for workload, prompts, params, at_once in workloads(llm.tokenizer, llm.engine.info.config.vocab_size,
                                                              args.count, args.max_tokens):

@@ -38,6 +38,7 @@ from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.core.plan import StepResult
 from pagedserve.worker.core.request import Request
 from pagedserve.worker.core.scheduler import Scheduler
+from pagedserve.worker.core.speculative import prices_guesses
 from pagedserve.worker.core.step_cost import StepCost
 from pagedserve.worker.engine_config import EngineConfig, available_ram
 from pagedserve.worker.runner.beam_search import BeamSearcher
@@ -49,7 +50,7 @@ from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_devi
 from pagedserve.worker.runner.loader import inspect_model, load_weights
 from pagedserve.worker.runner.memory_profile import peak_step_bytes, reserved_beside_pool
 from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
-from pagedserve.worker.runner.models.layers import release_window
+from pagedserve.worker.runner.models.layers import CausalLM, release_window
 from pagedserve.worker.runner.models.rope import rope_switch
 from pagedserve.worker.runner.sampler import Sampler
 from pagedserve.worker.runner.simulated import SimulatedRunner
@@ -86,11 +87,12 @@ class Engine:
                 kv = kv_format(config.kv_cache_dtype)
                 ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", kv)
                 model = load_weights(info, ops, device, config.quantization)
-                block_bytes = kv_block_bytes(model, config.block_size, info.dtype, kv)
+                draft = self._draft_model(ops, device)
+                block_bytes = sum(kv_block_bytes(m, config.block_size, info.dtype, kv) for m in (model, draft) if m is not None)
 
                 def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
                     return ModelRunner(model, ops, device, info.dtype, kv, config.block_size, num_gpu, num_cpu,
-                                       Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs)
+                                       Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs, draft)
 
                 if kv.quantized:  # before the pool is sized: its runner comes and goes first
                     self._calibrate_keys(make_runner, max_len)
@@ -122,6 +124,19 @@ class Engine:
             kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
+
+    def _draft_model(self, ops, device: torch.device) -> CausalLM | None:
+        """Speculative decoding's draft model (``{"model": ...}``), at the target's dtype, with its
+        own weight quantization; None without one. Its vocabulary must be the target's."""
+        spec = self.config.speculative
+        if spec is None or spec.model is None:
+            return None
+        draft_info = inspect_model(spec.model, self.info.dtype)
+        if draft_info.config.vocab_size != self.info.config.vocab_size:
+            raise ValueError(f"the speculative draft model {spec.model} has a vocabulary of {draft_info.config.vocab_size} "
+                             f"tokens; the model's has {self.info.config.vocab_size}: a draft must share its tokenizer")
+        with tqdm(total=1, desc="loading the draft model", unit="model", leave=False, disable=None):
+            return load_weights(draft_info, ops, device, spec.quantization)
 
     def _kv_tiers(self, block_bytes: int) -> KvTiers | None:
         """The host and disk tiers under the prefix cache (``--kv-offload-*``), their bytes on the
@@ -273,8 +288,9 @@ class Engine:
             self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
             result = StepResult()
         self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, time.perf_counter() - started)
-        if self.scheduler.step_cost is not None and plan.seqs:
-            self.scheduler.step_cost.observe(plan.num_tokens, self.last_forward.seconds)
+        if self.scheduler.step_cost is not None and plan.seqs and all(map(prices_guesses, plan.seqs)):
+            self.scheduler.step_cost.observe(plan.num_tokens, self.last_forward.seconds, any(s.num_draft for s in plan.seqs),
+                                             result.draft_rounds, result.draft_seconds)
         return self.scheduler.update(plan, result)
 
     def _fail_holders(self, plan, message: str) -> None:

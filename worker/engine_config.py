@@ -80,7 +80,8 @@ class EngineConfig:
     speculative_config: str | dict | None = flag(
         None, 'speculative decoding, as vLLM spells it (JSON): {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} guesses a row\'s next tokens from its own history '
-        "and checks them in one forward (default: off)", metavar="JSON")
+        'and checks them in one forward; {"model": DRAFT, "num_speculative_tokens": 4, "quantization": "int4"} '
+        "guesses with a small draft model of the same vocabulary (default: off)", metavar="JSON")
     max_num_seqs: int = flag(256, "sequences in one running batch at most", kind=positive(int))
     max_num_batched_tokens: int = flag(2048, "tokens in one engine step at most (prefill chunks and decodes)",
                                        kind=positive(int))
@@ -114,7 +115,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
         if self.num_host_blocks is not None and (not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0):
             raise ValueError(f"num_host_blocks must be an integer >= 0 or None, got {self.num_host_blocks!r}")
-        SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
+        spec = SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
+        if spec is not None and spec.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got {spec.quantization!r}")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

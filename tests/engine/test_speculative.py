@@ -109,7 +109,7 @@ def test_under_preemption_and_beside_sampled_rows_nothing_changes(zoo):
 
 
 @pytest.mark.parametrize("bad, reason", [
-    ("{not json", "not JSON"), ("[1]", "JSON object"), ({"model": "draft"}, "draft model"),
+    ("{not json", "not JSON"), ("[1]", "JSON object"), ({"method": "ngram", "model": "d"}, "draft model"), ({"model": "d", "quantization": 4}, "quantization"),
     ({"method": "eagle"}, "not supported"), ({"num_speculative_tokens": 2}, "method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "positive"), ({"method": "ngram", "k": 2}, "unknown"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "<="),
@@ -226,6 +226,21 @@ def test_the_step_cost_share_grows_with_the_rows_a_step_carries():
     assert flat.token_share(64) < 1e-9
 
 
+def test_a_draft_round_is_priced_and_steps_all_alike_ask_for_one_without_guesses():
+    cost = StepCost()
+    for _ in range(10):  # 16 rows guessing 4 each: 80 tokens, 0.26 s of target and 4 draft rounds of 0.01 s
+        cost.observe(80, 0.30, guessed=True, draft_rounds=4, draft_seconds=0.04)
+    assert cost.wants_plain_step() and cost.token_share(16) == 0.0
+    cost.observe(16, 0.086)  # the plain step it asked for: 16 rows, 0.086 s
+    assert not cost.wants_plain_step()
+    per_token = (0.26 - 0.086) / 64
+    assert abs(cost.token_share(16) - (16 * per_token + 0.01) / 0.086) < 1e-6
+    never = StepCost()
+    for _ in range(10):  # steps that never guessed, all alike: guess freely, ask for nothing
+        never.observe(1, 0.05)
+    assert not never.wants_plain_step() and never.token_share(1) == 0.0
+
+
 class FrozenCost(StepCost):
     """A step cost fitted once, on steps where each token costs 10 ms and the rest 1 ms."""
 
@@ -234,7 +249,7 @@ class FrozenCost(StepCost):
         for tokens in (1, 2, 8, 32) * 4:
             super().observe(tokens, 0.001 + 0.010 * tokens)
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, *step, **draft) -> None:
         pass
 
 
@@ -249,3 +264,26 @@ def test_the_engine_fits_its_step_cost_and_guesses_nothing_where_a_token_costs_a
     assert llm.engine.scheduler.step_cost.token_share(6) > 0.95
     assert outputs(llm, prompts(6, seed=7), params) == outputs(engine(zoo), prompts(6, seed=7), params)
     assert stats.draft_tokens == before  # no guess pays for itself there
+
+
+def test_a_new_row_starts_from_what_recent_rows_of_its_kind_kept():
+    """Sampled rows whose guesses were rejected make the next sampled row skip its first guess
+    where a token costs half a step; a greedy row still guesses."""
+    from pagedserve.worker.core.speculative import SpecStats
+
+    spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
+    config = SchedulerConfig(num_gpu_blocks=8, speculative=spec)
+    stats = SpecStats()
+    for _ in range(10):
+        stats.record(2, 0, greedy=False)
+        stats.record(2, 2, greedy=True)
+
+    def first_guess(params: SamplingParams) -> tuple[int, ...]:
+        seq = Sequence(0, [1, 2, 3, 4, 5, 6, 1, 2], prompt_len=8, num_computed=7)
+        req = Request("r", list(seq.token_ids), params, 0.0, 0, seqs=[seq])
+        made = row_guess(config, req, seq, 1, 10, 0.5, stats.lately)
+        return made.tokens if made else ()
+
+    assert first_guess(SamplingParams(temperature=1.0, max_tokens=20)) == ()
+    assert first_guess(SamplingParams(temperature=0.0, max_tokens=20)) == (3, 4, 5, 6)
+    assert stats.lately[False].value < 0.1 < 0.9 < stats.lately[True].value

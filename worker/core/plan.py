@@ -35,6 +35,7 @@ class ScheduledSeq:
     prompt_targets: tuple[int, ...] = ()  # prompt_logprobs: the prompt token after each of the first positions
     num_draft: int = 0  # speculative decoding: the last num_draft of token_ids are guesses the runner checks
     draft_grammars: tuple = ()  # with a grammar: its state before each guess and after the last
+    draft_context: tuple[int, ...] | None = None  # a draft model guesses (its guesses here are 0 until then): the tokens before start it has no KV for
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +113,8 @@ class StepResult:
     samples: Mapping[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # seq id -> num_samples tokens
     beams: Mapping[str, BeamStep] = field(default_factory=dict)  # request id -> its step, when all beams had logits
     prompt_logprobs: Mapping[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # seq id -> its targets'
+    draft_rounds: int = 0  # speculative decoding: the draft model's forwards this step (worker/runner/drafter.py)
+    draft_seconds: float = 0.0  # and the time they took
 
 
 @dataclass

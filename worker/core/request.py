@@ -43,6 +43,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     grammar: object = None  # this sequence's GrammarState (worker.core.grammar) when the output is constrained
     draft_pace: object = None  # speculative decoding: its DraftPace (worker.core.speculative), once it guessed
+    draft_computed: int = 0  # a draft model's KV is valid for positions before this (0 after preemption)
 
     @property
     def num_tokens(self) -> int:

@@ -179,7 +179,9 @@ class Scheduler:
     def _schedule_running(self, step: StepBuilder) -> None:
         self.running.sort(key=lambda r: r.sort_key)
         queue = list(self.running)
-        share = self.step_cost.token_share(sum(len(r.live_seqs) for r in queue)) if self.step_cost else 0.0
+        share = 0.0
+        if self.step_cost is not None:  # a step of one size only: one without guesses prices them
+            share = 1.0 if self.step_cost.wants_plain_step() else self.step_cost.token_share(sum(len(r.live_seqs) for r in queue))
         while queue and step.budget > 0:
             req = queue.pop(0)
             if self._crossed_rope_switch(req):
@@ -205,7 +207,7 @@ class Scheduler:
         if self.config.speculative is None or len(sizes) != 1:
             return None
         (seq_id, count), = sizes
-        return row_guess(self.config, req, self.table.seq(seq_id), count, budget, share)
+        return row_guess(self.config, req, self.table.seq(seq_id), count, budget, share, self.applier.spec_stats.lately)
 
     def _crossed_rope_switch(self, req: Request) -> bool:
         """Long-rope: a sequence that grew past ``rope_switch`` holds KV rotated with the short
@@ -321,7 +323,7 @@ class Scheduler:
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
             seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
-            len(guess.tokens) if guess else 0, guess.grammars if guess else (),
+            len(guess.tokens) if guess else 0, guess.grammars if guess else (), guess.draft_context if guess else None,
         )
 
     @staticmethod
@@ -333,6 +335,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, step: StepBuilder) -> None:
         ids = [s.seq_id for s in req.live_seqs]
+        for seq in req.live_seqs:
+            seq.draft_computed = 0  # its blocks go (or move, without the draft model's KV)
         self.running.remove(req)
         step.preempted += 1
         self.stats.num_preemptions += 1

@@ -1,8 +1,9 @@
-"""Speculative decoding by prompt lookup (n-gram): guess a row's next tokens from its own history,
-let one forward check them all, keep the ones the model would have produced.
+"""Speculative decoding: guess a row's next tokens, by prompt lookup (n-gram) from its own history or
+with a small draft model, let one forward check them all, keep the ones the model would have produced.
 
 ``--speculative-config`` takes vLLM's JSON: ``{"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_max": n, "prompt_lookup_min": m}``. The proposer looks for the longest suffix of the
+"prompt_lookup_max": n, "prompt_lookup_min": m}`` or ``{"model": DRAFT, "num_speculative_tokens": k}``
+(``"method": "draft_model"`` implied; ``"quantization"`` for the draft's weights). Prompt lookup looks for the longest suffix of the
 sequence (``n`` tokens down to ``m``) that occurred earlier in it and proposes the ``k`` tokens that
 followed its latest earlier occurrence: text that copies from its prompt (code edits, quotes,
 summaries that cite) gets long runs accepted; text that does not gets no proposal and costs nothing.
@@ -14,7 +15,8 @@ from the distribution a step of its own would use, and a greedy or seeded row ge
 tokens it gets without speculation. Each sequence paces its guesses (``DraftPace``): a row whose
 guesses are rejected guesses less often, so text that does not repeat costs almost nothing; and a
 guess is only as long as its tokens pay for themselves at what a checked token costs in a step of
-this size (``StepCost``, fitted to the engine's own step times). Draft models are not built: a ``"model"`` config is refused with that reason.
+this size (``StepCost``, fitted to the engine's own step times). A draft model
+(``worker/runner/drafter.py``) guesses greedily with its own KV pool on the target's block ids.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16
+METHODS = ("ngram", "draft_model")
 MAX_DRAFT_WAIT = 31  # steps a row whose guesses keep failing waits, at most, before it guesses again
 RATE_DECAY = 0.9  # a row's kept rate: each older check weighs this much as the next
 COST_DECAY = 0.98  # the step cost fit: each older step weighs this much as the next
@@ -32,26 +35,46 @@ MIN_COST_STEPS = 8  # steps seen before the fit is used
 
 
 @dataclass
+class KeptRate:
+    """The chance a guessed token is kept given the one before it was: kept tokens over checked
+    ones (the tokens up to the first rejected one), each older check weighing ``RATE_DECAY`` as
+    much as the next; 1/2 before the first check, unless it starts from what similar rows kept."""
+    kept: float = 1.0
+    checked: float = 2.0
+
+    @property
+    def value(self) -> float:
+        return self.kept / self.checked
+
+    def update(self, drafted: int, accepted: int) -> None:
+        # The tokens up to the first rejected one were checked; the ones after it tell nothing.
+        self.kept = RATE_DECAY * self.kept + accepted
+        self.checked = RATE_DECAY * self.checked + accepted + (accepted < drafted)
+
+    def start(self) -> "KeptRate":
+        """A new row's rate: this one's value, weighing as much as the default's 1/2 does."""
+        return KeptRate(2.0 * self.value, 2.0)
+
+
+@dataclass
 class DraftPace:
     """One sequence's guessing: how long its next guess may be, how many of its steps to skip
-    before it, and how often its guessed tokens are kept. A guess kept whole doubles the next (up to
-    ``limit``); one kept in part makes the next one token longer than what was kept; one with
-    nothing kept makes the next a single token, after 1, 3, 7, ... steps without guessing (at most
-    ``MAX_DRAFT_WAIT``). ``kept_rate`` is the chance a guessed token is kept given the one before it
-    was (kept tokens over checked ones, older checks weighing less; 1/2 before the first check)."""
+    before it, and how often its guessed tokens are kept (``KeptRate``). A guess kept whole doubles
+    the next (up to ``limit``); one kept in part makes the next one token longer than what was
+    kept; one with nothing kept makes the next a single token, after 1, 3, 7, ... steps without
+    guessing (at most ``MAX_DRAFT_WAIT``)."""
     limit: int
     length: int = 0
     wait: int = 0
     misses: int = 0
-    kept: float = 1.0
-    checked_tokens: float = 2.0
+    rate: KeptRate = field(default_factory=KeptRate)
 
     def __post_init__(self) -> None:
         self.length = self.length or self.limit
 
     @property
     def kept_rate(self) -> float:
-        return self.kept / self.checked_tokens
+        return self.rate.value
 
     def ready(self) -> bool:
         """Whether this step may guess (a step that may not counts down the wait)."""
@@ -61,9 +84,7 @@ class DraftPace:
         return True
 
     def checked(self, drafted: int, accepted: int) -> None:
-        # The tokens up to the first rejected one were checked; the ones after it tell nothing.
-        self.kept = RATE_DECAY * self.kept + accepted
-        self.checked_tokens = RATE_DECAY * self.checked_tokens + accepted + (accepted < drafted)
+        self.rate.update(drafted, accepted)
         if accepted == 0:
             self.misses += 1
             self.length, self.wait = 1, min(2 ** self.misses - 1, MAX_DRAFT_WAIT)
@@ -86,39 +107,74 @@ class DraftPace:
 @dataclass
 class StepCost:
     """A step's time as a fixed part and a part per token, fitted over the recent steps (least
-    squares, each older step weighing ``COST_DECAY`` as much as the next). ``token_share(rows)``: the
-    part of a step of ``rows`` one-token rows that is its tokens' own cost, per row the price of
-    checking one guessed token against what a kept one saves. 0 (guess freely) until steps of
-    different sizes have been seen; near 1 where the forward's cost grows with every token (a
-    batch big enough that the device computes, rather than reads, most of the step)."""
+    squares, each older step weighing ``COST_DECAY`` as much as the next), and a draft model's time
+    per round (its forward over the step's guessing rows), averaged alike. ``token_share(rows)``: the
+    part of a step of ``rows`` one-token rows that one more token each costs, per row the price of
+    checking a guessed token (and drafting it) against what a kept one saves. 0 (guess freely)
+    until the fit has seen 8 steps whose sizes differ by a tenth; near 1 where the forward's cost
+    grows with every token (a batch big enough that the device computes, rather than reads, most of
+    the step) or a draft round costs nearly a step. While the recent steps are all of one size and
+    guessed (every row guessing the same), ``wants_plain_step`` asks for a step without guesses."""
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, xx, xy
+    draft: list[float] = field(default_factory=lambda: [0.0, 0.0])  # draft rounds, their seconds
+    guessed: float = 0.0  # the steps that carried guesses, weighed as ``sums[0]``
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, guessed: bool = False, draft_rounds: int = 0,
+                draft_seconds: float = 0.0) -> None:
+        """A step: its tokens and seconds, of which ``draft_seconds`` were a draft model's rounds."""
+        seconds -= draft_seconds
         w, x, y, xx, xy = (v * COST_DECAY for v in self.sums)
         self.sums = [w + 1, x + tokens, y + seconds, xx + tokens * tokens, xy + tokens * seconds]
+        self.guessed = COST_DECAY * self.guessed + guessed
+        if draft_rounds:
+            rounds, spent = (v * COST_DECAY for v in self.draft)
+            self.draft = [rounds + draft_rounds, spent + draft_seconds]
 
-    def token_share(self, rows: int) -> float:
+    def _fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None while the steps seen are too few or too alike."""
         w, x, y, xx, xy = self.sums
         spread = w * xx - x * x
-        if w < MIN_COST_STEPS or spread <= 1e-9 * w * xx:
-            return 0.0
+        if w < MIN_COST_STEPS or spread <= 0.01 * x * x:
+            return None
         per_token = (w * xy - x * y) / spread
-        fixed = (y - per_token * x) / w
-        if per_token <= 0:
+        return (y - per_token * x) / w, max(per_token, 0.0)
+
+    def wants_plain_step(self) -> bool:
+        """Whether the recent steps all carried guesses and were all of one size: the fit cannot
+        tell what a guessed token costs until a step without them is seen."""
+        return self.sums[0] >= MIN_COST_STEPS and self.guessed > self.sums[0] / 2 and self._fit() is None
+
+    def token_share(self, rows: int) -> float:
+        fit, (rounds, spent) = self._fit(), self.draft
+        if fit is None:
             return 0.0
-        return min(1.0, per_token * rows / max(fixed + per_token * rows, 1e-12))
+        fixed, per_token = fit
+        plain = max(fixed + per_token * rows, 1e-12)
+        return min(1.0, (per_token * rows + (spent / rounds if rounds else 0.0)) / plain)
+
+
+def prices_guesses(row) -> bool:
+    """Whether a step's row (a ``ScheduledSeq``) lets its step price guessed tokens (``StepCost``):
+    a decode, with or without a guess, whose draft model catches up on no more than the steps a
+    pace may skip. A prefill chunk's tokens, or a draft's first pass over a whole prompt, cost what
+    they cost once, not what a guessed token costs."""
+    return row.num_tokens == 1 + row.num_draft and len(row.draft_context or ()) <= MAX_DRAFT_WAIT + 1
 
 
 @dataclass
 class SpecStats:
     """vLLM's ``spec_decode`` counters: rows that carried a draft, guessed tokens, accepted ones,
-    and accepted ones by position in the draft."""
+    and accepted ones by position in the draft; and the kept rate of recent greedy and sampled
+    rows, which a new row of that kind starts from (``lately[greedy]``): rows whose guesses are
+    rarely kept (text sampled at a high temperature) stop paying for first guesses."""
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_by_position: list[int] = field(default_factory=lambda: [0] * MAX_SPECULATIVE_TOKENS)
+    lately: dict[bool, KeptRate] = field(default_factory=lambda: {True: KeptRate(), False: KeptRate()})
 
-    def record(self, num_draft: int, accepted: int) -> None:
+    def record(self, num_draft: int, accepted: int, greedy: bool = True) -> None:
+        self.lately[greedy].update(num_draft, accepted)
         self.drafts += 1
         self.draft_tokens += num_draft
         self.accepted_tokens += accepted
@@ -132,10 +188,18 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     method: str = "ngram"
+    model: str | None = None  # method "draft_model": the draft's path (a model directory or a .gguf)
+    quantization: str = "none"  # the draft's linear layers' weights, as --quantization
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative method {self.method!r} is not supported (only 'ngram', prompt lookup)")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported (only {', '.join(map(repr, METHODS))})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('a speculative draft model needs "model" (a path), and "model" needs method "draft_model"')
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative model must be a path, got {self.model!r}")
+        if not isinstance(self.quantization, str):  # which names: EngineConfig (the kernels' list)
+            raise ValueError(f"speculative quantization must be a name, got {self.quantization!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -159,14 +223,13 @@ class SpeculativeConfig:
                 raise ValueError(f"--speculative-config is not JSON: {err}") from None
         if not isinstance(value, dict):
             raise ValueError("--speculative-config must be a JSON object")
-        if "model" in value:
-            raise ValueError("speculative decoding with a draft model is not supported yet; "
-                             'use {"method": "ngram", "num_speculative_tokens": k}')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model", "quantization"}
         if unknown := sorted(set(value) - known):
             raise ValueError(f"unknown --speculative-config keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        if "model" in value:
+            value = {"method": "draft_model", **value}
         if "method" not in value:
-            raise ValueError('--speculative-config needs "method" ("ngram")')
+            raise ValueError('--speculative-config needs "method" ("ngram") or "model" (a draft model)')
         return cls(**value)
 
     def propose(self, tokens: Sequence[int], limit: int) -> tuple[int, ...]:

@@ -67,10 +67,12 @@ class StepApplier:
         ends it there); the rejected guesses' slots go back (a block left empty to the pool)."""
         if not 1 <= len(tokens) <= item.num_draft + 1:
             raise ValueError(f"seq {item.seq_id}: {len(tokens)} tokens for a draft of {item.num_draft}")
-        self.spec_stats.record(item.num_draft, len(tokens) - 1)
+        self.spec_stats.record(item.num_draft, len(tokens) - 1, req.params.greedy)
         if seq.draft_pace is not None:
             seq.draft_pace.checked(item.num_draft, len(tokens) - 1)
         self.table.blocks.rewind(seq.seq_id, item.start + len(tokens))  # the row's own token and the accepted guesses
+        if item.draft_context is not None:  # the draft model took in the row's token and its guesses but the last
+            seq.draft_computed = item.start + min(len(tokens), item.num_draft)
         seq.num_computed = item.start + 1
         key = self.config.prefix_key(req.extra_key, seq.num_tokens)
         self._publish(req, seq, key)  # as a plain step would, before a stop in the run frees the blocks

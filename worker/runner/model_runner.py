@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -25,9 +26,11 @@ from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
 from pagedserve.worker.runner.draft_check import check_drafts
+from pagedserve.worker.runner.drafter import Drafter
 from pagedserve.worker.runner.kv_tiers import TierCopier
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampler import Sampler, scored_token
+from pagedserve.worker.runner.step_inputs import step_inputs
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class StepLogits:
     items: tuple[ScheduledSeq, ...]  # the sampling sequence of each row
     prompt: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # prompt_logprobs, by seq id
     drafts: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logits [num_draft, vocab] before each guess
+    draft_rounds: int = 0  # the draft model's forwards before this one (drafter.py)
+    draft_seconds: float = 0.0
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are taken at once
@@ -51,7 +56,7 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype, kv: KVFormat,
         block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler, beams: BeamSearcher,
-        graph_limits: GraphLimits | None = None,
+        graph_limits: GraphLimits | None = None, draft: CausalLM | None = None,
     ) -> None:
         self.model, self.ops, self.device, self.block_size, self.dtype = model, ops, device, block_size, dtype
         self.sampler, self.beams = sampler, beams
@@ -67,6 +72,8 @@ class ModelRunner:
                                         pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
             bar.update(1)
         self.kv_caches = [(self.kv_pool[2 * i], self.kv_pool[2 * i + 1]) for i in range(layers)]
+        # speculative decoding's draft model, its KV on the same block ids (drafter.py)
+        self.drafter = Drafter(draft, ops, device, self.dtype, kv, block_size, num_gpu_blocks) if draft is not None else None
         self.tiers: TierCopier | None = None  # the host and disk tiers' bytes, when the engine has them
         self.graphs = None
         if graph_limits is not None and device.type == "cuda" and ops.backend == "triton":
@@ -105,6 +112,8 @@ class ModelRunner:
                 self.ops.swap_blocks(self.cpu_pool, self.kv_pool, block_pairs(plan.swap_in, self.cpu_pool.device))
         if plan.copies:
             self.ops.copy_blocks(self.kv_pool, block_pairs(plan.copies, self.device))
+            if self.drafter is not None:
+                self.ops.copy_blocks(self.drafter.kv_pool, block_pairs(plan.copies, self.device))
 
     @contextlib.contextmanager
     def _swap_stream(self):
@@ -139,12 +148,17 @@ class ModelRunner:
             samples.update((item.seq_id, tokens) for item, tokens in zip(items, checked))
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
-        return StepResult(samples, beams, step.prompt)
+        return StepResult(samples, beams, step.prompt, step.draft_rounds, step.draft_seconds)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
         """Block moves, then one forward: logits of the rows that sample this step."""
         self.apply_block_moves(plan)
+        draft_rounds, draft_seconds = 0, 0.0
+        if any(s.draft_context is not None for s in plan.seqs):
+            started = time.perf_counter()
+            seqs, draft_rounds = self.drafter.draft(plan.seqs)  # its rounds read their picks: the time is spent
+            plan, draft_seconds = replace(plan, seqs=seqs), time.perf_counter() - started
         # Single-token work (decodes, and one-token chunks) goes first, prefill chunks after.
         items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
         if not items:
@@ -156,24 +170,15 @@ class ModelRunner:
             logits = self.graphs.run(items)
             rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
             return StepLogits(logits[rows], tuple(items[i] for i in sampling))
-        num_decodes = sum(1 for s in items if s.num_tokens == 1)
-        ids, positions, slots, last_index = [], [], [], []
-        for s in items:
-            ids.extend(s.token_ids)
-            positions.extend(range(s.start, s.context_len))
-            slots.extend(s.slot_mapping(self.block_size))
-            last_index.append(len(ids) - 1)
-        meta = self._metadata(items, num_decodes, slots)
-        dev = self.device
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev), meta, self.kv_caches,
-        )
-        rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=dev)
+        batch = step_inputs(items, self.block_size, self.device, self.model.rotary.needs_seq_lens)
+        hidden = self.model(batch.ids, batch.positions, batch.meta, self.kv_caches)
+        last_index = batch.last_index
+        rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=self.device)
         prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
                   for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
         drafts = self._draft_logits(hidden, items, last_index) if drafted else {}
-        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, drafts)
+        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, drafts,
+                          draft_rounds, draft_seconds)
 
     def _draft_logits(self, hidden: torch.Tensor, items: list[ScheduledSeq], last_index: list[int]) -> dict[int, torch.Tensor]:
         """Speculative rows: the logits before each guess (the positions ahead of a row's last), for
@@ -198,29 +203,3 @@ class ModelRunner:
             tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [None] * (hi - lo)
             out.extend(scored_token(token, logprob, best, True) for token, logprob, best in zip(targets[lo:hi], chosen, tops))
         return tuple(out)
-
-    def _metadata(self, items: list[ScheduledSeq], num_decodes: int, slots: list[int]) -> AttentionMetadata:
-        dev = self.device
-        decodes, prefills = items[:num_decodes], items[num_decodes:]
-        query_start = [0]
-        for s in prefills:
-            query_start.append(query_start[-1] + s.num_tokens)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decodes=num_decodes,
-            decode_block_tables=self._tables(decodes),
-            decode_seq_lens=torch.tensor([s.context_len for s in decodes], dtype=torch.int32, device=dev),
-            prefill_block_tables=self._tables(prefills),
-            prefill_seq_lens=torch.tensor([s.context_len for s in prefills], dtype=torch.int32, device=dev),
-            prefill_query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            decode_max_seq_len=max((s.context_len for s in decodes), default=0),
-            prefill_max_query_len=max((s.num_tokens for s in prefills), default=0),
-            prefill_max_seq_len=max((s.context_len for s in prefills), default=0),
-            token_seq_lens=torch.tensor([max(s.seq_len, s.context_len) for s in items for _ in s.token_ids],
-                                        dtype=torch.int32, device=dev) if self.model.rotary.needs_seq_lens else None,
-        )
-
-    def _tables(self, items: list[ScheduledSeq]) -> torch.Tensor:
-        width = max((len(s.block_table) for s in items), default=0)
-        rows = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in items]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(items), width)
