@@ -87,6 +87,21 @@ def workloads(tokenizer, vocab: int, count: int, max_tokens: int) -> list[tuple[
     ]
 
 
+def dump_workloads(args) -> None:
+    """The workloads as token ids and sampling fields, so a peer's engine runs exactly them."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pagedserve.worker.model_source import model_or_default, resolve_model_dir
+
+    model_dir = resolve_model_dir(model_or_default(args.model))
+    tokenizer, vocab = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).vocab_size
+    out = [{"workload": name, "at_once": at_once, "prompts": prompts,
+            "params": [{"temperature": p.temperature, "seed": p.seed, "max_tokens": p.max_tokens} for p in params]}
+           for name, prompts, params, at_once in workloads(tokenizer, vocab, args.count, args.max_tokens)]
+    args.dump_prompts.write_text(json.dumps(out))
+    print(f"{len(out)} workloads written to {args.dump_prompts} (model directory {model_dir})")
+
+
 def main() -> None:
     from pagedserve import LLM
 
@@ -104,7 +119,12 @@ def main() -> None:
     parser.add_argument("--draft-quantization", default="int4", help="the draft's weights: none, int8 or int4")
     parser.add_argument("--draft-k", type=int, help="the draft's num_speculative_tokens (default: --k)")
     parser.add_argument("--no-ngram", action="store_true", help="time no prompt lookup (off and the draft only)")
+    parser.add_argument("--dump-prompts", type=Path, help="write the workloads (token ids and sampling) as JSON for "
+                        "bench/vllm_speculative.py and stop")
     args = parser.parse_args()
+    if args.dump_prompts:
+        dump_workloads(args)
+        return
     configs = [("off", None)]
     if not args.no_ngram:
         configs.append((f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k,

@@ -9,6 +9,7 @@ import torch
 from pagedserve import LLM
 from pagedserve.worker.core.plan import ScheduledSeq
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
+from pagedserve.worker.runner.step_inputs import step_inputs
 
 CPU = torch.device("cpu")
 
@@ -34,7 +35,7 @@ def test_a_graph_gives_rope_the_eager_steps_lengths(zoo):
     runner = LLM(zoo.path("llama-dynamic"), device="cpu", dtype="float32", num_gpu_blocks=64).engine.runner
     assert runner.model.rotary.needs_seq_lens
     items = [decode_row(0, (1, 2, 3), start=9, seq_len=40, num_samples=0), decode_row(1, (4, 5), start=17)]
-    eager = runner._metadata(items, len(items), [s.slot_mapping(runner.block_size)[0] for s in items])
+    eager = step_inputs(items, runner.block_size, CPU, runner.model.rotary.needs_seq_lens).meta
     graphs = DecodeGraphs(runner.model, runner.kv_caches, CPU, runner.block_size, GraphLimits(64, 4))
     bucket = _Bucket(2, graphs.contexts[-1], graphs.block_size, CPU)
     graphs._load(bucket, items)
