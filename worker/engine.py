@@ -131,7 +131,10 @@ class Engine:
         spec = self.config.speculative
         if spec is None or spec.model is None:
             return None
-        draft_info = inspect_model(spec.model, self.info.dtype)
+        try:
+            draft_info = inspect_model(spec.model, self.info.dtype)
+        except ValueError as err:  # not found, not a model, an unsupported family: say it is the draft
+            raise type(err)(f"the speculative draft model: {err}") from err
         if draft_info.config.vocab_size != self.info.config.vocab_size:
             raise ValueError(f"the speculative draft model {spec.model} has a vocabulary of {draft_info.config.vocab_size} "
                              f"tokens; the model's has {self.info.config.vocab_size}: a draft must share its tokenizer")

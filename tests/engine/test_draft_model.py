@@ -64,6 +64,11 @@ def test_a_quantized_draft_and_a_long_context_to_catch_up(zoo):
     assert kept_share(spec) > 0.8
 
 
+def test_a_draft_that_is_not_there_is_named_as_the_draft(zoo, tmp_path):
+    with pytest.raises(ValueError, match="the speculative draft model: .*no-such-draft"):
+        engine(zoo, {"model": str(tmp_path / "no-such-draft"), "num_speculative_tokens": 2})
+
+
 def test_a_draft_of_another_vocabulary_is_refused(zoo, tmp_path):
     from pagedserve.worker.demo_model import build_model
 

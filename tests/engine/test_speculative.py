@@ -123,9 +123,10 @@ def test_a_bad_speculative_config_is_refused_with_its_reason(bad, reason):
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3)
     assert spec.propose([1, 2, 3, 9, 9, 2, 3, 8, 1, 2, 3], 10) == (9, 9, 2)  # 3 tokens matched beat the later 2
-    assert spec.propose([5, 1, 6, 1], 10) == (6, 1)  # the latest of equal matches
+    assert spec.propose([5, 1, 6, 1], 10) == (6, 1, 6)  # the latest of equal matches, then its loop
     assert spec.propose([1, 2, 3, 4], 10) == () and spec.propose([4, 4], 0) == ()
-    assert spec.propose([1, 2, 1, 2], 10) == (1, 2)  # what is there, fewer than k
+    assert spec.propose([1, 2, 1, 2], 10) == (1, 2, 1)  # past the end, the loop goes on
+    assert SpeculativeConfig(num_speculative_tokens=7).propose([9, 5, 6, 7, 5, 6, 7, 5], 10) == (6, 7, 5, 6, 7, 5, 6)
     assert SpeculativeConfig(prompt_lookup_min=2).propose([5, 1, 6, 1], 10) == ()
 
 
@@ -174,12 +175,10 @@ def test_a_row_whose_guesses_fail_guesses_less_and_less_often():
             pass
         pace.wait = 0
     assert waits == [1, 3, 7, 15, min(31, MAX_DRAFT_WAIT), MAX_DRAFT_WAIT, MAX_DRAFT_WAIT] and pace.length == 1
-    pace.checked(1, 1)  # kept whole: doubles, up to the limit
-    assert (pace.length, pace.misses) == (2, 0)
-    pace.checked(2, 2), pace.checked(4, 4)
+    pace.checked(1, 1)  # anything kept: back to the limit
+    assert (pace.length, pace.misses) == (6, 0)
+    pace.checked(6, 2)  # kept in part: the limit still (worth cuts it by the kept rate)
     assert pace.length == 6
-    pace.checked(6, 2)  # kept in part: one more than what was kept
-    assert pace.length == 3
 
 
 def test_the_pace_skips_steps_and_caps_the_guess():

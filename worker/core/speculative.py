@@ -59,10 +59,10 @@ class KeptRate:
 @dataclass
 class DraftPace:
     """One sequence's guessing: how long its next guess may be, how many of its steps to skip
-    before it, and how often its guessed tokens are kept (``KeptRate``). A guess kept whole doubles
-    the next (up to ``limit``); one kept in part makes the next one token longer than what was
-    kept; one with nothing kept makes the next a single token, after 1, 3, 7, ... steps without
-    guessing (at most ``MAX_DRAFT_WAIT``)."""
+    before it, and how often its guessed tokens are kept (``KeptRate``). A guess with anything kept
+    lets the next be ``limit`` long (how much of it pays is ``worth``'s to say, from the kept rate
+    and the step's cost); one with nothing kept makes the next a single token, after 1, 3, 7, ...
+    steps without guessing (at most ``MAX_DRAFT_WAIT``)."""
     limit: int
     length: int = 0
     wait: int = 0
@@ -90,7 +90,7 @@ class DraftPace:
             self.length, self.wait = 1, min(2 ** self.misses - 1, MAX_DRAFT_WAIT)
             return
         self.misses = 0
-        self.length = min(self.limit, 2 * self.length if accepted == drafted else accepted + 1)
+        self.length = self.limit
 
     def worth(self, token_share: float) -> int:
         """How many guessed tokens pay for themselves when checking one costs ``token_share`` of
@@ -233,9 +233,11 @@ class SpeculativeConfig:
         return cls(**value)
 
     def propose(self, tokens: Sequence[int], limit: int) -> tuple[int, ...]:
-        """Up to ``min(limit, k)`` tokens that followed the latest earlier occurrence of the longest
-        suffix of ``tokens`` (``prompt_lookup_max`` down to ``prompt_lookup_min`` long); () if none.
-        One pass back over the sequence, comparing only where its last token recurs."""
+        """``min(limit, k)`` tokens that followed the latest earlier occurrence of the longest suffix
+        of ``tokens`` (``prompt_lookup_max`` down to ``prompt_lookup_min`` long); () if none. Where
+        they run into the sequence's end, the text is taken to go on repeating with the period
+        between the occurrence and the suffix (a loop keeps looping). One pass back over the
+        sequence, comparing only where its last token recurs."""
         limit, length = min(limit, self.num_speculative_tokens), len(tokens)
         if limit <= 0 or length < 2:
             return ()
@@ -253,5 +255,10 @@ class SpeculativeConfig:
                     break
         if best < self.prompt_lookup_min:
             return ()
-        return tuple(tokens[best_end + 1 : best_end + 1 + limit])
+        start = best_end + 1
+        period = length - start  # the suffix recurs this far back: past the end, the text repeats with this period
+        guess: list[int] = []
+        for i in range(limit):
+            guess.append(tokens[start + i] if start + i < length else guess[i - period])
+        return tuple(guess)
 
