@@ -82,3 +82,24 @@ def test_a_draft_quantization_the_kernels_lack_is_refused_before_loading():
 
     with pytest.raises(ValueError, match="int8, int4"):
         EngineConfig(model="demo", speculative_config={"model": "d", "quantization": "int3"})
+
+
+def test_a_batch_makes_no_first_pass_before_its_steps_are_priced():
+    """Several rows and a step cost not yet fitted: a draft model's first pass over a prompt (a
+    prefill's cost) waits; a row whose draft KV is nearly caught up still guesses."""
+    from pagedserve.worker.core.config import SchedulerConfig
+    from pagedserve.worker.core.guesses import row_guess
+    from pagedserve.worker.core.request import Request, Sequence
+    from pagedserve.worker.core.speculative import SpeculativeConfig
+
+    config = SchedulerConfig(num_gpu_blocks=64, speculative=SpeculativeConfig(method="draft_model", model="d"))
+
+    def guess(draft_computed: int, blind: bool):
+        seq = Sequence(0, list(range(10, 110)), prompt_len=100, num_computed=99, draft_computed=draft_computed)
+        req = Request("r", list(seq.token_ids), SamplingParams(temperature=0.0, max_tokens=20), 0.0, 0, seqs=[seq])
+        return row_guess(config, req, seq, 1, 10, 0.0, None, blind)
+
+    assert guess(0, blind=True) is None
+    made = guess(0, blind=False)
+    assert made.tokens == (0, 0, 0, 0) and made.draft_context == tuple(range(10, 109))
+    assert guess(95, blind=True).draft_context == tuple(range(105, 109))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.grammar import guess_states
 from pagedserve.worker.core.request import Request, Sequence
-from pagedserve.worker.core.speculative import DraftPace, KeptRate
+from pagedserve.worker.core.speculative import MAX_DRAFT_WAIT, DraftPace, KeptRate
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,12 @@ class Guess:
 
 
 def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, budget: int, token_share: float,
-              lately: dict[bool, KeptRate] | None = None) -> Guess | None:
+              lately: dict[bool, KeptRate] | None = None, blind: bool = False) -> Guess | None:
     """The guess for ``seq``'s step of ``count`` tokens, at most ``budget - 1`` tokens, within its
     ``max_tokens`` and the context; None where it makes none. A row's first guess starts from the
-    kept rate of recent rows of its kind, greedy or sampled (``lately``, ``SpecStats``)."""
+    kept rate of recent rows of its kind, greedy or sampled (``lately``, ``SpecStats``). ``blind``
+    (several rows, and the step cost not priced yet): no draft model's first pass over a prompt,
+    a prefill's cost that a batch must not pay for every row before anyone knows it pays."""
     spec, p = config.speculative, req.params
     if (spec is None or p.use_beam_search or p.num_seqs != 1 or count != 1 or seq.num_uncomputed != 1
             or config.sliding_window or config.rope_switch):
@@ -44,7 +46,7 @@ def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, 
         return None
     length = min(room, pace.worth(token_share), spec.num_speculative_tokens)
     if spec.model is not None:
-        if seq.grammar is not None or length <= 0:
+        if seq.grammar is not None or length <= 0 or (blind and seq.num_computed - seq.draft_computed > MAX_DRAFT_WAIT + 1):
             return None
         return Guess((0,) * length, draft_context=tuple(seq.token_ids[seq.draft_computed : seq.num_computed]))
     tokens = spec.propose(seq.token_ids, length)

@@ -179,15 +179,16 @@ class Scheduler:
     def _schedule_running(self, step: StepBuilder) -> None:
         self.running.sort(key=lambda r: r.sort_key)
         queue = list(self.running)
-        share = 0.0
+        share, rows, blind = 0.0, sum(len(r.live_seqs) for r in queue), False
         if self.step_cost is not None:  # a step of one size only: one without guesses prices them
-            share = 1.0 if self.step_cost.wants_plain_step() else self.step_cost.token_share(sum(len(r.live_seqs) for r in queue))
+            share = 1.0 if self.step_cost.wants_plain_step() else self.step_cost.token_share(rows)
+            blind = rows > 1 and not self.step_cost.priced()
         while queue and step.budget > 0:
             req = queue.pop(0)
             if self._crossed_rope_switch(req):
                 continue
             sizes = self._chunk_sizes(req, step.budget)
-            guess = self._guess(req, sizes, step.budget, share)
+            guess = self._guess(req, sizes, step.budget, share, blind)
             if guess:  # only into free blocks: a guess never preempts anyone
                 guessed = [(seq_id, count + len(guess.tokens)) for seq_id, count in sizes]
                 if self.blocks.cost_to_grow(guessed) <= self.blocks.num_free_blocks:
@@ -202,12 +203,12 @@ class Scheduler:
             else:
                 self._emit(req, sizes, step, guess)
 
-    def _guess(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float) -> Guess | None:
+    def _guess(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float, blind: bool) -> Guess | None:
         """Speculative decoding: a one-sequence request's guess (``worker/core/guesses.py``)."""
         if self.config.speculative is None or len(sizes) != 1:
             return None
         (seq_id, count), = sizes
-        return row_guess(self.config, req, self.table.seq(seq_id), count, budget, share, self.applier.spec_stats.lately)
+        return row_guess(self.config, req, self.table.seq(seq_id), count, budget, share, self.applier.spec_stats.lately, blind)
 
     def _crossed_rope_switch(self, req: Request) -> bool:
         """Long-rope: a sequence that grew past ``rope_switch`` holds KV rotated with the short

@@ -139,6 +139,10 @@ class StepCost:
         per_token = (w * xy - x * y) / spread
         return (y - per_token * x) / w, max(per_token, 0.0)
 
+    def priced(self) -> bool:
+        """Whether the steps seen tell what a token costs (8 or more, their sizes spread)."""
+        return self._fit() is not None
+
     def wants_plain_step(self) -> bool:
         """Whether the recent steps all carried guesses and were all of one size: the fit cannot
         tell what a guessed token costs until a step without them is seen."""
