@@ -88,3 +88,12 @@ def test_every_decode_variant_is_warmed_for_each_window(zoo):
     extras = sorted({tuple(sorted(layer.self_attn.attn.extra.items())) for layer in runner.model.model.layers})
     assert len(extras) == 2  # gemma 2: sliding and full layers alternate, every score capped
     assert launched == [(n, dict(extra), torch.float32, "cpu") for extra in extras for n in (512, 1024, 2048, 3000)]
+    drafting = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=16,
+                   speculative_config={"model": str(zoo.path("llama-mha")), "num_speculative_tokens": 2}).engine.runner
+    shapes = []
+    drafting.ops = dataclasses.replace(drafting.ops, decode=lambda q, k, v, t, lens, scale, max_seq_len, **extra:
+                                       shapes.append((tuple(q.shape), tuple(k.shape[1:]), max_seq_len)))
+    drafting.warm_decode(600)  # the target's variants, then the draft's (its own heads and pool)
+    target, draft = drafting.model.model.layers[0].self_attn, drafting.drafter.model.model.layers[0].self_attn
+    assert shapes == [((1, a.num_heads, a.head_dim), tuple(pool[0][0].shape[1:]), n)
+                      for a, pool in ((target, drafting.kv_caches), (draft, drafting.drafter.kv_caches)) for n in (512, 600)]

@@ -85,15 +85,18 @@ class ModelRunner:
     def warm_decode(self, max_model_len: int) -> None:
         """Compile now every variant of the decode kernel an eager step can launch (one per power
         of two of context slices up to ``max_model_len``, for each window and score cap the layers
-        use): a step whose context first crossed one stalled serving for the compile (0.2-40 s)."""
-        attention = self.model.model.layers[0].self_attn
-        q = torch.zeros((1, attention.num_heads, attention.head_dim), dtype=self.dtype, device=self.device)
+        use), the draft model's too: a step whose context first crossed one stalled serving for the
+        compile (0.2-40 s)."""
         tables = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
         lens = torch.ones(1, dtype=torch.int32, device=self.device)
-        extras = {tuple(sorted(layer.self_attn.attn.extra.items())) for layer in self.model.model.layers}
-        for extra in sorted(extras):
-            for length in decode_variant_lengths(max_model_len):
-                self.ops.decode(q, *self.kv_caches[0], tables, lens, 1.0, max_seq_len=length, **dict(extra))
+        models = [(self.model, self.kv_caches)] + ([(self.drafter.model, self.drafter.kv_caches)] if self.drafter else [])
+        for model, kv_caches in models:
+            attention = model.model.layers[0].self_attn
+            q = torch.zeros((1, attention.num_heads, attention.head_dim), dtype=self.dtype, device=self.device)
+            extras = {tuple(sorted(layer.self_attn.attn.extra.items())) for layer in model.model.layers}
+            for extra in sorted(extras):
+                for length in decode_variant_lengths(max_model_len):
+                    self.ops.decode(q, *kv_caches[0], tables, lens, 1.0, max_seq_len=length, **dict(extra))
 
     def apply_block_moves(self, plan: StepPlan) -> None:
         """The tiers' spills and demotions (reads of blocks the rest may overwrite), swap out, the
