@@ -5,7 +5,7 @@ which lookup predicts) and sampled at temperature 1 (text that does not repeat: 
 cost nearly nothing), one stream and W64's 64 requests at once; with the acceptance rate and
 whether the tokens equal those without speculation (greedy and seeded rows must).
 
-    python -m pagedserve.bench.speculative [--model PATH] [--count 4] [--max-tokens 128] [--k 6] [--lookup-min 2] [--only NAME]
+    python -m pagedserve.bench.speculative [--model PATH] [--count 4] [--max-tokens 128] [--k 6] [--lookup-min 2] [--only NAME] [--repeats 3]
         [--draft PATH|same --draft-quantization int4 --draft-k 4 [--no-ngram]]
 
 With ``--draft`` a draft model's guesses are timed too (``same``: the model itself with its weights
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -114,6 +115,8 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--only", help="run only the workloads whose name contains this")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each workload, the configurations alternating; "
+                        "tok/s and the ratio to off are the medians (the ratio of each repeat's pair)")
     parser.add_argument("--draft", help="also time a draft model: its path, or 'same' (the model itself, its weights "
                         "quantized by --draft-quantization)")
     parser.add_argument("--draft-quantization", default="int4", help="the draft's weights: none, int8 or int4")
@@ -136,33 +139,42 @@ def main() -> None:
         k = args.draft_k or args.k
         configs.append((f"draft {args.draft_quantization} k={k}", {"model": path, "num_speculative_tokens": k,
                                                                          "quantization": args.draft_quantization}))
+    engines = [(label, LLM(args.model, dtype=args.dtype, speculative_config=speculative)) for label, speculative in configs]
+    first = engines[0][1]
     rows = []
-    for label, speculative in configs:
-        llm = LLM(args.model, dtype=args.dtype, speculative_config=speculative)
-        for workload, prompts, params, at_once in workloads(llm.tokenizer, llm.engine.info.config.vocab_size,
-                                                             args.count, args.max_tokens):
-            if args.only and args.only not in workload:
-                continue
-            before = llm.engine.stats()
-            result = run(llm.engine, prompts, params, at_once)
-            after = llm.engine.stats()
-            drafted, accepted = (after.get(f"spec_decode_num_{name}_tokens_total", 0) - before.get(f"spec_decode_num_{name}_tokens_total", 0)
-                                 for name in ("draft", "accepted"))
+    for workload, prompts, params, at_once in workloads(first.tokenizer, first.engine.info.config.vocab_size,
+                                                         args.count, args.max_tokens):
+        if args.only and args.only not in workload:
+            continue
+        runs: dict[str, list[dict]] = {label: [] for label, _ in engines}
+        for _ in range(args.repeats):  # the configurations alternate: each repeat is a pair in one minute
+            for label, llm in engines:
+                before = llm.engine.stats()
+                result = run(llm.engine, prompts, params, at_once)
+                after = llm.engine.stats()
+                result["drafted"], result["accepted"] = (
+                    after.get(f"spec_decode_num_{name}_tokens_total", 0) - before.get(f"spec_decode_num_{name}_tokens_total", 0)
+                    for name in ("draft", "accepted"))
+                runs[label].append(result)
+        for label, results in runs.items():
+            drafted, accepted = sum(r["drafted"] for r in results), sum(r["accepted"] for r in results)
+            ratios = [r["tokens_per_s"] / off["tokens_per_s"] for r, off in zip(results, runs["off"])]
             rows.append({"bench": "speculative", "config": label, "workload": workload, "prompts": len(prompts),
-                         "max_tokens": args.max_tokens, "tokens_per_s": result["tokens_per_s"],
+                         "max_tokens": args.max_tokens, "repeats": args.repeats,
+                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+                         "speedup": statistics.median(ratios), "speedups": ratios,
                          "draft_tokens": drafted, "accepted_tokens": accepted,
-                         "acceptance": accepted / drafted if drafted else None, "outputs": result["outputs"]})
-        if speculative:
-            rows[-1]["accepted_by_position"] = llm.engine.spec_counts()
+                         "acceptance": accepted / drafted if drafted else None,
+                         "same_tokens": all(r["outputs"] == off["outputs"] for r, off in zip(results, runs["off"]))})
+    for label, llm in engines:
+        if label != "off":
+            next(r for r in reversed(rows) if r["config"] == label)["accepted_by_position"] = llm.engine.spec_counts()
     for row in rows:
-        base = next(r for r in rows if r["workload"] == row["workload"] and r["config"] == "off")
-        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
-        row["same_tokens"] = row["outputs"] == base["outputs"]
-    for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k != "outputs"}))
+        print(json.dumps(row))
     print_table(rows, [("workload", lambda r: r["workload"]), ("speculation", lambda r: r["config"]),
                        ("tok/s", lambda r: f"{r['tokens_per_s']:.1f}"),
                        ("vs off", lambda r: f"{r['speedup']:.2f}x"),
+                       ("each repeat", lambda r: " ".join(f"{x:.2f}" for x in r["speedups"])),
                        ("acceptance", lambda r: "" if r["acceptance"] is None else f"{r['acceptance']:.0%}"),
                        ("same tokens", lambda r: "yes" if r["same_tokens"] else "NO")])
 
