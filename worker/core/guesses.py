@@ -26,6 +26,9 @@ class Guess:
     draft_context: tuple[int, ...] | None = None  # a draft model's guess (tokens all 0 until it makes them)
 
 
+NO_GUESS = Guess(())  # a row that decodes plainly
+
+
 def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, budget: int, token_share: float,
               lately: dict[bool, KeptRate] | None = None, blind: bool = False) -> Guess | None:
     """The guess for ``seq``'s step of ``count`` tokens, at most ``budget - 1`` tokens, within its
@@ -44,7 +47,7 @@ def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, 
     pace = seq.draft_pace
     if not pace.ready():
         return None
-    length = min(room, pace.worth(token_share), spec.num_speculative_tokens)
+    length = min(room, pace.worth(token_share))  # the pace's length is at most k
     if spec.model is not None:
         if seq.grammar is not None or length <= 0 or (blind and seq.num_computed - seq.draft_computed > MAX_DRAFT_WAIT + 1):
             return None

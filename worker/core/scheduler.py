@@ -36,7 +36,7 @@ from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
 from pagedserve.worker.core.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.request_table import RequestTable
-from pagedserve.worker.core.guesses import Guess, row_guess
+from pagedserve.worker.core.guesses import NO_GUESS, Guess, row_guess
 from pagedserve.worker.core.speculative import StepCost
 from pagedserve.worker.core.step_apply import StepApplier
 
@@ -201,7 +201,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._emit(req, sizes, step, guess)
+                self._emit(req, sizes, step, guess or NO_GUESS)
 
     def _guess(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float, blind: bool) -> Guess | None:
         """Speculative decoding: a one-sequence request's guess (``worker/core/guesses.py``)."""
@@ -297,7 +297,7 @@ class Scheduler:
             req.first_scheduled = self.clock()
         self.running.append(req)
 
-    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder, guess: Guess | None = None) -> None:
+    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder, guess: Guess = NO_GUESS) -> None:
         """Grow the seqs' tables (a guess's slots too: one sequence's) and add their work to the step."""
         for seq_id, count in sizes:
             if count <= 0:
@@ -306,11 +306,10 @@ class Scheduler:
             copies = self.blocks.grow(seq_id, count)
             self.stats.cow_copies += len(copies)
             step.copies.extend(copies)
-            guessed = guess.tokens if guess else ()
-            step.seqs.append(self._scheduled(req, seq, count - len(guessed), guess))
+            step.seqs.append(self._scheduled(req, seq, count - len(guess.tokens), guess))
             step.budget -= count
 
-    def _scheduled(self, req: Request, seq: Sequence, count: int, guess: Guess | None = None) -> ScheduledSeq:
+    def _scheduled(self, req: Request, seq: Sequence, count: int, guess: Guess = NO_GUESS) -> ScheduledSeq:
         """The work and everything the runner needs to sample it, without asking back; a guess's
         tokens follow the row's own (the runner checks them)."""
         p, start = req.params, seq.num_computed
@@ -319,12 +318,12 @@ class Scheduler:
             samples = p.num_seqs if req.needs_fork else 1
         history = samples and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
         return ScheduledSeq(
-            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + (guess.tokens if guess else ()), start,
+            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + guess.tokens, start,
             self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
             seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
-            len(guess.tokens) if guess else 0, guess.grammars if guess else (), guess.draft_context if guess else None,
+            len(guess.tokens), guess.grammars, guess.draft_context,
         )
 
     @staticmethod

@@ -21,6 +21,7 @@ import torch
 from pagedserve.kernels.kv_format import KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.core.plan import ScheduledSeq
+from pagedserve.worker.runner.kv_pool import layer_caches, pool_shape
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.step_inputs import step_inputs
 
@@ -31,10 +32,8 @@ class Drafter:
     def __init__(self, model: CausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype, kv: KVFormat,
                  block_size: int, num_blocks: int) -> None:
         self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
-        layers = len(model.model.layers)
-        shape = (2 * layers, num_blocks, block_size, model.num_kv_heads, kv.row_width(model.head_dim))
-        self.kv_pool = torch.zeros(shape, dtype=kv.storage_dtype(dtype), device=device)
-        self.kv_caches = [(self.kv_pool[2 * i], self.kv_pool[2 * i + 1]) for i in range(layers)]
+        self.kv_pool = torch.zeros(pool_shape(model, num_blocks, block_size, kv), dtype=kv.storage_dtype(dtype), device=device)
+        self.kv_caches = layer_caches(self.kv_pool)
 
     @torch.inference_mode()
     def draft(self, seqs: tuple[ScheduledSeq, ...]) -> tuple[tuple[ScheduledSeq, ...], int]:

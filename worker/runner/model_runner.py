@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -22,11 +23,11 @@ from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.kernels.reference import block_pairs
 from pagedserve.worker.core.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
-from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
 from pagedserve.worker.runner.draft_check import check_drafts
 from pagedserve.worker.runner.drafter import Drafter
+from pagedserve.worker.runner.kv_pool import layer_caches, pool_shape
 from pagedserve.worker.runner.kv_tiers import TierCopier
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampler import Sampler, scored_token
@@ -48,8 +49,7 @@ PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are taken at once
 
 def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype, kv: KVFormat = AUTO) -> int:
     """Bytes of K and V, all layers, for one block (a quantized row's scale included)."""
-    elem = kv.bytes_per_element(dtype)
-    return 2 * len(model.model.layers) * block_size * model.num_kv_heads * kv.row_width(model.head_dim) * elem
+    return math.prod(pool_shape(model, 1, block_size, kv)) * kv.bytes_per_element(dtype)
 
 
 class ModelRunner:
@@ -61,17 +61,15 @@ class ModelRunner:
         self.model, self.ops, self.device, self.block_size, self.dtype = model, ops, device, block_size, dtype
         self.sampler, self.beams = sampler, beams
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        layers = len(model.model.layers)
-        shape = (2 * layers, num_gpu_blocks, block_size, model.num_kv_heads, kv.row_width(model.head_dim))
+        shape = pool_shape(model, num_gpu_blocks, block_size, kv)
         dtype = kv.storage_dtype(dtype)
         with tqdm(total=2, desc="allocating KV cache", unit="pool", leave=False, disable=None) as bar:
-            # K and V of every layer in one tensor, so block copies and swaps are one operation.
             self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
             bar.update(1)
-            self.cpu_pool = torch.zeros((2 * layers, num_cpu_blocks, *shape[2:]), dtype=dtype, device="cpu",
+            self.cpu_pool = torch.zeros(pool_shape(model, num_cpu_blocks, block_size, kv), dtype=dtype, device="cpu",
                                         pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
             bar.update(1)
-        self.kv_caches = [(self.kv_pool[2 * i], self.kv_pool[2 * i + 1]) for i in range(layers)]
+        self.kv_caches = layer_caches(self.kv_pool)
         # speculative decoding's draft model, its KV on the same block ids (drafter.py)
         self.drafter = Drafter(draft, ops, device, self.dtype, kv, block_size, num_gpu_blocks) if draft is not None else None
         self.tiers: TierCopier | None = None  # the host and disk tiers' bytes, when the engine has them
@@ -114,9 +112,9 @@ class ModelRunner:
             with self._swap_stream():
                 self.ops.swap_blocks(self.cpu_pool, self.kv_pool, block_pairs(plan.swap_in, self.cpu_pool.device))
         if plan.copies:
-            self.ops.copy_blocks(self.kv_pool, block_pairs(plan.copies, self.device))
-            if self.drafter is not None:
-                self.ops.copy_blocks(self.drafter.kv_pool, block_pairs(plan.copies, self.device))
+            pairs = block_pairs(plan.copies, self.device)
+            for pool in (self.kv_pool, self.drafter.kv_pool) if self.drafter is not None else (self.kv_pool,):
+                self.ops.copy_blocks(pool, pairs)
 
     @contextlib.contextmanager
     def _swap_stream(self):
