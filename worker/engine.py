@@ -292,7 +292,8 @@ class Engine:
             result = StepResult()
         self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, time.perf_counter() - started)
         if self.scheduler.step_cost is not None and plan.seqs and all(map(prices_guesses, plan.seqs)):
-            self.scheduler.step_cost.observe(plan.num_tokens, self.last_forward.seconds, any(s.num_draft for s in plan.seqs),
+            guessed = any(s.num_draft for s in plan.seqs)
+            self.scheduler.step_cost.observe(len(plan.seqs), plan.num_tokens, self.last_forward.seconds, guessed,
                                              result.draft_rounds, result.draft_seconds)
         return self.scheduler.update(plan, result)
 

@@ -86,7 +86,7 @@ def test_a_draft_quantization_the_kernels_lack_is_refused_before_loading():
 
 def test_a_batch_makes_no_first_pass_before_its_steps_are_priced():
     """Several rows and a step cost not yet fitted: a draft model's first pass over a prompt (a
-    prefill's cost) waits; a row whose draft KV is nearly caught up still guesses."""
+    prefill's cost) waits; a row whose draft KV is nearly caught up still guesses, one token."""
     from pagedserve.worker.core.config import SchedulerConfig
     from pagedserve.worker.core.guesses import row_guess
     from pagedserve.worker.core.request import Request, Sequence
@@ -102,4 +102,5 @@ def test_a_batch_makes_no_first_pass_before_its_steps_are_priced():
     assert guess(0, blind=True) is None
     made = guess(0, blind=False)
     assert made.tokens == (0, 0, 0, 0) and made.draft_context == tuple(range(10, 109))
-    assert guess(95, blind=True).draft_context == tuple(range(105, 109))
+    caught_up = guess(95, blind=True)
+    assert caught_up.draft_context == tuple(range(105, 109)) and caught_up.tokens == (0,)

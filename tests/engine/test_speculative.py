@@ -18,7 +18,8 @@ from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.guesses import row_guess
 from pagedserve.worker.core.kv_snapshot import kv_snapshot
 from pagedserve.worker.core.request import Request, Sequence
-from pagedserve.worker.core.speculative import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig, StepCost
+from pagedserve.worker.core.guess_cost import StepCost, StepFit
+from pagedserve.worker.core.speculative import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig
 from tests.engine.test_parity import run_checked
 
 MODEL = "llama-gqa"
@@ -212,14 +213,14 @@ def test_a_guess_is_only_as_long_as_its_tokens_pay_for_themselves():
 
 
 def test_the_step_cost_share_grows_with_the_rows_a_step_carries():
-    cost = StepCost()
+    cost = StepFit()
     assert cost.token_share(16) == 0.0  # nothing seen: guess freely
     for tokens in [1, 4, 16, 64, 100, 3, 30] * 3:
         cost.observe(tokens, 0.030 + 0.002 * tokens)  # 30 ms fixed, 2 ms a token
     assert abs(cost.token_share(1) - 0.002 / 0.032) < 1e-6
     assert abs(cost.token_share(16) - 0.032 / 0.062) < 1e-6
     assert cost.token_share(64) > 0.8
-    flat = StepCost()
+    flat = StepFit()
     for tokens in [1, 4, 16, 64] * 3:
         flat.observe(tokens, 0.030)  # a step that costs the same whatever it carries
     assert flat.token_share(64) < 1e-9
@@ -228,25 +229,43 @@ def test_the_step_cost_share_grows_with_the_rows_a_step_carries():
 def test_a_draft_round_is_priced_and_steps_all_alike_ask_for_one_without_guesses():
     cost = StepCost()
     for _ in range(10):  # 16 rows guessing 4 each: 80 tokens, 0.26 s of target and 4 draft rounds of 0.01 s
-        cost.observe(80, 0.30, guessed=True, draft_rounds=4, draft_seconds=0.04)
-    assert cost.wants_plain_step() and cost.token_share(16) == 0.0
-    cost.observe(16, 0.086)  # the plain step it asked for: 16 rows, 0.086 s
-    assert not cost.wants_plain_step()
+        cost.observe(16, 80, 0.30, guessed=True, draft_rounds=4, draft_seconds=0.04)
+    assert cost.share(16) == (1.0, False)  # a plain step, please
+    cost.observe(16, 16, 0.086)  # the plain step it asked for: 16 rows, 0.086 s
+    share, blind = cost.share(16)
     per_token = (0.26 - 0.086) / 64
-    assert abs(cost.token_share(16) - (16 * per_token + 0.01) / 0.086) < 1e-6
+    assert not blind and abs(share - (16 * per_token + 0.01) / 0.086) < 1e-6
     never = StepCost()
     for _ in range(10):  # steps that never guessed, all alike: guess freely, ask for nothing
-        never.observe(1, 0.05)
-    assert not never.wants_plain_step() and never.token_share(1) == 0.0
+        never.observe(1, 1, 0.05)
+    assert never.share(1) == (0.0, False)
+
+
+def test_each_batch_size_is_priced_by_its_own_steps():
+    """One-row steps that read (a token costs nothing) do not price a 16-row step that computes;
+    until its own steps do, a batch is blind (one guessed token at most)."""
+    cost = StepCost()
+    for tokens in [1, 7, 1, 4] * 4:
+        cost.observe(1, tokens, 0.030 + 0.0001 * tokens)  # one row: a token costs 0.3% of a step
+    assert cost.share(1)[0] < 0.01 and cost.share(1)[1] is False
+    assert cost.share(16) == (0.0, True) and cost.share(9) == (0.0, True)  # rows 9-16: nothing seen
+    assert cost.share(2) == (0.0, True) and cost.bucket(1) != cost.bucket(2) != cost.bucket(3) == cost.bucket(4)
+    for tokens in [16, 32, 20, 16] * 4:
+        cost.observe(14, tokens, 0.040 + 0.002 * tokens)  # 9-16 rows: a token costs 2 ms
+    share, blind = cost.share(16)
+    assert not blind and abs(share - 0.032 / 0.072) < 1e-6
+    assert cost.share(17) == (0.0, True) and cost.share(1)[0] < 0.01  # other sizes untouched
 
 
 class FrozenCost(StepCost):
-    """A step cost fitted once, on steps where each token costs 10 ms and the rest 1 ms."""
+    """A step cost fitted once, on steps of every batch size up to 8 rows where each token costs
+    10 ms and the rest 1 ms."""
 
     def __init__(self) -> None:
         super().__init__()
-        for tokens in (1, 2, 8, 32) * 4:
-            super().observe(tokens, 0.001 + 0.010 * tokens)
+        for rows in (1, 2, 4, 8):
+            for tokens in (1, 2, 8, 32) * 4:
+                super().observe(rows, tokens, 0.001 + 0.010 * tokens)
 
     def observe(self, *step, **draft) -> None:
         pass
@@ -256,11 +275,11 @@ def test_the_engine_fits_its_step_cost_and_guesses_nothing_where_a_token_costs_a
     llm = LLM(zoo.path(MODEL), device="cpu", dtype="float32", seed=0, speculative_config=NGRAM)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 6
     outputs(llm, prompts(6), params)
-    assert llm.engine.scheduler.step_cost.sums[0] > 0  # the steps were timed
+    assert llm.engine.scheduler.step_cost.fit(6).sums[0] > 0  # the steps of 6 rows were timed
     stats = llm.engine.scheduler.applier.spec_stats
     before = stats.draft_tokens
     llm.engine.scheduler.step_cost = FrozenCost()
-    assert llm.engine.scheduler.step_cost.token_share(6) > 0.95
+    assert llm.engine.scheduler.step_cost.share(6)[0] > 0.95
     assert outputs(llm, prompts(6, seed=7), params) == outputs(engine(zoo), prompts(6, seed=7), params)
     assert stats.draft_tokens == before  # no guess pays for itself there
 
@@ -286,3 +305,15 @@ def test_a_new_row_starts_from_what_recent_rows_of_its_kind_kept():
     assert first_guess(SamplingParams(temperature=1.0, max_tokens=20)) == ()
     assert first_guess(SamplingParams(temperature=0.0, max_tokens=20)) == (3, 4, 5, 6)
     assert stats.lately[False].value < 0.1 < 0.9 < stats.lately[True].value
+
+
+def test_a_blind_batch_guesses_one_token_at_most():
+    """Several rows whose step cost is not priced: lookup's guess is cut to one token."""
+    config = SchedulerConfig(num_gpu_blocks=8, speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
+
+    def guess(blind: bool) -> tuple[int, ...]:
+        seq = Sequence(0, [1, 2, 3, 4, 5, 6, 1, 2], prompt_len=8, num_computed=7)
+        req = Request("r", list(seq.token_ids), SamplingParams(temperature=0.0, max_tokens=20), 0.0, 0, seqs=[seq])
+        return row_guess(config, req, seq, 1, 10, 0.0, None, blind).tokens
+
+    assert guess(blind=False) == (3, 4, 5, 6) and guess(blind=True) == (3,)

@@ -34,8 +34,9 @@ def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, 
     """The guess for ``seq``'s step of ``count`` tokens, at most ``budget - 1`` tokens, within its
     ``max_tokens`` and the context; None where it makes none. A row's first guess starts from the
     kept rate of recent rows of its kind, greedy or sampled (``lately``, ``SpecStats``). ``blind``
-    (several rows, and the step cost not priced yet): no draft model's first pass over a prompt,
-    a prefill's cost that a batch must not pay for every row before anyone knows it pays."""
+    (several rows, and the step cost of that many not priced yet): one token at most, and no draft
+    model's first pass over a prompt (a prefill's cost), which a batch must not pay for every row
+    before anyone knows it pays."""
     spec, p = config.speculative, req.params
     if (spec is None or p.use_beam_search or p.num_seqs != 1 or count != 1 or seq.num_uncomputed != 1
             or config.sliding_window or config.rope_switch):
@@ -47,7 +48,7 @@ def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, 
     pace = seq.draft_pace
     if not pace.ready():
         return None
-    length = min(room, pace.worth(token_share))  # the pace's length is at most k
+    length = min(room, pace.worth(token_share), 1 if blind else room)  # the pace's length is at most k
     if spec.model is not None:
         if seq.grammar is not None or length <= 0 or (blind and seq.num_computed - seq.draft_computed > MAX_DRAFT_WAIT + 1):
             return None

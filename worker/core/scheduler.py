@@ -37,7 +37,7 @@ from pagedserve.worker.core.plan import ScheduledSeq, StepBuilder, StepPlan, Ste
 from pagedserve.worker.core.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.request_table import RequestTable
 from pagedserve.worker.core.guesses import NO_GUESS, Guess, row_guess
-from pagedserve.worker.core.speculative import StepCost
+from pagedserve.worker.core.guess_cost import StepCost
 from pagedserve.worker.core.step_apply import StepApplier
 
 
@@ -180,9 +180,8 @@ class Scheduler:
         self.running.sort(key=lambda r: r.sort_key)
         queue = list(self.running)
         share, rows, blind = 0.0, sum(len(r.live_seqs) for r in queue), False
-        if self.step_cost is not None:  # a step of one size only: one without guesses prices them
-            share = 1.0 if self.step_cost.wants_plain_step() else self.step_cost.token_share(rows)
-            blind = rows > 1 and not self.step_cost.priced()
+        if self.step_cost is not None:  # what a guessed token costs in a step of this many rows
+            share, blind = self.step_cost.share(rows)
         while queue and step.budget > 0:
             req = queue.pop(0)
             if self._crossed_rope_switch(req):

@@ -15,7 +15,7 @@ from the distribution a step of its own would use, and a greedy or seeded row ge
 tokens it gets without speculation. Each sequence paces its guesses (``DraftPace``): a row whose
 guesses are rejected guesses less often, so text that does not repeat costs almost nothing; and a
 guess is only as long as its tokens pay for themselves at what a checked token costs in a step of
-this size (``StepCost``, fitted to the engine's own step times). A draft model
+this size (``StepCost``, ``worker/core/guess_cost.py``: fitted to the engine's own steps of that size). A draft model
 (``worker/runner/drafter.py``) guesses greedily with its own KV pool on the target's block ids.
 """
 
@@ -30,8 +30,6 @@ MAX_SPECULATIVE_TOKENS = 16
 METHODS = ("ngram", "draft_model")
 MAX_DRAFT_WAIT = 31  # steps a row whose guesses keep failing waits, at most, before it guesses again
 RATE_DECAY = 0.9  # a row's kept rate: each older check weighs this much as the next
-COST_DECAY = 0.98  # the step cost fit: each older step weighs this much as the next
-MIN_COST_STEPS = 8  # steps seen before the fit is used
 
 
 @dataclass
@@ -104,63 +102,10 @@ class DraftPace:
         return min(self.length, int(math.log(token_share) / math.log(rate)))
 
 
-@dataclass
-class StepCost:
-    """A step's time as a fixed part and a part per token, fitted over the recent steps (least
-    squares, each older step weighing ``COST_DECAY`` as much as the next), and a draft model's time
-    per round (its forward over the step's guessing rows), averaged alike. ``token_share(rows)``: the
-    part of a step of ``rows`` one-token rows that one more token each costs, per row the price of
-    checking a guessed token (and drafting it) against what a kept one saves. 0 (guess freely)
-    until the fit has seen 8 steps whose sizes differ by a tenth; near 1 where the forward's cost
-    grows with every token (a batch big enough that the device computes, rather than reads, most of
-    the step) or a draft round costs nearly a step. While the recent steps are all of one size and
-    guessed (every row guessing the same), ``wants_plain_step`` asks for a step without guesses."""
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, xx, xy
-    draft: list[float] = field(default_factory=lambda: [0.0, 0.0])  # draft rounds, their seconds
-    guessed: float = 0.0  # the steps that carried guesses, weighed as ``sums[0]``
-
-    def observe(self, tokens: int, seconds: float, guessed: bool = False, draft_rounds: int = 0,
-                draft_seconds: float = 0.0) -> None:
-        """A step: its tokens and seconds, of which ``draft_seconds`` were a draft model's rounds."""
-        seconds -= draft_seconds
-        w, x, y, xx, xy = (v * COST_DECAY for v in self.sums)
-        self.sums = [w + 1, x + tokens, y + seconds, xx + tokens * tokens, xy + tokens * seconds]
-        self.guessed = COST_DECAY * self.guessed + guessed
-        if draft_rounds:
-            rounds, spent = (v * COST_DECAY for v in self.draft)
-            self.draft = [rounds + draft_rounds, spent + draft_seconds]
-
-    def _fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None while the steps seen are too few or too alike."""
-        w, x, y, xx, xy = self.sums
-        spread = w * xx - x * x
-        if w < MIN_COST_STEPS or spread <= 0.01 * x * x:
-            return None
-        per_token = (w * xy - x * y) / spread
-        return (y - per_token * x) / w, max(per_token, 0.0)
-
-    def priced(self) -> bool:
-        """Whether the steps seen tell what a token costs (8 or more, their sizes spread)."""
-        return self._fit() is not None
-
-    def wants_plain_step(self) -> bool:
-        """Whether the recent steps all carried guesses and were all of one size: the fit cannot
-        tell what a guessed token costs until a step without them is seen."""
-        return self.sums[0] >= MIN_COST_STEPS and self.guessed > self.sums[0] / 2 and self._fit() is None
-
-    def token_share(self, rows: int) -> float:
-        fit, (rounds, spent) = self._fit(), self.draft
-        if fit is None:
-            return 0.0
-        fixed, per_token = fit
-        plain = max(fixed + per_token * rows, 1e-12)
-        return min(1.0, (per_token * rows + (spent / rounds if rounds else 0.0)) / plain)
-
-
 def prices_guesses(row) -> bool:
-    """Whether a step's row (a ``ScheduledSeq``) lets its step price guessed tokens (``StepCost``):
-    a decode, with or without a guess, whose draft model catches up on no more than the steps a
-    pace may skip. A prefill chunk's tokens, or a draft's first pass over a whole prompt, cost what
+    """Whether a step's row (a ``ScheduledSeq``) lets its step price guessed tokens (``StepCost``,
+    ``worker/core/guess_cost.py``): a decode, with or without a guess, whose draft model catches up
+    on no more than the steps a pace may skip. A prefill chunk's tokens, or a draft's first pass over a whole prompt, cost what
     they cost once, not what a guessed token costs."""
     return row.num_tokens == 1 + row.num_draft and len(row.draft_context or ()) <= MAX_DRAFT_WAIT + 1
 
