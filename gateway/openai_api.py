@@ -17,6 +17,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from pagedserve.gateway import sse
+from pagedserve.gateway.reasoning import ReasoningStream
 from pagedserve.gateway.responses import Choice, Renderer, usage
 from pagedserve.gateway.schemas import ApiError, ParsedRequest, parse
 from pagedserve.gateway.service import GatewayService
@@ -59,7 +60,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
     boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
     renderer = Renderer(chat, base, int(time.time()), parsed.model, parsed.params.logprobs,
-                        parsed.tools, state.settings.tool_call_parser)
+                        parsed.tools, state.settings.tool_call_parser, state.settings.reasoning_parser)
     deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
     tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))
     state.metrics.prompt_tokens.labels(parsed.model).inc(tally.prompt_tokens)
@@ -183,6 +184,7 @@ async def _write_stream(response: web.StreamResponse, state, parsed: ParsedReque
     offsets: dict[int, int] = {}
     generated: dict[int, int] = {}  # tokens so far per choice, for continuous usage stats
     tool_streams: dict[int, ToolStream] = {}
+    thoughts: dict[int, ReasoningStream] = {}
     prompt_tokens = completion_tokens = 0
     try:
         async for index, event in events:
@@ -192,13 +194,18 @@ async def _write_stream(response: web.StreamResponse, state, parsed: ParsedReque
                 break
             for delta in event.outputs:
                 choice = index * n + delta.index
-                calls, reason = [], delta.finish_reason
+                calls, reason, thought = [], delta.finish_reason, ""
+                if renderer.reasoning_parser is not None:  # the thinking goes apart; the answer goes on
+                    thoughts.setdefault(choice, ReasoningStream(renderer.reasoning_parser))
+                    thought, text = thoughts[choice].feed(delta.text, reason is not None)
+                    delta = replace(delta, text=text)
                 if renderer.tools is not None:  # text that may be a tool call is held back
                     if choice not in tool_streams:
                         tool_streams[choice] = ToolStream(renderer.tools, renderer.tool_parser)
                     text, calls = tool_streams[choice].feed(delta.text, reason is not None)
                     delta = replace(delta, text=text, finish_reason=None if calls else reason)
-                chunk = renderer.chunk(choice, delta, choice not in first_sent, parsed.include_usage, offsets.get(choice, 0))
+                chunk = renderer.chunk(choice, delta, choice not in first_sent, parsed.include_usage, offsets.get(choice, 0),
+                                       thought)
                 first_sent.add(choice)
                 offsets[choice] = offsets.get(choice, 0) + len(delta.text)
                 generated[choice] = generated.get(choice, 0) + len(delta.token_ids)

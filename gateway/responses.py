@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.gateway.reasoning import split
 from pagedserve.gateway.tool_calls import ToolRequest, extract
 from pagedserve.shared.protocol import OutputDelta
 
@@ -37,14 +38,16 @@ class Renderer:
     """Builds the objects of one response; ``chat`` picks the chat or the completions shapes."""
 
     def __init__(self, chat: bool, request_id: str, created: int, model: str, top_logprobs: int | None,
-                 tools: ToolRequest | None = None, tool_parser: str = "hermes") -> None:
+                 tools: ToolRequest | None = None, tool_parser: str = "hermes", reasoning_parser: str | None = None) -> None:
         """``top_logprobs``: alternatives per token asked for (None: no logprobs at all). Chat lists
         exactly that many; completions also keep the sampled token when it is not among them, as
-        the legacy API and vLLM do. ``tools``: a chat with tools, whose answers may be tool calls."""
+        the legacy API and vLLM do. ``tools``: a chat with tools, whose answers may be tool calls.
+        ``reasoning_parser``: a chat's thinking goes to ``reasoning_content`` (gateway/reasoning.py)."""
         self.chat, self.id, self.created, self.model = chat, request_id, created, model
         self.top_logprobs = top_logprobs
         self.tools = tools if tools is not None and tools.parses_output else None
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser if chat else None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -54,8 +57,11 @@ class Renderer:
         for c in choices:
             item = {"index": c.index, "logprobs": self.logprobs(c.logprobs, 0), "finish_reason": c.finish_reason}
             if self.chat:
-                content, calls = extract(c.text, self.tools, self.tool_parser) if self.tools else (c.text, [])
+                reasoning, text = split(c.text, self.reasoning_parser) if self.reasoning_parser else (None, c.text)
+                content, calls = extract(text or "", self.tools, self.tool_parser) if self.tools else (text, [])
                 item["message"] = {"role": "assistant", "content": content}
+                if self.reasoning_parser:
+                    item["message"]["reasoning_content"] = reasoning
                 if calls:
                     item["message"]["tool_calls"] = calls
                     item["finish_reason"] = tool_finish(c.finish_reason)
@@ -64,13 +70,16 @@ class Renderer:
             out.append(item)
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out, "usage": use}
 
-    def chunk(self, index: int, delta: OutputDelta | None, first: bool, include_usage: bool, text_offset: int = 0) -> dict:
+    def chunk(self, index: int, delta: OutputDelta | None, first: bool, include_usage: bool, text_offset: int = 0,
+              reasoning: str = "") -> dict:
+        """``reasoning``: the thinking this delta carried (``delta.reasoning_content``), its text the answer's."""
         text = delta.text if delta else ""
         reason = delta.finish_reason if delta else None
         entries = (delta.logprobs or []) if delta else []
         item = {"index": index, "logprobs": self.logprobs(entries, text_offset), "finish_reason": reason}
         if self.chat:
-            item["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            item["delta"] = (({"role": "assistant"} if first else {}) | ({"reasoning_content": reasoning} if reasoning else {})
+                             | ({"content": text} if text or first and not reasoning else {}))
         else:
             item["text"] = text
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [item]}

@@ -13,6 +13,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
+from jinja2 import TemplateError
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -104,14 +105,18 @@ class GatewayService:
         """The smallest ``max_model_len`` of the live workers (None with none: a request is a 503 then)."""
         return (await self.workers.workers(self.settings.served_model_name)).context_limit
 
-    async def encode(self, prompt, chat: bool) -> list[list[int]]:
+    async def encode(self, prompt, chat: bool, template_kwargs: dict | None = None) -> list[list[int]]:
         """Token ids of a validated prompt (chat messages, or any completions prompt form), on the
         tokenizing thread; not checked against the context."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._encode, prompt, chat)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._encode, prompt, chat, (),
+                                                                template_kwargs)
 
-    def _encode(self, prompt, chat: bool, tools: tuple[dict, ...] = ()) -> list[list[int]]:
-        if chat:
-            return [encode_chat(self.tokenizer, prompt, tools)]
+    def _encode(self, prompt, chat: bool, tools: tuple[dict, ...] = (), template_kwargs: dict | None = None) -> list[list[int]]:
+        if chat:  # a template that refuses the conversation (its raise_exception) is the request's fault
+            try:
+                return [encode_chat(self.tokenizer, prompt, tools, template_kwargs)]
+            except TemplateError as err:
+                raise InvalidRequestError(f"the chat template refused the messages: {err}", "messages") from None
         if isinstance(prompt, str):
             return [self.tokenizer.encode(prompt)]
         if isinstance(prompt[0], str):
@@ -130,7 +135,7 @@ class GatewayService:
                 prefix = "tools: " if parsed.constraint_field == "tools" else ""
                 raise ApiError(400, prefix + str(err), parsed.constraint_field) from None
         try:
-            prompts = self._encode(parsed.prompt, parsed.chat, parsed.tools.tools if parsed.tools else ())
+            prompts = self._encode(parsed.prompt, parsed.chat, parsed.tools.tools if parsed.tools else (), parsed.template_kwargs)
             if live.vocab_size is not None:  # the bound the workers check against (their config's vocab_size)
                 prompts = [check_token_ids(ids, live.vocab_size) for ids in prompts]
         except InvalidRequestError as err:

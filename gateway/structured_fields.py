@@ -5,7 +5,8 @@
 - vLLM's ``structured_outputs``: ``{"json" | "json_object" | "regex" | "choice" | "grammar": ...}``;
 - vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 
-At most one of them per request; every problem is a 400 naming the field.
+At most one of them per request; every problem is a 400 naming the field (their shapes:
+``gateway/bodies.py``).
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.structured import StructuredOutputs
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-FIELDS = frozenset({"response_format", "structured_outputs", *GUIDED})
+FIELDS = ("response_format", "structured_outputs", *GUIDED)
 
 
-def structured_outputs(body: dict, error) -> tuple[StructuredOutputs | None, str | None]:
-    """The constraint asked for and the field that asked (the one a 400 about it names, also when
-    the gateway's later check finds llguidance refuses it). ``error(message, param)`` builds the
-    exception to raise (the gateway's ApiError)."""
-    asked = {name: body[name] for name in FIELDS if body.get(name) is not None}
-    if asked.get("response_format") == {"type": "text"}:
+def structured_outputs(req: Any, error) -> tuple[StructuredOutputs | None, str | None]:
+    """The constraint a validated request (``bodies.Sampling``: each field's shape already checked)
+    asks for and the field that asked (the one a 400 about it names, also when the gateway's later
+    check finds llguidance refuses it). ``error(message, param)`` builds the exception to raise
+    (the gateway's ApiError)."""
+    asked = {name: getattr(req, name) for name in FIELDS if getattr(req, name) is not None}
+    if "response_format" in asked and asked["response_format"].type == "text":
         asked.pop("response_format")
     if len(asked) > 1:
         raise error(f"ask for structured output once: got {', '.join(sorted(asked))}", sorted(asked)[1])
@@ -33,26 +35,11 @@ def structured_outputs(body: dict, error) -> tuple[StructuredOutputs | None, str
     (name, value), = asked.items()
     try:
         if name == "response_format":
-            return _response_format(value, error), name
+            if value.type == "json_object":
+                return StructuredOutputs(json_object=True), name
+            return StructuredOutputs(json=value.json_schema.schema_ or {}), name  # no schema: any JSON
         if name == "structured_outputs":
-            return StructuredOutputs.from_dict(value), name
+            return StructuredOutputs.from_dict(value.model_dump(by_alias=True, exclude_none=True)), name
         return StructuredOutputs(**{GUIDED[name]: value}), name
     except InvalidRequestError as err:
         raise error(str(err), name) from None
-    except TypeError:
-        raise error(f"{name} has the wrong type", name) from None
-
-
-def _response_format(value: Any, error) -> StructuredOutputs:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "json_object":
-        return StructuredOutputs(json_object=True)
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
-            raise error("response_format.json_schema must be an object with a name and a schema", "response_format")
-        schema = spec.get("schema", {})
-        if not isinstance(schema, dict):
-            raise error("response_format.json_schema.schema must be a JSON schema object", "response_format")
-        return StructuredOutputs(json=schema)
-    raise error('response_format.type must be "text", "json_object" or "json_schema"', "response_format")

@@ -29,7 +29,6 @@ from pagedserve.shared.structured import StructuredOutputs
 PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-MAX_TOOLS = 128
 
 
 @dataclass(frozen=True)
@@ -57,34 +56,25 @@ class ToolRequest:
         return None
 
 
-def tool_request(body: dict, error: Callable[[str, str], Exception]) -> ToolRequest | None:
-    tools, choice = body.get("tools"), body.get("tool_choice")
+def tool_request(req: Any, error: Callable[[str, str], Exception]) -> ToolRequest | None:
+    """The tools of a validated chat request (``bodies.ChatRequest``: each tool's shape already
+    checked): names unique, a named ``tool_choice`` among them, ``tool_choice`` only with tools."""
+    tools, choice = req.tools, req.tool_choice
     if not tools:
         if choice not in (None, "none", "auto"):
             raise error("tool_choice needs tools", "tool_choice")
         return None
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise error(f"tools must be a list of at most {MAX_TOOLS} function tools", "tools")
-    names = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise error(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tools")
-        if not isinstance(function.get("parameters", {}), dict):
-            raise error(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-        names.append(function["name"])
+    names = [tool.function.name for tool in tools]
     if len(set(names)) != len(names):
         raise error("tool names must be unique", "tools")
-    parallel = body.get("parallel_tool_calls")
-    if parallel not in (None, True, False):
-        raise error("parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    if choice is None or choice in ("none", "auto", "required"):
-        return ToolRequest(tuple(tools), choice or "auto", parallel=parallel is not False)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
-    if name not in names:
-        raise error(f'tool_choice must be "none", "auto", "required" or a function among the tools; got {str(choice)[:80]}',
-                    "tool_choice")
-    return ToolRequest(tuple(tools), "named", name, parallel is not False)
+    given = tuple(tool.model_dump(exclude_none=True) for tool in tools)  # as sent: the template sees them
+    parallel = req.parallel_tool_calls is not False
+    if choice is None or isinstance(choice, str):
+        return ToolRequest(given, choice or "auto", parallel=parallel)
+    if choice.function.name not in names:
+        raise error(f'tool_choice must be "none", "auto", "required" or a function among the tools; got '
+                    f"{choice.function.name[:80]!r}", "tool_choice")
+    return ToolRequest(given, "named", choice.function.name, parallel)
 
 
 def new_call(name: str, arguments: Any) -> dict:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from pagedserve.gateway.openai_api import STATE, read_json
-from pagedserve.gateway.schemas import ApiError, chat_messages, completion_prompt
+from pagedserve.gateway.bodies import DetokenizeRequest, TokenizeRequest
+from pagedserve.gateway.schemas import ApiError, chat_messages, validated
 from pagedserve.runtime.version import installed_version
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.prompts import check_token_ids
@@ -27,15 +28,14 @@ async def _body(request: web.Request) -> dict:
 async def tokenize(request: web.Request) -> web.Response:
     """``{"prompt": …}`` or ``{"messages": […]}`` -> ``{"count", "max_model_len", "tokens"}``."""
     state = request.app[STATE]
-    body = await _body(request)
-    chat = "messages" in body
-    if chat and "prompt" in body:
-        raise ApiError(400, "tokenize takes either prompt or messages, not both", "prompt")
-    prompt = chat_messages(body) if chat else completion_prompt(body)
-    if not chat and isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-        raise ApiError(400, "tokenize takes one prompt (a string or a list of token ids)", "prompt")
+    body = validated(TokenizeRequest, await _body(request))
+    given = sorted({"messages", "prompt"} & body.model_fields_set)
+    if len(given) != 1 or getattr(body, given[0]) is None:
+        raise ApiError(400, "tokenize takes either prompt (a string or a list of token ids) or messages", "prompt")
+    chat = given == ["messages"]
+    prompt = chat_messages(body.messages) if chat else body.prompt
     try:
-        tokens = check_token_ids((await state.encode(prompt, chat))[0], len(state.tokenizer))
+        tokens = check_token_ids((await state.encode(prompt, chat, body.chat_template_kwargs))[0], len(state.tokenizer))
     except InvalidRequestError as err:
         raise ApiError(400, str(err), "prompt") from None
     return web.json_response({"count": len(tokens), "max_model_len": await state.context_limit(), "tokens": tokens})
@@ -44,12 +44,9 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
     state = request.app[STATE]
-    body = await _body(request)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise ApiError(400, "tokens must be a list of token ids", "tokens")
+    body = validated(DetokenizeRequest, await _body(request))
     try:
-        ids = check_token_ids(tokens, len(state.tokenizer), "tokens")
+        ids = check_token_ids(body.tokens, len(state.tokenizer), "tokens")
     except InvalidRequestError as err:
         raise ApiError(400, str(err), err.field) from None
     return web.json_response({"prompt": state.tokenizer.decode(ids)})

@@ -154,6 +154,7 @@ def serve(args: argparse.Namespace) -> int:
     model = args.model_option or args.model
     gateway_args = [arg for key in args.api_key or () for arg in ("--api-key", key)]
     gateway_args += ["--tool-call-parser", args.tool_call_parser]
+    gateway_args += ["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []
     try:
         worker_args = (*engine_argv(args), "--log-stats-interval", str(args.log_stats_interval))
         with LocalStack(model=model, workers=args.workers, port=args.port, host=args.host, redis_url=args.redis_url,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagedserve.gateway.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.runtime.env import checked, env_default, non_negative, with_env_help
 from pagedserve.worker.engine_flags import add_engine_args
 from pagedserve.worker.model_source import MODEL_HELP
@@ -34,6 +35,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         ("--served-model-name", dict(default=e("served_model_name", None), help="the name clients use (default: MODEL)")),
         ("--tool-call-parser", dict(choices=["hermes", "llama3_json"], default=e("tool_call_parser", "hermes"),
                                     help="the model's tool-call format for tool_choice auto")),
+        ("--reasoning-parser", dict(choices=sorted(REASONING_PARSERS), default=e("reasoning_parser", None),
+                                    help="split a thinking model's <think>...</think> into reasoning_content")),
         ("--redis-url", dict(default=e("redis_url", None),
                              help="a Redis (or redis+cluster://) to use instead of starting one (default: start one)")),
         ("--log-stats-interval", dict(type=non_negative(float), default=e("log_stats_interval", 10.0, float),

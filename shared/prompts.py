@@ -12,10 +12,12 @@ from typing import Sequence
 from pagedserve.shared.errors import InvalidRequestError
 
 
-def encode_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
-    """``tools``: OpenAI tool objects, handed to the template (which decides how a model sees them)."""
+def encode_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
+    """``tools``: OpenAI tool objects, handed to the template (which decides how a model sees them);
+    ``template_kwargs``: the template's own variables (Qwen3's ``enable_thinking``)."""
     text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **(template_kwargs or {}))
     return tokenizer.encode(text, add_special_tokens=False)
 
 

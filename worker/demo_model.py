@@ -17,8 +17,8 @@ CHAT_TEMPLATE = (  # Hermes-style tools: listed in a system turn, called as <too
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
     "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ {'name': c['function']['name'], "
     "'arguments': c['function']['arguments']} | tojson }}</tool_call>{% endfor %}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+    "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)  # enable_thinking (chat_template_kwargs): false writes an empty think block, as Qwen3's template does
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 FAMILIES = {

@@ -162,63 +162,57 @@ def test_streamed_auto_content_is_the_non_streamed_answer(client):
         assert [r for r in reasons if r] == [whole.finish_reason]
 
 
-class Refused(Exception):
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+def tool_request(body: dict) -> ToolRequest | None:
+    """What a chat body's tool fields come to, through the gateway's own parse."""
+    from pagedserve.gateway.schemas import Limits, parse
 
-
-LONG_NAME = {"type": "function", "function": {"name": "n" * 200}}
+    return parse({"model": MODEL_NAME, "messages": ASK, **body}, True, Limits()).tools
 
 
 @pytest.mark.parametrize("body, param, says", [
     ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
     ({"tool_choice": {"type": "function", "function": {"name": "evict"}}}, "tool_choice", "tool_choice needs tools"),
-    ({"tools": {"not": "a list"}}, "tools", "tools must be a list of at most 128 function tools"),
+    ({"tools": {"not": "a list"}}, "tools", "tools: Input should be a valid list"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools",
-     "tools must be a list of at most 128"),
-    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools",
-     'tools[0] must be {"type": "function", "function": {"name": ...}}'),
-    ({"tools": [*TOOLS, {"type": "function", "function": {"name": ""}}]}, "tools", "tools[2] must be"),
-    ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools", "tools[0] must be"),
-    ({"tools": ["get_weather"]}, "tools", "tools[0] must be"),
+     "tools: List should have at most 128 items"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools", "tools[0].type: Input should be 'function'"),
+    ({"tools": [*TOOLS, {"type": "function", "function": {"name": ""}}]}, "tools",
+     "tools[2].function.name: String should have at least 1 character"),
+    ({"tools": [{"type": "function", "function": {"name": 3}}]}, "tools", "tools[0].function.name: Input should be a valid string"),
+    ({"tools": ["get_weather"]}, "tools", "tools[0]: Input should be a valid dictionary"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools",
-     "tools[0].function.parameters must be a JSON schema object"),
+     "tools[0].function.parameters: Input should be a valid dictionary"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools", "tool names must be unique"),
-    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "parallel_tool_calls must be a boolean"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls", "parallel_tool_calls: Input should be a valid boolean"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-     'tool_choice must be "none", "auto", "required" or a function among the tools; got '),
-    ({"tools": TOOLS, "tool_choice": {"type": "other", "function": {"name": "evict"}}}, "tool_choice", "tool_choice must be"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "tool_choice must be"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
-    ({"tools": TOOLS, "tool_choice": "x" * 200}, "tool_choice", "tool_choice must be"),
+     'tool_choice must be "none", "auto", "required" or a function among the tools; got \'nope\''),
+    ({"tools": TOOLS, "tool_choice": {"type": "other", "function": {"name": "evict"}}}, "tool_choice", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "tool_choice.function: Field required"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "x" * 200}, "tool_choice", "tool_choice"),
 ])
 def test_tool_requests_that_cannot_be_served_name_their_field(body, param, says):
-    from pagedserve.gateway.tool_calls import tool_request
+    from pagedserve.gateway.schemas import ApiError
 
-    with pytest.raises(Refused) as err:
-        tool_request(body, Refused)
-    assert err.value.param == param and str(err.value).startswith(says), str(err.value)
-    choice = body.get("tool_choice")
-    if says == "tool_choice must be" and isinstance(choice, str):
-        assert str(err.value).endswith(f"; got {choice[:80]}")  # what came, cut at 80 characters
+    with pytest.raises(ApiError) as err:
+        tool_request(body)
+    assert err.value.param == param and err.value.message.startswith(says), err.value.message
+    assert len(err.value.message) < 300  # what came is cut, never echoed whole
 
 
 def test_tool_requests_read_as_given():
-    from pagedserve.gateway.tool_calls import tool_request
-
-    assert tool_request({}, Refused) is None and tool_request({"tools": [], "tool_choice": "none"}, Refused) is None
-    assert tool_request({"tool_choice": "auto"}, Refused) is None
-    assert tool_request({"tools": TOOLS}, Refused) == ToolRequest(tuple(TOOLS), "auto", None, True)
-    assert tool_request({"tools": TOOLS, "tool_choice": "auto"}, Refused) == ToolRequest(tuple(TOOLS), "auto", None, True)
+    assert tool_request({}) is None and tool_request({"tools": [], "tool_choice": "none"}) is None
+    assert tool_request({"tool_choice": "auto"}) is None
+    assert tool_request({"tools": TOOLS}) == ToolRequest(tuple(TOOLS), "auto", None, True)
+    assert tool_request({"tools": TOOLS, "tool_choice": "auto"}) == ToolRequest(tuple(TOOLS), "auto", None, True)
     most = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(128)]
-    assert len(tool_request({"tools": most}, Refused).tools) == 128
-    assert tool_request({"tools": TOOLS, "tool_choice": "none"}, Refused).parses_output is False
-    assert tool_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, Refused) == \
+    assert len(tool_request({"tools": most}).tools) == 128
+    assert tool_request({"tools": TOOLS, "tool_choice": "none"}).parses_output is False
+    assert tool_request({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}) == \
         ToolRequest(tuple(TOOLS), "required", None, False)
     named = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "evict"}}, "parallel_tool_calls": True}
-    assert tool_request(named, Refused) == ToolRequest(tuple(TOOLS), "named", "evict", True)
-    assert tool_request({**named, "parallel_tool_calls": False}, Refused) == ToolRequest(tuple(TOOLS), "named", "evict", False)
+    assert tool_request(named) == ToolRequest(tuple(TOOLS), "named", "evict", True)
+    assert tool_request({**named, "parallel_tool_calls": False}) == ToolRequest(tuple(TOOLS), "named", "evict", False)
 
 
 def test_assistant_tool_calls_reach_the_template_with_their_arguments_as_objects():

@@ -1,0 +1,80 @@
+"""Reasoning: ``--reasoning-parser`` splits ``<think>...</think>`` from the answer, whole and streamed
+(tags split across deltas at every point), and ``chat_template_kwargs`` reaches the chat template."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from pagedserve.gateway.reasoning import ReasoningStream, split
+from tests.service_helpers import MODEL_NAME
+
+TEXTS = {  # text -> (deepseek_r1's split, qwen3's split)
+    "<think>pages are blocks</think>the answer": (("pages are blocks", "the answer"),) * 2,
+    "\n<think>\nx</think>\n\ny": (("\nx", "\n\ny"),) * 2,
+    "thought first</think>then this": (("thought first", "then this"), (None, "thought first</think>then this")),
+    "<think>never closed, cut by max_tokens": (("never closed, cut by max_tokens", None),) * 2,
+    "no tags at all < > </": (("no tags at all < > </", None), (None, "no tags at all < > </")),
+    "<thi": (("<thi", None), (None, "<thi")),
+    "<think></think>": ((None, None),) * 2,
+    "": ((None, None),) * 2,
+    "<think>a</thinking> b</think>c": (("a</thinking> b", "c"),) * 2,
+}
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("text", sorted(TEXTS))
+def test_the_split_streamed_in_any_pieces_is_the_whole_split(parser, text):
+    want = TEXTS[text][parser == "qwen3"]
+    assert split(text, parser) == want
+    for size in (1, 2, 3, 5):
+        for start in range(size):  # every cut point, tags split across deltas included
+            pieces = [text[:start]] + [text[i:i + size] for i in range(start, len(text), size)]
+            stream, thought, answer = ReasoningStream(parser), "", ""
+            for i, piece in enumerate(pieces):
+                got = stream.feed(piece, final=i == len(pieces) - 1)
+                thought, answer = thought + got[0], answer + got[1]
+            assert (thought or None, answer or None) == want, (size, start)
+
+
+@pytest.fixture(scope="module")
+def thinking(stack):
+    return openai.OpenAI(base_url=stack.add_gateway(reasoning_parser="deepseek_r1") + "/v1", api_key="x", max_retries=0)
+
+
+FORCED = {"guided_regex": "[a-z]{2,8}</think>[a-z]{2,8}"}  # a thought, then an answer: random weights write it this way
+
+
+def test_a_chat_carries_its_reasoning_apart_whole_and_streamed(thinking):
+    ask = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "think"}], max_tokens=24, temperature=1.0, seed=3,
+               extra_body=FORCED)
+    message = thinking.chat.completions.create(**ask).choices[0].message
+    assert re.fullmatch("[a-z]{2,8}", message.reasoning_content) and re.fullmatch("[a-z]{2,8}", message.content)
+    chunks = list(thinking.chat.completions.create(**ask, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == message.content
+    assert not any("<" in (getattr(d, "reasoning_content", None) or "") for d in deltas)  # no tag leaks, whole or in part
+
+
+def test_without_a_parser_the_thinking_stays_in_the_content(stack):
+    plain = openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0)
+    message = plain.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "think"}],
+                                            max_tokens=24, temperature=1.0, seed=3, extra_body=FORCED).choices[0].message
+    assert "</think>" in message.content and getattr(message, "reasoning_content", None) is None
+
+
+def test_chat_template_kwargs_reach_the_template_and_reserved_ones_are_400s(stack):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = httpx.post(stack.url + "/tokenize", json=chat).json()["count"]
+    quiet = httpx.post(stack.url + "/tokenize", json={**chat, "chat_template_kwargs": {"enable_thinking": False}})
+    assert quiet.status_code == 200 and quiet.json()["count"] > plain  # the template wrote its empty think block
+    r = httpx.post(stack.url + "/v1/chat/completions", json={"model": MODEL_NAME, **chat, "max_tokens": 2,
+                                                               "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == quiet.json()["count"]
+    bad = httpx.post(stack.url + "/v1/chat/completions", json={"model": MODEL_NAME, **chat,
+                                                                 "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs", bad.text
