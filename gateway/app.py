@@ -10,9 +10,11 @@ import structlog
 from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
+from pagedserve.gateway.anthropic_api import error_body as anthropic_error_body, messages
 from pagedserve.gateway.api_docs import DOCS_ASSETS, docs, docs_asset
 from pagedserve.gateway.dashboard_api import ASSETS, dashboard_asset, dashboard_events
-from pagedserve.gateway.openai_api import STATE, TALLY, chat_completions, completions
+from pagedserve.gateway.generation import STATE, TALLY
+from pagedserve.gateway.openai_api import chat_completions, completions
 from pagedserve.gateway.schemas import ApiError
 from pagedserve.gateway.sse import CLIENT_GONE
 from pagedserve.gateway.service import GatewayService
@@ -23,6 +25,7 @@ log = structlog.get_logger("pagedserve.gateway")
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs", *ASSETS, *DOCS_ASSETS}  # /dashboard/events: keyed
 QUIET_PATHS = {"/health", "/ready", "/metrics"}
 REFUSAL = web.RequestKey("refusal", str)  # why the request was answered with an error
+ANTHROPIC_PATH = "/v1/messages"  # its errors are in Anthropic's shape
 
 
 def create_app(settings: GatewaySettings) -> web.Application:
@@ -34,6 +37,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.on_cleanup.append(_stop)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post(ANTHROPIC_PATH, messages)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -64,8 +68,9 @@ async def _stop(app: web.Application) -> None:
     await app[STATE].close()
 
 
-def _error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+def _error_response(err: ApiError, path: str) -> web.Response:
+    body = anthropic_error_body(err) if path == ANTHROPIC_PATH else err.body()
+    return web.json_response(body, status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -99,20 +104,20 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except ApiError as err:
         request[REFUSAL] = f"{err.code or err.type}: {err.message}"[:300]
-        return _error_response(err)
+        return _error_response(err, request.path)
     except (RedisConnectionError, RedisTimeoutError) as err:
         log.warning("redis unavailable", path=request.path, error=str(err))
         return _error_response(ApiError(503, "the queue is unreachable; retry shortly", None, "redis_unavailable",
-                                        "service_unavailable", {"Retry-After": "2"}))
+                                        "service_unavailable", {"Retry-After": "2"}), request.path)
     except web.HTTPException as err:
         if err.status < 400:
             raise
         kind = "invalid_request_error" if err.status < 500 else "server_error"
         return _error_response(ApiError(err.status, err.reason or "error", type_=kind, headers={
-            k: v for k, v in err.headers.items() if k.lower() == "allow"}))
+            k: v for k, v in err.headers.items() if k.lower() == "allow"}), request.path)
     except Exception:  # a bug: log it, answer in OpenAI's shape, keep serving
         log.exception("unhandled error", path=request.path)
-        return _error_response(ApiError(500, "internal server error", type_="server_error"))
+        return _error_response(ApiError(500, "internal server error", type_="server_error"), request.path)
 
 
 def _auth(settings: GatewaySettings):
@@ -122,7 +127,9 @@ def _auth(settings: GatewaySettings):
     async def check(request: web.Request, handler):
         if keys and request.path not in OPEN_PATHS and request.method != "OPTIONS":
             # surrogateescape: a header with non-ASCII bytes is a wrong key (401), not a crash
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip().encode(errors="surrogateescape")
+            # Anthropic's clients send the key as x-api-key
+            sent = request.headers.get("x-api-key") or request.headers.get("Authorization", "").removeprefix("Bearer ")
+            given = sent.strip().encode(errors="surrogateescape")
             if not any(hmac.compare_digest(given, k) for k in keys):
                 raise ApiError(401, "invalid or missing API key", None, "invalid_api_key", "authentication_error")
         return await handler(request)
@@ -142,7 +149,7 @@ def _cors(settings: GatewaySettings):
         else:
             response = await handler(request)
         if allowed:
-            response.headers.update({"Access-Control-Allow-Origin": allowed, "Access-Control-Allow-Headers": "Authorization, Content-Type",
+            response.headers.update({"Access-Control-Allow-Origin": allowed, "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key, anthropic-version",
                                      "Access-Control-Allow-Methods": "GET, POST, OPTIONS"})
         return response
 

@@ -264,28 +264,3 @@ class DetokenizeRequest(BaseModel):
 
 
 BODIES = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
-
-
-def _field_names(models: tuple[type[BaseModel], ...]) -> frozenset[str]:
-    """Every field name (as sent: aliases) of ``models`` and the models inside them."""
-    names: set[str] = set()
-    seen: set[type] = set()
-    queue = list(models)
-    while queue:
-        model = queue.pop()
-        if model in seen:
-            continue
-        seen.add(model)
-        for name, info in model.model_fields.items():
-            names.add(info.alias or name)
-            queue.extend(_models_in(info.annotation))
-    return frozenset(names)
-
-
-def _models_in(annotation: Any) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [model for arg in getattr(annotation, "__args__", ()) for model in _models_in(arg)]
-
-
-FIELDS = _field_names(BODIES)  # names an error's location may hold (the rest are a union's branch tags)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pagedserve.gateway.openai_api import STATE
+from pagedserve.gateway.generation import STATE
 from pagedserve.gateway.schemas import ApiError
 from pagedserve.gateway import sse
 

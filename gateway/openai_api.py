@@ -1,42 +1,23 @@
-"""``POST /v1/completions`` and ``POST /v1/chat/completions``: validate, tokenize, subscribe, enqueue,
-then stream the events back as SSE chunks or collect them into one response.
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: validate, then send the request
+(``generation.py``) and stream its events back as SSE chunks or collect them into one response.
 
 A request with several prompts becomes one wire request per prompt (choice index = prompt index
-x n + output index). Client disconnect, timeout or shutdown cancels the handler (aiohttp handler
-cancellation); the ``finally`` sends a cancel for every wire request not yet finished.
+x n + output index).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
-from dataclasses import dataclass, field, replace
-from typing import AsyncIterator
+from dataclasses import replace
 
 from aiohttp import web
 
 from pagedserve.gateway import sse
+from pagedserve.gateway.generation import STATE, Tally, account, generation, read_json
 from pagedserve.gateway.reasoning import ReasoningStream
 from pagedserve.gateway.responses import Choice, Renderer, usage
 from pagedserve.gateway.schemas import ApiError, ParsedRequest, parse
-from pagedserve.gateway.service import GatewayService
 from pagedserve.gateway.tool_calls import ToolStream
-from pagedserve.runtime.mailbox import Mailbox
-from pagedserve.shared.protocol import WireEvent
-
-STATE = web.AppKey("state", GatewayService)
-TALLY: web.RequestKey["Tally"] = web.RequestKey("tally", "Tally")  # a generation request's Tally, for the access log
-
-
-async def read_json(request: web.Request):
-    """The request body as JSON, or a 400 saying why it is not."""
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the request body is not valid JSON") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply") from None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -49,85 +30,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
-    started = time.monotonic()
     parsed = parse(await read_json(request), chat, state.limits, state.sampling_defaults)
-    state.note_ignored(parsed.ignored)
-    if parsed.model != state.settings.served_model_name:
-        raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")
-    prompts = await state.prompt_ids(parsed)
-    await state.check_capacity(len(prompts))
-    base = state.new_id(chat)
-    ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-    boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
-    renderer = Renderer(chat, base, int(time.time()), parsed.model, parsed.params.logprobs,
-                        parsed.tools, state.settings.tool_call_parser, state.settings.reasoning_parser)
-    deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
-    tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))
-    state.metrics.prompt_tokens.labels(parsed.model).inc(tally.prompt_tokens)
-    try:
-        await state.dispatcher.send(boxes, await state.routes([b.request for b in boxes]))  # subscribed first
-        events = _merged(boxes, deadline)
+    async with generation(request, parsed) as sent:
+        renderer = Renderer(chat, sent.id, int(time.time()), parsed.model, parsed.params.logprobs,
+                            parsed.tools, state.settings.tool_call_parser, state.settings.reasoning_parser)
         if parsed.stream:
-            return await _stream(request, state, parsed, renderer, events, tally, [len(p) for p in prompts])
-        return await _collect(state, parsed, renderer, events, prompts, tally)
-    finally:
-        await asyncio.shield(state.cancel([b.wire_id for b in boxes if not b.done], "client gone"))
-        for box in boxes:
-            state.dispatcher.close(box)
-
-
-async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[int, WireEvent]]:
-    """(prompt index, event) from every mailbox as they arrive, until all are done."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, box: Mailbox) -> None:
-        async for event in box.events():
-            queue.put_nowait((index, event))
-        queue.put_nowait((index, None))
-
-    tasks = [asyncio.create_task(pump(i, b)) for i, b in enumerate(boxes)]
-    try:
-        open_count = len(boxes)
-        while open_count:
-            try:
-                index, event = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                raise ApiError(504, "the request timed out before a worker finished it", None, "timeout", "timeout") from None
-            if event is None:
-                open_count -= 1
-            else:
-                yield index, event
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-@dataclass
-class Tally:
-    """What one HTTP request has produced so far: for the latency metrics and the access log."""
-
-    started: float
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    last: dict = field(default_factory=dict)  # wire id -> when its last tokens came
-
-
-def _account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tally: Tally, now: float) -> None:
-    tokens = sum(len(o.token_ids) for o in event.outputs)
-    last = tally.last
-    if event.queue_s is not None:
-        state.metrics.queue_time.labels(parsed.model).observe(event.queue_s)
-    if tokens:
-        model = parsed.model
-        tally.completion_tokens += tokens
-        state.metrics.generation_tokens.labels(model).inc(tokens)
-        if event.id in last:
-            state.metrics.next_token(model, now - last[event.id])
-        elif not last:
-            state.metrics.first_token(model, now - tally.started)
-        last[event.id] = now
-    if event.done:
-        state.metrics.requests.labels(parsed.model, event.finish_reason or "unknown").inc()
+            return await _stream(request, state, parsed, renderer, sent.events, sent.tally, [len(p) for p in sent.prompts])
+        return await _collect(state, parsed, renderer, sent.events, sent.prompts, sent.tally)
 
 
 async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, prompts: list[list[int]],
@@ -137,7 +46,7 @@ async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, pro
     prompt_tokens = completion_tokens = 0
     prompt_entries: dict[int, list] = {}
     async for index, event in events:
-        _account(state, parsed, event, tally, time.monotonic())
+        account(state, parsed, event, tally, time.monotonic())
         if event.done and event.finish_reason == "error":
             raise ApiError(502, event.error or "the worker failed", None, "worker_error", "server_error")
         for delta in event.outputs:
@@ -188,7 +97,7 @@ async def _write_stream(response: web.StreamResponse, state, parsed: ParsedReque
     prompt_tokens = completion_tokens = 0
     try:
         async for index, event in events:
-            _account(state, parsed, event, tally, time.monotonic())
+            account(state, parsed, event, tally, time.monotonic())
             if event.done and event.finish_reason == "error":
                 await response.write(sse.frame(ApiError(502, event.error or "the worker failed", None, "worker_error", "server_error").body()))
                 break

@@ -10,13 +10,17 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from pagedserve.gateway.anthropic_bodies import MessagesRequest
 from pagedserve.gateway.bodies import BODIES, TOKEN_ID, ChatRequest, CompletionRequest
 from pagedserve.gateway.openapi_responses import RESPONSES
 from pagedserve.gateway.schemas import Limits
 from pagedserve.shared.sampling import MAX_TOKEN_ID
 
-_ERROR = {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-_ERRORS = {code: _ERROR for code in ("400", "401", "404", "413", "429", "503", "504")}
+_ERROR_CODES = ("400", "401", "404", "413", "429", "503", "504")
+_ERRORS = {code: {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+           for code in _ERROR_CODES}
+_ANTHROPIC_ERRORS = {code: {"description": "error", "content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/AnthropicError"}}}} for code in _ERROR_CODES}
 
 
 _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
@@ -32,9 +36,9 @@ def _ok(schema: str | None, streams: bool = False) -> dict:
     return {"200": {"description": "ok", "content": content}}
 
 
-def _post(summary: str, schema: str, response: str, streams: bool = False) -> dict:
+def _post(summary: str, schema: str, response: str, streams: bool = False, errors: dict = _ERRORS) -> dict:
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}, "responses": {**_ok(response, streams), **_ERRORS}}}
+        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}, "responses": {**_ok(response, streams), **errors}}}
 
 
 def _get(summary: str, response: str | None = None) -> dict:
@@ -44,16 +48,17 @@ def _get(summary: str, response: str | None = None) -> dict:
 def request_schemas(vocab_size: int, limits: Limits, served_model: str | None) -> dict[str, Any]:
     """The request bodies' schemas (and the ones inside them), by name: the models' own, token ids
     below ``vocab_size``, the gateway's caps on counts and lengths (``Limits``), the model named when known."""
-    _, top = models_json_schema([(model, "validation") for model in BODIES], ref_template="#/components/schemas/{model}")
+    models = (*BODIES, MessagesRequest)
+    _, top = models_json_schema([(model, "validation") for model in models], ref_template="#/components/schemas/{model}")
     schemas = top["$defs"]
     _bound_token_ids(schemas, vocab_size)
     caps = {"n": limits.max_n, "best_of": limits.max_n, "beam_width": limits.max_n, "max_tokens": limits.max_tokens,
             "max_completion_tokens": limits.max_tokens}
-    for name in (CompletionRequest.__name__, ChatRequest.__name__):
+    for name in (CompletionRequest.__name__, ChatRequest.__name__, MessagesRequest.__name__):
         properties = schemas[name]["properties"]
         for field, cap in caps.items():
             if field in properties:
-                bounded = properties[field]["anyOf"][0]
+                bounded = properties[field]["anyOf"][0] if "anyOf" in properties[field] else properties[field]
                 bounded["maximum"] = min(cap, bounded.get("maximum", cap))
         if served_model is not None:
             properties["model"] = {"type": "string", "enum": [served_model]}
@@ -82,6 +87,8 @@ def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits(), serv
         "paths": {
             "/v1/completions": _post("Create a completion", "CompletionRequest", "CompletionResponse", streams=True),
             "/v1/chat/completions": _post("Create a chat completion", "ChatRequest", "ChatResponse", streams=True),
+            "/v1/messages": _post("Create a message (Anthropic's Messages API)", "MessagesRequest", "AnthropicMessage",
+                                  streams=True, errors=_ANTHROPIC_ERRORS),
             "/v1/models": _get("Models with live workers", "ModelList"),
             "/health": _get("Liveness"),
             "/ready": _get("Redis reachable and a worker alive"),

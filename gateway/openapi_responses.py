@@ -34,4 +34,17 @@ RESPONSES = {
         "max_model_len": {"type": ["integer", "null"], "description": "the live workers' context; null while none serves"}}},
     "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}},
     "Version": {"type": "object", "required": ["version"], "properties": {"version": _STR}},
+    "AnthropicMessage": {"type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+                         "properties": {
+        "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _STR,
+        "content": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "thinking", "tool_use"]}, "text": _STR, "thinking": _STR, "id": _STR, "name": _STR,
+            "input": {"type": "object"}}}},
+        "stop_reason": {"type": ["string", "null"], "enum": ["end_turn", "max_tokens", "tool_use", "stop_sequence", None]},
+        "stop_sequence": {"type": ["string", "null"]},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens"],
+                  "properties": {"input_tokens": _INT, "output_tokens": _INT}}}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+            "type": _STR, "message": _STR}}}},
 }

@@ -10,24 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from pagedserve.gateway.bodies import FIELDS, ROLES, ChatRequest, CompletionRequest, StreamOptions
+from pagedserve.gateway.api_error import ApiError
+from pagedserve.gateway.bodies import ChatRequest, CompletionRequest, StreamOptions
+from pagedserve.gateway.body_errors import validated
 from pagedserve.gateway.structured_fields import structured_outputs
 from pagedserve.gateway.tool_calls import ToolRequest, template_messages, tool_request
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # OpenAI fields whose effect pagedserve does not give: accepted at these no-op values, a 400 otherwise.
@@ -40,7 +30,6 @@ CHAT_INERT = {"echo": (None, False)}  # echo is for completions
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of", "use_beam_search",
                    "beam_width", "length_penalty", "early_stopping")
-ERROR_CODES = {"missing": "missing_required_parameter", "unsupported_content_type": "unsupported_content_type"}
 
 
 @dataclass(frozen=True)
@@ -111,41 +100,6 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
     return ParsedRequest(chat, req.model, prompt, params, bool(req.stream), include_usage, req.priority or 0, req.timeout,
                          req.user, include_usage and bool(options.continuous_usage_stats), ignored, tools,
                          constraint_field, echo, req.chat_template_kwargs if chat else None)
-
-
-def validated(model: type[BaseModel], body: dict) -> Any:
-    """``body`` as ``model`` (gateway/bodies.py), or a 400 naming the field of its first problem."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as err:
-        raise api_error(err) from None
-
-
-def api_error(err: ValidationError) -> ApiError:
-    """A body's problem as a 400 naming its field (a message's index: ``messages[1]``) and where
-    inside it. Of a value that fits none of a field's forms, the form it came closest to (the
-    deepest problem) speaks."""
-    errors = err.errors(include_url=False)
-    unsupported = [e for e in errors if e["type"] == "unsupported_content_type"]
-    first = unsupported[0] if unsupported else max(errors, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
-    path = _path(first["loc"])
-    head = path.split(".")[0]
-    param = head if head.startswith("messages[") else head.split("[")[0] or None
-    code = ERROR_CODES.get(first["type"]) if first["type"] != "missing" or len(first["loc"]) == 1 else None  # a field of the body
-    return ApiError(400, f"{path or 'the body'}: {first['msg']}", param, code)
-
-
-def _path(loc: tuple) -> str:
-    """An error location as the client wrote it (``messages[1].content[0].text``): without a
-    union's branch tags (a form's name, not a field) or a message's role (the tag its form is
-    chosen by)."""
-    path = ""
-    for i, part in enumerate(loc):
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part in FIELDS and not (i and isinstance(loc[i - 1], int) and part in ROLES):
-            path += f".{part}" if path else part
-    return path
 
 
 def _echo(echo: bool, stream: bool, sampling: dict) -> bool:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from pagedserve.gateway.openai_api import STATE, read_json
+from pagedserve.gateway.generation import STATE, read_json
 from pagedserve.gateway.bodies import DetokenizeRequest, TokenizeRequest
-from pagedserve.gateway.schemas import ApiError, chat_messages, validated
+from pagedserve.gateway.body_errors import validated
+from pagedserve.gateway.schemas import ApiError, chat_messages
 from pagedserve.runtime.version import installed_version
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.prompts import check_token_ids

@@ -12,7 +12,7 @@ import aiohttp
 import msgpack
 import redis.asyncio as aioredis
 
-from pagedserve.gateway.openai_api import STATE
+from pagedserve.gateway.generation import STATE
 from pagedserve.shared.keys import Keys
 from pagedserve.worker.core.pool_picture import decode
 from tests.core.test_kv_snapshot import assert_values_count_the_tables

@@ -1,0 +1,14 @@
+"""``ApiError``: a request refused, as a status and OpenAI's error body (``gateway/app.py`` renders
+it; on Anthropic's route in Anthropic's shape, ``anthropic_api.error_body``)."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type, self.headers = status, message, param, code, type_, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -1,0 +1,125 @@
+"""One generation request's life, whatever API asked for it: parsed, tokenized, admitted, sent to the
+workers, its events merged as they come, and every wire request not finished cancelled when the
+handler ends (client gone, timeout, shutdown: aiohttp handler cancellation). The OpenAI routes
+(``openai_api.py``) and Anthropic's Messages (``anthropic_api.py``) render what it yields."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from pagedserve.gateway.schemas import ApiError, ParsedRequest
+from pagedserve.gateway.service import GatewayService
+from pagedserve.runtime.mailbox import Mailbox
+from pagedserve.shared.protocol import WireEvent
+
+STATE = web.AppKey("state", GatewayService)
+TALLY: web.RequestKey["Tally"] = web.RequestKey("tally", "Tally")  # a generation request's Tally, for the access log
+
+
+async def read_json(request: web.Request):
+    """The request body as JSON, or a 400 saying why it is not."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+
+
+@dataclass
+class Generation:
+    """A sent request: its id, its prompts' token ids, its events (prompt index, event) as they
+    arrive, and its tally."""
+    id: str
+    prompts: list[list[int]]
+    events: AsyncIterator[tuple[int, WireEvent]]
+    tally: "Tally"
+
+
+@contextlib.asynccontextmanager
+async def generation(request: web.Request, parsed: ParsedRequest) -> AsyncIterator[Generation]:
+    """Send ``parsed`` (one wire request per prompt) and yield its ``Generation``; on the way out,
+    cancel whatever is not finished."""
+    state = request.app[STATE]
+    started = time.monotonic()
+    state.note_ignored(parsed.ignored)
+    if parsed.model != state.settings.served_model_name:
+        raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")
+    prompts = await state.prompt_ids(parsed)
+    await state.check_capacity(len(prompts))
+    base = state.new_id(parsed.chat)
+    ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
+    boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
+    deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
+    tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))
+    state.metrics.prompt_tokens.labels(parsed.model).inc(tally.prompt_tokens)
+    try:
+        await state.dispatcher.send(boxes, await state.routes([b.request for b in boxes]))  # subscribed first
+        yield Generation(base, prompts, _merged(boxes, deadline), tally)
+    finally:
+        await asyncio.shield(state.cancel([b.wire_id for b in boxes if not b.done], "client gone"))
+        for box in boxes:
+            state.dispatcher.close(box)
+
+
+async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[int, WireEvent]]:
+    """(prompt index, event) from every mailbox as they arrive, until all are done."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, box: Mailbox) -> None:
+        async for event in box.events():
+            queue.put_nowait((index, event))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, b)) for i, b in enumerate(boxes)]
+    try:
+        open_count = len(boxes)
+        while open_count:
+            try:
+                index, event = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise ApiError(504, "the request timed out before a worker finished it", None, "timeout", "timeout") from None
+            if event is None:
+                open_count -= 1
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+@dataclass
+class Tally:
+    """What one HTTP request has produced so far: for the latency metrics and the access log."""
+
+    started: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    last: dict = field(default_factory=dict)  # wire id -> when its last tokens came
+
+
+def account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tally: Tally, now: float) -> None:
+    tokens = sum(len(o.token_ids) for o in event.outputs)
+    last = tally.last
+    if event.queue_s is not None:
+        state.metrics.queue_time.labels(parsed.model).observe(event.queue_s)
+    if tokens:
+        model = parsed.model
+        tally.completion_tokens += tokens
+        state.metrics.generation_tokens.labels(model).inc(tokens)
+        if event.id in last:
+            state.metrics.next_token(model, now - last[event.id])
+        elif not last:
+            state.metrics.first_token(model, now - tally.started)
+        last[event.id] = now
+    if event.done:
+        state.metrics.requests.labels(parsed.model, event.finish_reason or "unknown").inc()
+
+

@@ -1,0 +1,105 @@
+"""``POST /v1/messages`` with the official ``anthropic`` SDK, unchanged, against a live stack: the
+answer is the chat completion's (same template, sampling and seed), streamed events reassemble to
+it, a tool round trip, errors in Anthropic's shape, ``x-api-key``."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.service_helpers import MODEL_NAME
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}}, "required": ["city"],
+        "additionalProperties": False}
+TOOLS = [{"name": "weather", "description": "forecast for a city", "input_schema": CITY}]
+SEEDED = {"temperature": 1.0, "top_k": 40}  # sampling fields: the SDK (2.x) sends them only as extra_body
+
+
+@pytest.fixture(scope="module")
+def claude(stack):
+    return anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def chat_content(client, system: str, content: str, max_tokens: int, seed: int) -> str:
+    """What the chat completions route answers for the same conversation and seed."""
+    body = {"model": MODEL_NAME, "max_tokens": max_tokens, "seed": seed, "extra_body": SEEDED,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}]}
+    return client.chat.completions.create(**body).choices[0].message.content
+
+
+def test_a_message_is_the_chat_completion_of_the_same_conversation(stack, claude, client):
+    message = claude.messages.create(model=MODEL_NAME, max_tokens=12, system="be brief", extra_body={"seed": 5, **SEEDED},
+                                     messages=[{"role": "user", "content": [{"type": "text", "text": "pages?"}]}])
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens <= 12
+    text = "".join(block.text for block in message.content if block.type == "text")
+    assert text == chat_content(client, "be brief", "pages?", 12, seed=5)
+    assert message.usage.input_tokens == httpx.post(stack.url + "/tokenize", json={"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "pages?"}]}).json()["count"]
+
+
+def test_streamed_events_reassemble_to_the_message(claude):
+    ask = dict(model=MODEL_NAME, max_tokens=16, messages=[{"role": "user", "content": "blocks?"}],
+               extra_body={"seed": 9, **SEEDED})
+    whole = claude.messages.create(**ask)
+    with claude.messages.stream(**ask) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole.content[0].text == final.content[0].text
+    assert (final.stop_reason, final.usage.output_tokens) == (whole.stop_reason, whole.usage.output_tokens)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_tool_round_trip(claude, streamed):
+    ask = dict(model=MODEL_NAME, max_tokens=40, tools=TOOLS, tool_choice={"type": "tool", "name": "weather"},
+               messages=[{"role": "user", "content": "weather in paris?"}], extra_body={"seed": 2, **SEEDED})
+    if streamed:
+        with claude.messages.stream(**ask) as stream:
+            first = stream.get_final_message()
+    else:
+        first = claude.messages.create(**ask)
+    call = next(block for block in first.content if block.type == "tool_use")
+    assert first.stop_reason == "tool_use" and call.name == "weather" and call.id.startswith("toolu_")
+    jsonschema.validate(call.input, CITY)
+    second = claude.messages.create(model=MODEL_NAME, max_tokens=4, tools=TOOLS, messages=[
+        {"role": "user", "content": "weather in paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": "weather", "input": call.input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"}]}])
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its result reached the template
+
+
+@pytest.mark.parametrize("body, kind", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "invalid_request_error"),  # max_tokens is required
+    ({"max_tokens": 4, "messages": []}, "invalid_request_error"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "invalid_request_error"),
+    ({"max_tokens": 4, "temperature": 1.5, "messages": [{"role": "user", "content": "hi"}]}, "invalid_request_error"),
+    ({"max_tokens": 4, "tool_choice": {"type": "tool"}, "tools": TOOLS, "messages": [{"role": "user", "content": "hi"}]},
+     "invalid_request_error"),
+    ({"max_tokens": 4, "model": "nope", "messages": [{"role": "user", "content": "hi"}]}, "not_found_error"),
+])
+def test_bad_requests_are_answered_in_anthropics_error_shape(stack, body, kind):
+    r = httpx.post(stack.url + "/v1/messages", json={"model": MODEL_NAME, **body})
+    assert r.status_code == (404 if kind == "not_found_error" else 400), r.text
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == kind and r.json()["error"]["message"]
+
+
+def test_the_sdk_raises_its_own_errors(claude):
+    with pytest.raises(anthropic.BadRequestError) as err:
+        claude.messages.create(model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                               extra_body={"temperature": 3.0})
+    assert err.value.body["error"]["type"] == "invalid_request_error" and "temperature" in err.value.message
+
+
+def test_x_api_key_opens_a_keyed_gateway(stack):
+    url = stack.add_gateway(api_keys=("k-anthropic",))
+    ask = dict(model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert anthropic.Anthropic(base_url=url, api_key="k-anthropic", max_retries=0).messages.create(**ask).content
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(**ask)
+    assert err.value.body["error"]["type"] == "authentication_error"
+    assert json.loads(httpx.post(url + "/v1/chat/completions", json={}).text)["error"]["code"] == "invalid_api_key"
