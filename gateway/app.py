@@ -11,6 +11,7 @@ from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from pagedserve.gateway.anthropic_api import error_body as anthropic_error_body, messages
+from pagedserve.gateway import responses_api
 from pagedserve.gateway.api_docs import DOCS_ASSETS, docs, docs_asset
 from pagedserve.gateway.dashboard_api import ASSETS, dashboard_asset, dashboard_events
 from pagedserve.gateway.generation import STATE, TALLY
@@ -38,6 +39,9 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post(ANTHROPIC_PATH, messages)
+    app.router.add_post("/v1/responses", responses_api.create)
+    app.router.add_get("/v1/responses/{response_id}", responses_api.retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", responses_api.delete)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -150,7 +154,7 @@ def _cors(settings: GatewaySettings):
             response = await handler(request)
         if allowed:
             response.headers.update({"Access-Control-Allow-Origin": allowed, "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key, anthropic-version",
-                                     "Access-Control-Allow-Methods": "GET, POST, OPTIONS"})
+                                     "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS"})
         return response
 
     return cors

@@ -1,4 +1,4 @@
-"""A request body checked against its model (``gateway/bodies.py``, ``gateway/anthropic_bodies.py``):
+"""A request body checked against its model (``gateway/bodies.py``, ``responses_bodies.py``, ``anthropic_bodies.py``):
 the first problem as a 400 that names the field and the place inside it."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 from pagedserve.gateway.anthropic_bodies import MessagesRequest
 from pagedserve.gateway.api_error import ApiError
 from pagedserve.gateway.bodies import BODIES, ROLES
+from pagedserve.gateway.responses_bodies import ResponsesRequest
 
 ERROR_CODES = {"missing": "missing_required_parameter", "unsupported_content_type": "unsupported_content_type"}
 
@@ -36,7 +37,7 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [model for arg in getattr(annotation, "__args__", ()) for model in _models_in(arg)]
 
 
-FIELDS = _field_names((*BODIES, MessagesRequest))  # names an error's location may hold (the rest: a union's branch tags)
+FIELDS = _field_names((*BODIES, MessagesRequest, ResponsesRequest))  # names an error's location may hold (the rest: a union's branch tags)
 
 
 def validated(model: type[BaseModel], body: dict) -> Any:

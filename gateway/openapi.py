@@ -13,6 +13,7 @@ from pydantic.json_schema import models_json_schema
 from pagedserve.gateway.anthropic_bodies import MessagesRequest
 from pagedserve.gateway.bodies import BODIES, TOKEN_ID, ChatRequest, CompletionRequest
 from pagedserve.gateway.openapi_responses import RESPONSES
+from pagedserve.gateway.responses_bodies import ResponsesRequest
 from pagedserve.gateway.schemas import Limits
 from pagedserve.shared.sampling import MAX_TOKEN_ID
 
@@ -41,6 +42,11 @@ def _post(summary: str, schema: str, response: str, streams: bool = False, error
         "schema": {"$ref": f"#/components/schemas/{schema}"}}}}, "responses": {**_ok(response, streams), **errors}}}
 
 
+def _by_id(method: str, summary: str, response: str) -> dict:
+    parameter = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {method: {"summary": summary, "parameters": [parameter], "responses": {**_ok(response), "404": _ERRORS["404"]}}}
+
+
 def _get(summary: str, response: str | None = None) -> dict:
     return {"get": {"summary": summary, "responses": {**_ok(response), "503": {"description": "not ready"}}}}
 
@@ -48,13 +54,14 @@ def _get(summary: str, response: str | None = None) -> dict:
 def request_schemas(vocab_size: int, limits: Limits, served_model: str | None) -> dict[str, Any]:
     """The request bodies' schemas (and the ones inside them), by name: the models' own, token ids
     below ``vocab_size``, the gateway's caps on counts and lengths (``Limits``), the model named when known."""
-    models = (*BODIES, MessagesRequest)
+    models = (*BODIES, MessagesRequest, ResponsesRequest)
     _, top = models_json_schema([(model, "validation") for model in models], ref_template="#/components/schemas/{model}")
     schemas = top["$defs"]
     _bound_token_ids(schemas, vocab_size)
     caps = {"n": limits.max_n, "best_of": limits.max_n, "beam_width": limits.max_n, "max_tokens": limits.max_tokens,
             "max_completion_tokens": limits.max_tokens}
-    for name in (CompletionRequest.__name__, ChatRequest.__name__, MessagesRequest.__name__):
+    caps["max_output_tokens"] = limits.max_tokens
+    for name in (CompletionRequest.__name__, ChatRequest.__name__, MessagesRequest.__name__, ResponsesRequest.__name__):
         properties = schemas[name]["properties"]
         for field, cap in caps.items():
             if field in properties:
@@ -89,6 +96,9 @@ def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits(), serv
             "/v1/chat/completions": _post("Create a chat completion", "ChatRequest", "ChatResponse", streams=True),
             "/v1/messages": _post("Create a message (Anthropic's Messages API)", "MessagesRequest", "AnthropicMessage",
                                   streams=True, errors=_ANTHROPIC_ERRORS),
+            "/v1/responses": _post("Create a response (OpenAI's Responses API)", "ResponsesRequest", "Response", streams=True),
+            "/v1/responses/{response_id}": {**_by_id("get", "Retrieve a stored response", "Response"),
+                                            **_by_id("delete", "Delete a stored response", "DeletedResponse")},
             "/v1/models": _get("Models with live workers", "ModelList"),
             "/health": _get("Liveness"),
             "/ready": _get("Redis reachable and a worker alive"),

@@ -44,6 +44,17 @@ RESPONSES = {
         "stop_sequence": {"type": ["string", "null"]},
         "usage": {"type": "object", "required": ["input_tokens", "output_tokens"],
                   "properties": {"input_tokens": _INT, "output_tokens": _INT}}}},
+    "Response": {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+                 "properties": {
+        "id": _STR, "object": {"const": "response"}, "created_at": _INT, "model": _STR,
+        "status": {"enum": ["completed", "incomplete", "in_progress"]},
+        "output": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["message", "function_call", "reasoning"]}, "id": _STR}}},
+        "previous_response_id": {"type": ["string", "null"]},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"], "properties": {
+            "input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT}}}},
+    "DeletedResponse": {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": _STR, "object": {"const": "response"}, "deleted": {"const": True}}},
     "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
         "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
             "type": _STR, "message": _STR}}}},

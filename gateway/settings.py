@@ -33,6 +33,7 @@ class GatewaySettings:
     key_prefix: str
     generation_config: str = "auto"  # "auto": the model's generation_config.json fills unset fields; "vllm": ignore it
     tool_call_parser: str = "hermes"  # how tool calls are found in a model's text (gateway/tool_calls.py)
+    responses_ttl_s: float = 3600.0  # how long a stored Responses API answer is kept (gateway/responses_api.py)
     reasoning_parser: str | None = None  # how a thinking model's reasoning is split from its answer (gateway/reasoning.py)
     routing: str = "prefix"  # "prefix": to the worker holding the prompt's prefix (gateway/router.py); "shared"
     routing_load_weight: float = 1.0
@@ -73,6 +74,8 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
     p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=e("reasoning_parser", None),
                    help="split a thinking model's <think>...</think> into reasoning_content: deepseek_r1 or qwen3 "
                         "(default: none, the thinking stays in the content)")
+    p.add_argument("--responses-ttl", type=positive(float), default=e("responses_ttl", 3600.0, float),
+                   help="seconds a stored /v1/responses answer is kept for GET and previous_response_id")
     p.add_argument("--routing", choices=["prefix", "shared"], default=e("routing", "prefix"),
                    help="prefix: each request to the worker whose prefix cache holds most of its prompt, unless it is busy; "
                         "shared: every request on the model's shared stream (whichever worker reads first)")
@@ -102,6 +105,7 @@ def gateway_settings(argv: list[str] | None = None, environ: Mapping[str, str] |
         max_body_bytes=args.max_body_bytes, max_queue_depth=args.max_queue_depth, request_timeout_s=args.request_timeout,
         max_n=args.max_n, max_tokens=args.max_tokens, default_chat_max_tokens=args.default_chat_max_tokens,
         cors_origins=tuple(args.cors_origin or ()), key_prefix=args.key_prefix, generation_config=args.generation_config,
-        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser, routing=args.routing, routing_load_weight=args.routing_load_weight,
+        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        responses_ttl_s=args.responses_ttl, routing=args.routing, routing_load_weight=args.routing_load_weight,
         routing_busy_waiting=args.routing_busy_waiting, routing_imbalance=args.routing_imbalance,
     )

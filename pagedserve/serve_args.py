@@ -36,7 +36,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         ("--tool-call-parser", dict(choices=["hermes", "llama3_json"], default=e("tool_call_parser", "hermes"),
                                     help="the model's tool-call format for tool_choice auto")),
         ("--reasoning-parser", dict(choices=sorted(REASONING_PARSERS), default=e("reasoning_parser", None),
-                                    help="split a thinking model's <think>...</think> into reasoning_content")),
+                                    help="split a thinking model's <think>...</think> into reasoning_content "
+                                         "(default: none, the thinking stays in the content)")),
         ("--redis-url", dict(default=e("redis_url", None),
                              help="a Redis (or redis+cluster://) to use instead of starting one (default: start one)")),
         ("--log-stats-interval", dict(type=non_negative(float), default=e("log_stats_interval", 10.0, float),

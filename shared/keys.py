@@ -51,6 +51,11 @@ class Keys:
         publish snapshots only then."""
         return f"{self.model_space(model)}:dashboard:watched"
 
+    def stored_response(self, response_id: str) -> str:
+        """A stored Responses API answer and the conversation behind it (a JSON string with an
+        expiry): any gateway answers ``GET /v1/responses/{id}`` and continues it."""
+        return f"{self.prefix}:response:{response_id}"
+
     def group(self, model: str) -> str:
         """The consumer group of the workers serving one model."""
         return f"{self.prefix}:workers:{model}"

@@ -1,0 +1,115 @@
+"""``/v1/responses`` with the official ``openai`` SDK, unchanged, against a live stack: the answer is
+the chat completion's (same template, sampling and seed), streamed events reassemble to it, stored
+answers are retrieved, continued and deleted, a tool round trip, ``text.format``, bad requests."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.service_helpers import MODEL_NAME
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[a-z]{1,8}$"}}, "required": ["city"],
+        "additionalProperties": False}
+TOOL = {"type": "function", "name": "weather", "description": "forecast for a city", "parameters": CITY}
+SEEDED = {"top_k": 40}
+
+
+def chat_text(client, messages: list[dict], max_tokens: int, seed: int) -> str:
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=max_tokens, seed=seed,
+                                          temperature=1.0, extra_body=SEEDED).choices[0].message.content
+
+
+def test_a_response_is_the_chat_completion_of_the_same_conversation(client):
+    made = client.responses.create(model=MODEL_NAME, input="pages?", instructions="be brief", max_output_tokens=12,
+                                   temperature=1.0, extra_body={"seed": 4, **SEEDED})
+    assert made.object == "response" and made.id.startswith("resp_") and made.status in ("completed", "incomplete")
+    assert made.output_text == chat_text(client, [{"role": "system", "content": "be brief"},
+                                                  {"role": "user", "content": "pages?"}], 12, seed=4)
+    assert made.usage.output_tokens <= 12 and made.usage.total_tokens == made.usage.input_tokens + made.usage.output_tokens
+    if made.status == "incomplete":
+        assert made.incomplete_details.reason == "max_output_tokens"
+
+
+def test_streamed_events_reassemble_to_the_response(client):
+    ask = dict(model=MODEL_NAME, input=[{"role": "user", "content": [{"type": "input_text", "text": "blocks?"}]}],
+               max_output_tokens=16, temperature=1.0, extra_body={"seed": 6, **SEEDED})
+    whole = client.responses.create(**ask)
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    final = events[-1].response  # response.completed, or response.incomplete when cut by max_output_tokens
+    assert events[-1].type == f"response.{whole.status}" and final.status == whole.status
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text == final.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored when streamed too
+
+
+def test_a_stored_response_is_retrieved_continued_and_deleted(client):
+    first = client.responses.create(model=MODEL_NAME, input="count pages", max_output_tokens=8, temperature=1.0,
+                                    extra_body={"seed": 1, **SEEDED})
+    got = client.responses.retrieve(first.id)
+    assert (got.id, got.output_text, got.usage.output_tokens) == (first.id, first.output_text, first.usage.output_tokens)
+    second = client.responses.create(model=MODEL_NAME, input="and blocks?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=1.0, extra_body={"seed": 2, **SEEDED})
+    assert second.previous_response_id == first.id
+    assert second.output_text == chat_text(client, [{"role": "user", "content": "count pages"},
+                                                    {"role": "assistant", "content": first.output_text},
+                                                    {"role": "user", "content": "and blocks?"}], 8, seed=2)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as err:  # nothing left to continue
+        client.responses.create(model=MODEL_NAME, input="more", previous_response_id=first.id, max_output_tokens=2)
+    assert err.value.body["param"] == "previous_response_id"
+
+
+def test_store_false_keeps_nothing(client):
+    made = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2, store=False)
+    assert made.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(made.id)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_function_call_round_trip(client, streamed):
+    ask = dict(model=MODEL_NAME, input="weather in paris?", tools=[TOOL], tool_choice={"type": "function", "name": "weather"},
+               max_output_tokens=40, temperature=1.0, extra_body={"seed": 3, **SEEDED})
+    if streamed:
+        with client.responses.stream(**ask) as stream:
+            argument_deltas = [e.delta for e in stream if e.type == "response.function_call_arguments.delta"]
+            first = stream.get_final_response()
+    else:
+        first = client.responses.create(**ask)
+    call = next(item for item in first.output if item.type == "function_call")
+    assert call.name == "weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), CITY)
+    if streamed:
+        assert "".join(argument_deltas) == call.arguments
+    second = client.responses.create(model=MODEL_NAME, previous_response_id=first.id, max_output_tokens=4, tools=[TOOL],
+                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output reached the template
+
+
+def test_text_format_json_schema_constrains_the_answer(client):
+    made = client.responses.create(model=MODEL_NAME, input="a city", max_output_tokens=40, temperature=1.0,
+                                   text={"format": {"type": "json_schema", "name": "city", "schema": CITY}},
+                                   extra_body={"seed": 8})
+    jsonschema.validate(json.loads(made.output_text), CITY)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "hi", "tools": [{"type": "function", "name": ""}]}, "tools"),
+])
+def test_bad_requests_are_400s_naming_the_field(stack, body, param):
+    r = httpx.post(stack.url + "/v1/responses", json={"model": MODEL_NAME, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
