@@ -14,6 +14,7 @@ from pagedserve.gateway.anthropic_api import error_body as anthropic_error_body,
 from pagedserve.gateway import responses_api
 from pagedserve.gateway.api_docs import DOCS_ASSETS, docs, docs_asset
 from pagedserve.gateway.dashboard_api import ASSETS, dashboard_asset, dashboard_events
+from pagedserve.gateway.embeddings_api import embeddings
 from pagedserve.gateway.generation import STATE, TALLY
 from pagedserve.gateway.openai_api import chat_completions, completions
 from pagedserve.gateway.schemas import ApiError
@@ -39,6 +40,7 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post(ANTHROPIC_PATH, messages)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_post("/v1/responses", responses_api.create)
     app.router.add_get("/v1/responses/{response_id}", responses_api.retrieve)
     app.router.add_delete("/v1/responses/{response_id}", responses_api.delete)

@@ -263,4 +263,15 @@ class DetokenizeRequest(BaseModel):
     tokens: list[TokenId]
 
 
-BODIES = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
+class EmbeddingsRequest(BaseModel):
+    model_config = OPEN
+    model: str
+    input: Union[Text, Annotated[list[Text], Field(min_length=1)], TokenIds, Annotated[list[TokenIds], Field(min_length=1)]]
+    encoding_format: Optional[Literal["float", "base64"]] = None  # base64: little-endian float32s
+    dimensions: Optional[Literal[None]] = None  # a shortened vector is not offered: only null passes
+    pooling: Optional[Literal["last", "mean"]] = None  # pagedserve's: the last token's state (default), or the mean
+    user: Optional[Annotated[str, Field(max_length=MAX_USER_LEN)]] = None
+    priority: Optional[integer(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])] = None
+
+
+BODIES = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest, EmbeddingsRequest)

@@ -96,6 +96,8 @@ def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits(), serv
             "/v1/chat/completions": _post("Create a chat completion", "ChatRequest", "ChatResponse", streams=True),
             "/v1/messages": _post("Create a message (Anthropic's Messages API)", "MessagesRequest", "AnthropicMessage",
                                   streams=True, errors=_ANTHROPIC_ERRORS),
+            "/v1/embeddings": _post("Create embeddings (the final hidden states pooled and normalised)", "EmbeddingsRequest",
+                                    "EmbeddingList"),
             "/v1/responses": _post("Create a response (OpenAI's Responses API)", "ResponsesRequest", "Response", streams=True),
             "/v1/responses/{response_id}": {**_by_id("get", "Retrieve a stored response", "Response"),
                                             **_by_id("delete", "Delete a stored response", "DeletedResponse")},

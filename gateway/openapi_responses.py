@@ -53,6 +53,13 @@ RESPONSES = {
         "previous_response_id": {"type": ["string", "null"]},
         "usage": {"type": "object", "required": ["input_tokens", "output_tokens", "total_tokens"], "properties": {
             "input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT}}}},
+    "EmbeddingList": {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+        "object": {"const": "list"}, "model": _STR,
+        "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
+            "object": {"const": "embedding"}, "index": _INT,
+            "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}}, _STR]}}}},
+        "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
+            "prompt_tokens": _INT, "total_tokens": _INT}}}},
     "DeletedResponse": {"type": "object", "required": ["id", "object", "deleted"], "properties": {
         "id": _STR, "object": {"const": "response"}, "deleted": {"const": True}}},
     "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {

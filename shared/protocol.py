@@ -156,6 +156,7 @@ class WireEvent:
     queue_s: float | None = None  # on a request's first event: seconds from created to first scheduled
     # on the terminal event of a request with prompt_logprobs: None, then an entry (as in OutputDelta) per position
     prompt_logprobs: list[dict | None] | None = None
+    embedding: list[float] | None = None  # on the terminal event of an embedding (params.pooling): the vector
 
     def to_wire(self) -> dict:
         return {"v": VERSION, **asdict(self)}
@@ -166,12 +167,18 @@ class WireEvent:
         outputs = [OutputDelta(**o) for o in msg.get("outputs", [])]
         return cls(msg["id"], msg["seq"], outputs, msg.get("done", False), msg.get("finish_reason"),
                    msg.get("error"), msg.get("usage"), bool(msg.get("resumable", False)), _seconds(msg.get("queue_s")),
-                   _prompt_logprobs(msg.get("prompt_logprobs")))
+                   _prompt_logprobs(msg.get("prompt_logprobs")), _embedding(msg.get("embedding")))
 
 
 def _prompt_logprobs(value: Any) -> list[dict | None] | None:
     if value is not None and not (isinstance(value, list) and all(e is None or isinstance(e, dict) for e in value)):
         raise ProtocolError("prompt_logprobs must be a list of entries", "prompt_logprobs")
+    return value
+
+
+def _embedding(value: Any) -> list[float] | None:
+    if value is not None and not (isinstance(value, list) and all(isinstance(v, float) for v in value)):
+        raise ProtocolError("embedding must be a list of floats", "embedding")
     return value
 
 

@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20
 MAX_SEQS = 64  # beam_width and best_of
 MAX_TOKEN_ID = 2**31
 OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs", "best_of"})  # None means "not set"
+POOLING = ("last", "mean")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in transformers
     structured: StructuredOutputs | None = None  # output constrained to a schema, regex, choice or grammar
+    # an embedding, not a generation: the prompt's final hidden states pooled ("last" token or "mean"),
+    # normalised; the request ends once its prompt is computed, with no token (vLLM's pooling runner)
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("stop", "stop_token_ids"):  # checked before they are made tuples below
@@ -118,6 +122,11 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a boolean", name)
         self._validate_search()
+        if self.pooling is not None:
+            if self.pooling not in POOLING:
+                raise InvalidRequestError(f"pooling must be one of {', '.join(POOLING)}, got {self.pooling!r}", "pooling")
+            if self.num_seqs != 1 or self.structured is not None:
+                raise InvalidRequestError("an embedding (pooling) is one sequence, unconstrained", "pooling")
 
     def _validate_search(self) -> None:
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):  # 0 == False: not a bool

@@ -55,6 +55,12 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling: str = "last", *, use_tqdm: bool = True) -> list[list[float]]:
+        """Each prompt's embedding: its final hidden states pooled (``"last"`` token, or ``"mean"``)
+        and normalised, through the same batching as generation (prefill only)."""
+        outputs = self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling), use_tqdm=use_tqdm)
+        return [out.embedding for out in outputs]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's generation-config defaults (temperature, top_p,
         top_k, min_p, repetition_penalty) unless the engine was built with ``generation_config="vllm"``."""

@@ -29,3 +29,4 @@ class RequestOutput:
     queued_s: float | None = None  # seconds from arrival to first scheduled (None: not run yet)
     # with prompt_logprobs, once finished: None for the first prompt token, then one SampledToken a position
     prompt_logprobs: list[SampledToken | None] | None = None
+    embedding: list[float] | None = None  # with params.pooling, once finished: the pooled, normalised vector

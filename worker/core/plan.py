@@ -36,6 +36,7 @@ class ScheduledSeq:
     num_draft: int = 0  # speculative decoding: the last num_draft of token_ids are guesses the runner checks
     draft_grammars: tuple = ()  # with a grammar: its state before each guess and after the last
     draft_context: tuple[int, ...] | None = None  # a draft model guesses (its guesses here are 0 until then): the tokens before start it has no KV for
+    pool_from: int | None = None  # an embedding (params.pooling): positions before this are pooled already
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +116,9 @@ class StepResult:
     prompt_logprobs: Mapping[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # seq id -> its targets'
     draft_rounds: int = 0  # speculative decoding: the draft model's forwards this step (worker/runner/drafter.py)
     draft_seconds: float = 0.0  # and the time they took
+    # embeddings: seq id -> (the sum of the final hidden states of positions pool_from.. of its chunk, how
+    # many) for "mean", (the prompt's last position's, 1) for "last" once the chunk reaches it
+    pooled: Mapping[int, tuple[list[float], int]] = field(default_factory=dict)
 
 
 @dataclass

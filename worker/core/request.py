@@ -97,6 +97,9 @@ class Request:
     first_scheduled: float | None = None  # when it first ran, on the scheduler's clock (queue time)
     grammar: Future | None = None  # the compiled constraint (a pristine GrammarState) while it is built
     prompt_logprobs: list = field(default_factory=list)  # with params.prompt_logprobs: prompt positions 1.. so far
+    pooled: list[float] | None = None  # with params.pooling: the pooled final hidden states so far (a sum for "mean")
+    pooled_upto: int = 0  # and the prompt positions they cover
+    embedding: list[float] | None = None  # once the prompt is in: the pooled vector, normalised
     _prompt_hashes: dict = field(default_factory=dict, repr=False)  # salt -> the prompt's block-hash chain
 
     def prompt_hashes(self, block_size: int, salt: Hashable) -> list[int]:

@@ -247,7 +247,8 @@ class Scheduler:
                 return
             if not self._start_grammar(req):
                 continue
-            hits = {s.seq_id: self._match(req, s) if req.params.prompt_logprobs is None else NO_HIT for s in req.live_seqs}
+            computed_in_full = req.params.prompt_logprobs is not None or req.params.pooling is not None
+            hits = {s.seq_id: NO_HIT if computed_in_full else self._match(req, s) for s in req.live_seqs}
             if any(hit.waits_on_disk for hit in hits.values()):
                 self.waits_on_disk = True
                 continue  # its prefix is being read from disk: later requests run meanwhile
@@ -322,7 +323,7 @@ class Scheduler:
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
             seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
-            len(guess.tokens), guess.grammars, guess.draft_context,
+            len(guess.tokens), guess.grammars, guess.draft_context, req.pooled_upto if p.pooling else None,
         )
 
     @staticmethod

@@ -10,6 +10,8 @@ dropped with their blocks. A finished search replaces the beams by its best hypo
 
 from __future__ import annotations
 
+import math
+
 from pagedserve.worker.core.config import SchedulerConfig
 from pagedserve.worker.core.plan import BeamStep, SampledToken, StepPlan, StepResult
 from pagedserve.worker.core.request import FinishReason, Request, Sequence
@@ -45,6 +47,12 @@ class StepApplier:
                 self.table.blocks.release_before(seq.seq_id, seq.num_computed - self.sliding_window + 1)
             if item.prompt_targets:
                 _record_prompt_logprobs(req, item.start, result.prompt_logprobs[item.seq_id])
+            if item.pool_from is not None:  # an embedding: no token; it ends once its prompt is in
+                _record_pooled(req, item, result.pooled.get(item.seq_id))
+                if seq.num_computed >= seq.prompt_len:
+                    self.table.finish_seq(seq.seq_id, FinishReason.STOP)
+                    touched[req.request_id] = req
+                continue
             if item.num_samples == 0 or req.params.use_beam_search:
                 continue  # beam requests take their next tokens from ``result.beams``
             tokens = list(result.samples[item.seq_id])
@@ -143,6 +151,22 @@ def _grammar_stop(grammar, token: int) -> FinishReason | None:
     if not grammar.consume_token(token):
         return FinishReason.ERROR
     return FinishReason.STOP if grammar.is_stopped() else None
+
+
+def _record_pooled(req: Request, item, pooled: tuple[list[float], int] | None) -> None:
+    """Add a chunk's pooled hidden states (positions from ``item.pool_from``: a prompt computed again
+    after a preemption is not counted twice); at the prompt's end, the embedding: the mean (or the
+    last position's state), normalised to unit length."""
+    if pooled is not None:
+        values, count = pooled
+        if req.params.pooling == "last":
+            req.pooled, req.pooled_upto = list(values), item.context_len
+        else:
+            req.pooled = values if req.pooled is None else [a + b for a, b in zip(req.pooled, values)]
+            req.pooled_upto += count
+    if item.context_len >= len(req.prompt_ids) and req.pooled is not None:  # a sum's direction is its mean's
+        norm = math.sqrt(sum(v * v for v in req.pooled)) or 1.0
+        req.embedding = [v / norm for v in req.pooled]
 
 
 def _record_prompt_logprobs(req: Request, start: int, entries: tuple[SampledToken, ...]) -> None:

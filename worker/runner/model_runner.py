@@ -42,6 +42,7 @@ class StepLogits:
     drafts: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logits [num_draft, vocab] before each guess
     draft_rounds: int = 0  # the draft model's forwards before this one (drafter.py)
     draft_seconds: float = 0.0
+    pooled: dict[int, tuple[list[float], int]] = field(default_factory=dict)  # embeddings, by seq id (StepResult.pooled)
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt positions whose logits are taken at once
@@ -149,7 +150,7 @@ class ModelRunner:
             samples.update((item.seq_id, tokens) for item, tokens in zip(items, checked))
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
-        return StepResult(samples, beams, step.prompt, step.draft_rounds, step.draft_seconds)
+        return StepResult(samples, beams, step.prompt, step.draft_rounds, step.draft_seconds, step.pooled)
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
@@ -165,7 +166,7 @@ class ModelRunner:
         if not items:
             return StepLogits(torch.empty(0, 0, device=self.device), ())
         sampling = [i for i, s in enumerate(items) if s.num_samples]
-        wants_prompt = any(s.prompt_targets for s in items)
+        wants_prompt = any(s.prompt_targets or s.pool_from is not None for s in items)  # every position's state
         drafted = any(s.num_draft for s in items)
         if self.graphs is not None and not wants_prompt and not drafted and self.graphs.can_run(items):
             logits = self.graphs.run(items)
@@ -177,9 +178,11 @@ class ModelRunner:
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=self.device)
         prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
                   for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
+        pooled = {s.seq_id: pooled for s, last in zip(items, last_index) if s.pool_from is not None
+                  if (pooled := _pool(hidden, last - s.num_tokens + 1, s)) is not None} if wants_prompt else {}
         drafts = self._draft_logits(hidden, items, last_index) if drafted else {}
         return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, drafts,
-                          draft_rounds, draft_seconds)
+                          draft_rounds, draft_seconds, pooled)
 
     def _draft_logits(self, hidden: torch.Tensor, items: list[ScheduledSeq], last_index: list[int]) -> dict[int, torch.Tensor]:
         """Speculative rows: the logits before each guess (the positions ahead of a row's last), for
@@ -204,3 +207,15 @@ class ModelRunner:
             tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [None] * (hi - lo)
             out.extend(scored_token(token, logprob, best, True) for token, logprob, best in zip(targets[lo:hi], chosen, tops))
         return tuple(out)
+
+
+def _pool(hidden: torch.Tensor, first: int, item: ScheduledSeq) -> tuple[list[float], int] | None:
+    """An embedding row's part of this chunk (``StepResult.pooled``): the float32 sum of its final
+    hidden states from position ``pool_from`` on ("mean"), or the prompt's last one ("last") when the
+    chunk holds it; None when there is nothing to add."""
+    skip = max(0, item.pool_from - item.start)
+    rows = hidden[first + skip : first + item.num_tokens].float()
+    if item.params.pooling == "last":
+        return (rows[-1].tolist(), 1) if len(rows) and item.context_len >= item.seq_len else None  # the prompt's end
+    return (rows.sum(dim=0).tolist(), len(rows)) if len(rows) else None
+

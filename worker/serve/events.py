@@ -85,7 +85,7 @@ def event_for(flight: InFlight, out: RequestOutput, piece: Callable[[int], str])
         prompt = [None] + [_entry(t, piece) for t in out.prompt_logprobs[1:]]
     return WireEvent(out.request_id, flight.take_seq(), deltas, out.finished,
                      request_finish_reason(out) if out.finished else None, out.error, usage, queue_s=queue_s,
-                     prompt_logprobs=prompt)
+                     prompt_logprobs=prompt, embedding=out.embedding)
 
 
 def error_event(request_id: str, seq: int, message: str, resumable: bool = False) -> WireEvent:
