@@ -23,10 +23,11 @@ from pagedserve.gateway import sse
 from pagedserve.gateway.anthropic_bodies import MessagesRequest
 from pagedserve.gateway.api_error import ApiError
 from pagedserve.gateway.body_errors import validated
-from pagedserve.gateway.generation import STATE, account, generation, read_json
-from pagedserve.gateway.reasoning import ReasoningStream, split
+from pagedserve.gateway.answer_parts import Collected, Pieces, deltas
+from pagedserve.gateway.generation import STATE, generation, read_json
+from pagedserve.gateway.reasoning import split
 from pagedserve.gateway.schemas import ParsedRequest, parse
-from pagedserve.gateway.tool_calls import ToolStream, extract
+from pagedserve.gateway.tool_calls import extract
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -91,28 +92,19 @@ async def messages(request: web.Request) -> web.StreamResponse:
         if parsed.stream:
             response = await sse.open_stream(request)
             return await sse.until_client_gone(request, response, _stream(response, state, parsed, reply, sent))
-        async for _, event in sent.events:
-            account(state, parsed, event, sent.tally, time.monotonic())
-            if event.done and event.finish_reason == "error":
-                raise ApiError(502, event.error or "the worker failed", None, "worker_error", "server_error")
-            reply.add(event)
+        async for _ in deltas(state, parsed, sent, reply):
+            pass
         state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - sent.tally.started)
         return web.json_response(reply.message(len(sent.prompts[0])))
 
 
-class Reply:
+class Reply(Collected):
     """One message's answer as it comes: its text, how it ended, its blocks."""
 
     def __init__(self, parsed: ParsedRequest, message_id: str, tool_parser: str, reasoning_parser: str | None) -> None:
+        super().__init__()
         self.parsed, self.id, self.tool_parser, self.reasoning_parser = parsed, message_id, tool_parser, reasoning_parser
         self.tools = parsed.tools if parsed.tools is not None and parsed.tools.parses_output else None
-        self.text, self.finish, self.output_tokens = "", None, 0
-
-    def add(self, event) -> None:
-        for delta in event.outputs:
-            self.text += delta.text
-            self.output_tokens += len(delta.token_ids)
-            self.finish = delta.finish_reason or self.finish
 
     def head(self, input_tokens: int) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.parsed.model, "content": [],
@@ -179,27 +171,16 @@ async def event(response: web.StreamResponse, kind: str, **fields) -> None:
 
 async def _stream(response: web.StreamResponse, state, parsed: ParsedRequest, reply: Reply, sent) -> None:
     await event(response, "message_start", message=reply.head(len(sent.prompts[0])))
-    blocks, calls = Blocks(response), []
-    thoughts = ReasoningStream(reply.reasoning_parser) if reply.reasoning_parser else None
-    tools = ToolStream(reply.tools, reply.tool_parser) if reply.tools else None
+    blocks, pieces = Blocks(response), Pieces(reply.reasoning_parser, reply.tools, reply.tool_parser)
     try:
-        async for _, wire in sent.events:
-            account(state, parsed, wire, sent.tally, time.monotonic())
-            if wire.done and wire.finish_reason == "error":
-                raise ApiError(502, wire.error or "the worker failed", None, "worker_error", "server_error")
-            reply.add(wire)
-            for delta in wire.outputs:
-                final = delta.finish_reason is not None
-                thought, text = thoughts.feed(delta.text, final) if thoughts else ("", delta.text)
-                await blocks.write("thinking", thought)
-                if tools is not None:
-                    text, found = tools.feed(text, final)
-                    calls += found
-                await blocks.write("text", text)
-        for call in calls:
+        async for delta in deltas(state, parsed, sent, reply):
+            thought, text = pieces.feed(delta.text, delta.finish_reason is not None)
+            await blocks.write("thinking", thought)
+            await blocks.write("text", text)
+        for call in pieces.calls:
             await blocks.call(tool_use(call))
         await blocks.close()
-        await event(response, "message_delta", delta={"stop_reason": reply.stop_reason(calls), "stop_sequence": None},
+        await event(response, "message_delta", delta={"stop_reason": reply.stop_reason(pieces.calls), "stop_sequence": None},
                     usage={"output_tokens": reply.output_tokens})
         await event(response, "message_stop")
     except ApiError as err:

@@ -26,11 +26,12 @@ from aiohttp import web
 from pagedserve.gateway import sse
 from pagedserve.gateway.api_error import ApiError
 from pagedserve.gateway.body_errors import validated
-from pagedserve.gateway.generation import STATE, account, generation, read_json
-from pagedserve.gateway.reasoning import ReasoningStream, split
+from pagedserve.gateway.answer_parts import Collected, Pieces, deltas
+from pagedserve.gateway.generation import STATE, generation, read_json
+from pagedserve.gateway.reasoning import split
 from pagedserve.gateway.responses_bodies import ResponsesRequest
 from pagedserve.gateway.schemas import ParsedRequest, parse
-from pagedserve.gateway.tool_calls import ToolStream, extract
+from pagedserve.gateway.tool_calls import extract
 
 
 def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
@@ -74,22 +75,16 @@ def conversation_of(req: ResponsesRequest) -> list[dict]:
     return out
 
 
-class Answer:
+class Answer(Collected):
     """One response as it comes: its text, how it ended, its output items and the response object."""
 
     def __init__(self, req: ResponsesRequest, parsed: ParsedRequest, tool_parser: str, reasoning_parser: str | None) -> None:
+        super().__init__()
         self.req, self.parsed, self.tool_parser, self.reasoning_parser = req, parsed, tool_parser, reasoning_parser
         self.id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
         self.tools = parsed.tools if parsed.tools is not None and parsed.tools.parses_output else None
-        self.text, self.finish, self.output_tokens = "", None, 0
         self.message_id, self.reasoning_id = "msg_" + uuid.uuid4().hex, "rs_" + uuid.uuid4().hex
         self.settled: tuple[str | None, str | None, list[dict]] | None = None  # parts(), once known
-
-    def add(self, event) -> None:
-        for delta in event.outputs:
-            self.text += delta.text
-            self.output_tokens += len(delta.token_ids)
-            self.finish = delta.finish_reason or self.finish
 
     @property
     def status(self) -> str:
@@ -165,11 +160,8 @@ async def create(request: web.Request) -> web.StreamResponse:
             response = await sse.open_stream(request)
             writes = _stream(response, state, parsed, answer, sent, history + conversation_of(req))
             return await sse.until_client_gone(request, response, writes)
-        async for _, event in sent.events:
-            account(state, parsed, event, sent.tally, time.monotonic())
-            if event.done and event.finish_reason == "error":
-                raise ApiError(502, event.error or "the worker failed", None, "worker_error", "server_error")
-            answer.add(event)
+        async for _ in deltas(state, parsed, sent, answer):
+            pass
         state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - sent.tally.started)
         result = answer.response(prompt_tokens)
         await _store(state, answer, result, history + conversation_of(req))
@@ -267,30 +259,19 @@ class Events:
 async def _stream(response: web.StreamResponse, state, parsed: ParsedRequest, answer: Answer, sent,
                   before: list[dict]) -> None:
     events, prompt_tokens = Events(response, answer), len(sent.prompts[0])
-    thoughts = ReasoningStream(answer.reasoning_parser) if answer.reasoning_parser else None
-    tools = ToolStream(answer.tools, answer.tool_parser) if answer.tools else None
-    calls: list[dict] = []
+    pieces = Pieces(answer.reasoning_parser, answer.tools, answer.tool_parser)
     thinking = content = ""
     started = answer.response(prompt_tokens, [], "in_progress")
     await events.send("response.created", response=started)
     await events.send("response.in_progress", response=started)
     try:
-        async for _, wire in sent.events:
-            account(state, parsed, wire, sent.tally, time.monotonic())
-            if wire.done and wire.finish_reason == "error":
-                raise ApiError(502, wire.error or "the worker failed", None, "worker_error", "server_error")
-            answer.add(wire)
-            for delta in wire.outputs:
-                final = delta.finish_reason is not None
-                thought, text = thoughts.feed(delta.text, final) if thoughts else ("", delta.text)
-                await events.write("reasoning", thought)
-                if tools is not None:
-                    text, found = tools.feed(text, final)
-                    calls += found
-                await events.write("message", text)
-                thinking, content = thinking + thought, content + text
-        answer.settled = thinking or None, content or None, calls  # what was streamed is the answer
-        for call in calls:
+        async for delta in deltas(state, parsed, sent, answer):
+            thought, text = pieces.feed(delta.text, delta.finish_reason is not None)
+            await events.write("reasoning", thought)
+            await events.write("message", text)
+            thinking, content = thinking + thought, content + text
+        answer.settled = thinking or None, content or None, pieces.calls  # what was streamed is the answer
+        for call in pieces.calls:
             await events.call(call)
         await events.close()
         result = answer.response(prompt_tokens, events.items)

@@ -60,6 +60,9 @@ def test_offline_embeddings_are_computed_in_full_in_chunks_after_a_cached_genera
     for pooling in ("mean", "last"):
         vector, = llm.embed([prompt], pooling, use_tqdm=False)
         assert torch.allclose(torch.tensor(vector), reference(prompt, pooling), atol=1e-5), pooling
+    cached = set(llm.engine.cached_hashes())
+    llm.embed([[20, 21, 22, 23] * 40], use_tqdm=False)
+    assert set(llm.engine.cached_hashes()) == cached  # an embedding's KV is not kept after it
 
 
 @pytest.mark.parametrize("body, param", [

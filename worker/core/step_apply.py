@@ -42,7 +42,8 @@ class StepApplier:
                 continue
             seq.num_computed += item.num_tokens
             key = self.config.prefix_key(req.extra_key, seq.num_tokens)  # before this step's token is appended
-            self._publish(req, seq, key)
+            if req.params.pooling is None:  # an embedding's KV is not kept after it: its blocks go back uncached
+                self._publish(req, seq, key)
             if self.sliding_window:  # the next query is at num_computed and sees positions > it - W
                 self.table.blocks.release_before(seq.seq_id, seq.num_computed - self.sliding_window + 1)
             if item.prompt_targets:

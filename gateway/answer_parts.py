@@ -1,0 +1,53 @@
+"""One generated answer as the Responses and Messages routes read it: its text as its events come
+(``Collected``), the deltas of a one-prompt generation counted into it (``deltas``: a worker's error
+ends it as a 502), and streamed text split into thinking, answer text and tool calls (``Pieces``)."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from pagedserve.gateway.api_error import ApiError
+from pagedserve.gateway.generation import Generation, account
+from pagedserve.gateway.reasoning import ReasoningStream
+from pagedserve.gateway.schemas import ParsedRequest
+from pagedserve.gateway.tool_calls import ToolRequest, ToolStream
+from pagedserve.shared.protocol import OutputDelta
+
+
+class Collected:
+    """One choice's text so far, how it ended, and its tokens."""
+
+    def __init__(self) -> None:
+        self.text, self.finish, self.output_tokens = "", None, 0
+
+    def add(self, delta: OutputDelta) -> None:
+        self.text += delta.text
+        self.output_tokens += len(delta.token_ids)
+        self.finish = delta.finish_reason or self.finish
+
+
+async def deltas(state, parsed: ParsedRequest, sent: Generation, got: Collected) -> AsyncIterator[OutputDelta]:
+    async for _, wire in sent.events:
+        account(state, parsed, wire, sent.tally, time.monotonic())
+        if wire.done and wire.finish_reason == "error":
+            raise ApiError(502, wire.error or "the worker failed", None, "worker_error", "server_error")
+        for delta in wire.outputs:
+            got.add(delta)
+            yield delta
+
+
+class Pieces:
+    """A streamed choice's text as (thinking, answer text) pieces, tool calls gathered apart."""
+
+    def __init__(self, reasoning_parser: str | None, tools: ToolRequest | None, tool_parser: str) -> None:
+        self.thoughts = ReasoningStream(reasoning_parser) if reasoning_parser else None
+        self.tools = ToolStream(tools, tool_parser) if tools is not None else None
+        self.calls: list[dict] = []
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        thought, text = self.thoughts.feed(text, final) if self.thoughts else ("", text)
+        if self.tools is not None:
+            text, found = self.tools.feed(text, final)
+            self.calls += found
+        return thought, text
