@@ -2,7 +2,7 @@
 models the gateway validates with (``gateway/bodies.py``: fields not listed are accepted and ignored,
 as vLLM does; schemathesis checks that valid bodies pass and invalid ones are refused), with this
 gateway's own caps (``Limits``), the served model's vocabulary bounding token ids and its name; and
-the bodies of the answers (``openapi_responses.py``)."""
+the bodies of the answers (``answer_bodies.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic.json_schema import models_json_schema
 
 from pagedserve.gateway.anthropic_bodies import MessagesRequest
 from pagedserve.gateway.bodies import BODIES, TOKEN_ID, ChatRequest, CompletionRequest
-from pagedserve.gateway.openapi_responses import RESPONSES
+from pagedserve.gateway.answer_bodies import ANSWERS
 from pagedserve.gateway.responses_bodies import ResponsesRequest
 from pagedserve.gateway.schemas import Limits
 from pagedserve.shared.sampling import MAX_TOKEN_ID
@@ -51,10 +51,10 @@ def _get(summary: str, response: str | None = None) -> dict:
     return {"get": {"summary": summary, "responses": {**_ok(response), "503": {"description": "not ready"}}}}
 
 
-def request_schemas(vocab_size: int, limits: Limits, served_model: str | None) -> dict[str, Any]:
-    """The request bodies' schemas (and the ones inside them), by name: the models' own, token ids
+def body_schemas(vocab_size: int, limits: Limits, served_model: str | None) -> dict[str, Any]:
+    """The request and answer bodies' schemas (and the ones inside them), by name: the models' own, token ids
     below ``vocab_size``, the gateway's caps on counts and lengths (``Limits``), the model named when known."""
-    models = (*BODIES, MessagesRequest, ResponsesRequest)
+    models = (*BODIES, MessagesRequest, ResponsesRequest, *ANSWERS)
     _, top = models_json_schema([(model, "validation") for model in models], ref_template="#/components/schemas/{model}")
     schemas = top["$defs"]
     _bound_token_ids(schemas, vocab_size)
@@ -111,11 +111,7 @@ def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits(), serv
             "/detokenize": _post("Text of token ids", "DetokenizeRequest", "DetokenizeResponse"),
         },
         "components": {"schemas": {
-            **RESPONSES,
-            **request_schemas(vocab_size, limits, served_model),
-            "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
-                "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]}}}}},
+            **body_schemas(vocab_size, limits, served_model),
         }},
     }
 

@@ -170,8 +170,13 @@ def test_each_request_leaves_one_access_line_and_a_refusal_says_why(stack):
 
 def test_live_answers_match_the_response_schemas_of_openapi_json(stack):
     from jsonschema import Draft202012Validator
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT202012
 
-    schemas = httpx.get(stack.url + "/openapi.json").json()["components"]["schemas"]
+    spec = httpx.get(stack.url + "/openapi.json").json()
+    registry = Registry().with_resource("urn:spec", Resource.from_contents(spec, default_specification=DRAFT202012))
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    first = httpx.post(stack.url + "/v1/responses", json={"model": MODEL_NAME, "input": "hi", "max_output_tokens": 2}).json()
     answers = {
         "CompletionResponse": post(stack, "/v1/completions", n=2, logprobs=1).json(),
         "ChatResponse": post(stack, CHAT).json(),
@@ -179,9 +184,16 @@ def test_live_answers_match_the_response_schemas_of_openapi_json(stack):
         "TokenizeResponse": httpx.post(stack.url + "/tokenize", json={"prompt": "x"}).json(),
         "DetokenizeResponse": httpx.post(stack.url + "/detokenize", json={"tokens": [5, 6]}).json(),
         "Version": httpx.get(stack.url + "/version").json(),
+        "EmbeddingList": httpx.post(stack.url + "/v1/embeddings", json={"model": MODEL_NAME, "input": ["a", "b"]}).json(),
+        "Response": httpx.get(stack.url + f"/v1/responses/{first['id']}").json(),
+        "DeletedResponse": httpx.delete(stack.url + f"/v1/responses/{first['id']}").json(),
+        "AnthropicMessage": httpx.post(stack.url + "/v1/messages", json=chat).json(),
+        "AnthropicError": httpx.post(stack.url + "/v1/messages", json={**chat, "max_tokens": 0}).json(),
+        "Error": httpx.post(stack.url + "/v1/chat/completions", json={**chat, "max_tokens": 0}).json(),
     }
+    assert first["object"] == "response"
     for name, body in answers.items():
-        Draft202012Validator(schemas[name]).validate(body)
+        Draft202012Validator({"$ref": f"urn:spec#/components/schemas/{name}"}, registry=registry).validate(body)
 
 
 def test_token_ids_written_as_integral_floats_count_as_integers(stack):
