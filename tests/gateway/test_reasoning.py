@@ -78,3 +78,30 @@ def test_chat_template_kwargs_reach_the_template_and_reserved_ones_are_400s(stac
     bad = httpx.post(stack.url + "/v1/chat/completions", json={"model": MODEL_NAME, **chat,
                                                                  "chat_template_kwargs": {"add_generation_prompt": False}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs", bad.text
+
+
+def test_the_responses_and_messages_apis_carry_the_thinking_as_their_own_items(stack, thinking):
+    """deepseek_r1 reads an output that never closes </think> as all thinking: the chat's
+    reasoning_content is a Responses reasoning item and a Messages thinking block, whole and streamed."""
+    import anthropic
+    import httpx
+
+    url = str(thinking.base_url).removesuffix("/v1/")
+    ask = {"model": MODEL_NAME, "temperature": 1.0, "extra_body": {"seed": 11}}
+    chat = thinking.chat.completions.create(**ask, messages=[{"role": "user", "content": "think"}], max_tokens=10)
+    thought = chat.choices[0].message.reasoning_content
+    assert thought and chat.choices[0].message.content is None
+    made = thinking.responses.create(**ask, input="think", max_output_tokens=10)
+    assert [item.type for item in made.output] == ["reasoning"] and made.output[0].content[0].text == thought
+    with thinking.responses.stream(**ask, input="think", max_output_tokens=10) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    body = {"model": MODEL_NAME, "max_tokens": 10, "messages": [{"role": "user", "content": "think"}],
+            "extra_body": {"temperature": 1.0, "seed": 11}}
+    message = claude.messages.create(**body)
+    assert [b.type for b in message.content] == ["thinking"] and message.content[0].thinking == thought
+    with claude.messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].type == "thinking" and final.content[0].thinking == thought
+    assert httpx.get(url + "/openapi.json").status_code == 200
