@@ -22,6 +22,7 @@ import time
 import uuid
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from pagedserve.gateway import sse
 from pagedserve.gateway.api_error import ApiError
@@ -179,10 +180,16 @@ async def _history(state, response_id: str | None) -> list[dict]:
 
 
 async def _store(state, answer: Answer, result: dict, before: list[dict]) -> None:
+    """Keep the answer and its conversation (``store``); Redis unreachable: a 503 saying the answer
+    was made but not kept (streamed: an ``error`` event after its text), never a half-written stream."""
     if answer.req.store is False:
         return
     record = json.dumps({"response": result, "messages": before + answer.turn()}, ensure_ascii=False)
-    await state.redis.set(state.keys.stored_response(answer.id), record, ex=max(1, int(state.settings.responses_ttl_s)))
+    try:
+        await state.redis.set(state.keys.stored_response(answer.id), record, ex=max(1, int(state.settings.responses_ttl_s)))
+    except RedisError as err:
+        raise ApiError(503, f"the response {answer.id} was made but could not be stored ({type(err).__name__}); "
+                            "send it again, or with store: false", None, "store_failed", "service_unavailable") from None
 
 
 async def retrieve(request: web.Request) -> web.Response:

@@ -113,3 +113,27 @@ def test_text_format_json_schema_constrains_the_answer(client):
 def test_bad_requests_are_400s_naming_the_field(stack, body, param):
     r = httpx.post(stack.url + "/v1/responses", json={"model": MODEL_NAME, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_store_that_fails_is_a_clear_error_not_a_broken_stream(stack, client, monkeypatch, streamed):
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from pagedserve.gateway.generation import STATE
+
+    state = stack.runners[0].app[STATE]
+
+    async def unreachable(*args, **kwargs):
+        raise RedisConnectionError("Redis went away")
+
+    monkeypatch.setattr(state.redis, "set", unreachable)
+    body = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 3, "stream": streamed}
+    r = httpx.post(stack.url + "/v1/responses", json=body, timeout=60)
+    if streamed:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and events[-1]["type"] == "error" and events[-1]["code"] == "store_failed"
+        assert any(e["type"] == "response.output_item.done" for e in events)  # the text came before
+    else:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_failed", r.text
+    monkeypatch.undo()
+    assert client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2).status in ("completed", "incomplete")
