@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.bench.soak_traffic import Outcomes, user
 from pagedserve.bench.table import print_table
@@ -77,12 +78,11 @@ def slope_per_min(times: list[float], values: list[float]) -> float:
 
 
 def metrics(url: str) -> dict[str, float]:
-    """The gateway's /metrics, name -> value summed over label sets (the workers' series combined)."""
+    """The gateway's /metrics, sample name -> value summed over label sets (the workers' series combined)."""
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name.split("{")[0]] = out.get(name.split("{")[0], 0.0) + float(value)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 

@@ -1,6 +1,6 @@
 """One generated answer as the Responses and Messages routes read it: its text as its events come
-(``Collected``), the deltas of a one-prompt generation counted into it (``deltas``: a worker's error
-ends it as a 502), and streamed text split into thinking, answer text and tool calls (``Pieces``)."""
+(``Collected``) and the deltas of a one-prompt generation counted into it (``deltas``: a worker's
+error ends it as a 502). What the text holds: ``answer_text.py``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from typing import AsyncIterator
 
 from pagedserve.gateway.api_error import ApiError
 from pagedserve.gateway.generation import Generation, account
-from pagedserve.gateway.reasoning import ReasoningStream
 from pagedserve.gateway.schemas import ParsedRequest
-from pagedserve.gateway.tool_calls import ToolRequest, ToolStream
 from pagedserve.shared.protocol import OutputDelta
 
 
@@ -35,19 +33,3 @@ async def deltas(state, parsed: ParsedRequest, sent: Generation, got: Collected)
         for delta in wire.outputs:
             got.add(delta)
             yield delta
-
-
-class Pieces:
-    """A streamed choice's text as (thinking, answer text) pieces, tool calls gathered apart."""
-
-    def __init__(self, reasoning_parser: str | None, tools: ToolRequest | None, tool_parser: str) -> None:
-        self.thoughts = ReasoningStream(reasoning_parser) if reasoning_parser else None
-        self.tools = ToolStream(tools, tool_parser) if tools is not None else None
-        self.calls: list[dict] = []
-
-    def feed(self, text: str, final: bool) -> tuple[str, str]:
-        thought, text = self.thoughts.feed(text, final) if self.thoughts else ("", text)
-        if self.tools is not None:
-            text, found = self.tools.feed(text, final)
-            self.calls += found
-        return thought, text

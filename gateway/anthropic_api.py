@@ -23,11 +23,10 @@ from pagedserve.gateway import sse
 from pagedserve.gateway.anthropic_bodies import MessagesRequest
 from pagedserve.gateway.api_error import ApiError
 from pagedserve.gateway.body_errors import validated
-from pagedserve.gateway.answer_parts import Collected, Pieces, deltas
+from pagedserve.gateway.answer_parts import Collected, deltas
+from pagedserve.gateway.answer_text import Pieces, parsed_tools, whole_answer
 from pagedserve.gateway.generation import STATE, generation, read_json
-from pagedserve.gateway.reasoning import split
-from pagedserve.gateway.schemas import ParsedRequest, parse
-from pagedserve.gateway.tool_calls import extract
+from pagedserve.gateway.schemas import ParsedRequest, joined_text, parse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -40,7 +39,7 @@ def error_body(err: ApiError) -> dict:
 
 def chat_body(req: MessagesRequest) -> dict:
     """The chat completion body ``req`` amounts to."""
-    messages = [{"role": "system", "content": _text(req.system)}] if req.system else []
+    messages = [{"role": "system", "content": joined_text(req.system)}] if req.system else []
     for turn in req.messages:
         messages.extend(_turn(turn))
     body = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens, "stream": req.stream,
@@ -60,10 +59,6 @@ def chat_body(req: MessagesRequest) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _text(content) -> str:
-    return content if isinstance(content, str) else "\n".join(block.text for block in content or ())
-
-
 def _turn(turn) -> list[dict]:
     """One Anthropic turn as chat messages: a user's tool results first (each a tool message), then
     its text; an assistant's text and its calls in one message."""
@@ -77,7 +72,7 @@ def _turn(turn) -> list[dict]:
         return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
     if kinds["tool_use"]:
         raise ApiError(400, "tool_use blocks belong to the assistant's turns", "messages")
-    out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)} for b in kinds["tool_result"]]
+    out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": joined_text(b.content)} for b in kinds["tool_result"]]
     return out + ([{"role": "user", "content": text}] if kinds["text"] or not out else [])
 
 
@@ -104,7 +99,7 @@ class Reply(Collected):
     def __init__(self, parsed: ParsedRequest, message_id: str, tool_parser: str, reasoning_parser: str | None) -> None:
         super().__init__()
         self.parsed, self.id, self.tool_parser, self.reasoning_parser = parsed, message_id, tool_parser, reasoning_parser
-        self.tools = parsed.tools if parsed.tools is not None and parsed.tools.parses_output else None
+        self.tools = parsed_tools(parsed.tools)
 
     def head(self, input_tokens: int) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.parsed.model, "content": [],
@@ -114,8 +109,7 @@ class Reply(Collected):
         return "tool_use" if calls and self.finish == "stop" else STOP_REASONS.get(self.finish or "stop", "end_turn")
 
     def message(self, input_tokens: int) -> dict:
-        thinking, text = split(self.text, self.reasoning_parser) if self.reasoning_parser else (None, self.text)
-        content, calls = extract(text or "", self.tools, self.tool_parser) if self.tools else (text, [])
+        thinking, content, calls = whole_answer(self.text, self.reasoning_parser, self.tools, self.tool_parser)
         blocks = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
         blocks += [{"type": "text", "text": content}] if content else []
         blocks += [tool_use(call) for call in calls]
@@ -174,7 +168,7 @@ async def _stream(response: web.StreamResponse, state, parsed: ParsedRequest, re
     blocks, pieces = Blocks(response), Pieces(reply.reasoning_parser, reply.tools, reply.tool_parser)
     try:
         async for delta in deltas(state, parsed, sent, reply):
-            thought, text = pieces.feed(delta.text, delta.finish_reason is not None)
+            thought, text, _ = pieces.feed(delta.text, delta.finish_reason is not None)
             await blocks.write("thinking", thought)
             await blocks.write("text", text)
         for call in pieces.calls:

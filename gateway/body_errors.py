@@ -37,7 +37,8 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return [model for arg in getattr(annotation, "__args__", ()) for model in _models_in(arg)]
 
 
-FIELDS = _field_names((*BODIES, MessagesRequest, ResponsesRequest))  # names an error's location may hold (the rest: a union's branch tags)
+REQUESTS = (*BODIES, MessagesRequest, ResponsesRequest)  # every request body the gateway validates
+FIELDS = _field_names(REQUESTS)  # names an error's location may hold (the rest: a union's branch tags)
 
 
 def validated(model: type[BaseModel], body: dict) -> Any:

@@ -17,16 +17,16 @@ from pagedserve.gateway.api_error import ApiError
 from pagedserve.gateway.bodies import EmbeddingsRequest
 from pagedserve.gateway.body_errors import validated
 from pagedserve.gateway.generation import STATE, account, generation, read_json
-from pagedserve.gateway.schemas import ParsedRequest
+from pagedserve.gateway.schemas import ParsedRequest, prompt_count
 from pagedserve.shared.sampling import SamplingParams
 
 
 async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = validated(EmbeddingsRequest, await read_json(request))
-    prompts = req.input if isinstance(req.input, list) and isinstance(req.input[0], (str, list)) else [req.input]
-    if len(prompts) > state.limits.max_choices:
-        raise ApiError(400, f"{len(prompts)} inputs; at most {state.limits.max_choices} per request", "input")
+    count = prompt_count(req.input)
+    if count > state.limits.max_choices:
+        raise ApiError(400, f"{count} inputs; at most {state.limits.max_choices} per request", "input")
     params = SamplingParams(max_tokens=1, temperature=0.0, pooling=req.pooling or "last")
     parsed = ParsedRequest(False, req.model, req.input, params, False, False, req.priority or 0, None, req.user,
                            ignored=tuple(sorted(req.model_extra or ())))

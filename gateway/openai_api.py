@@ -14,10 +14,9 @@ from aiohttp import web
 
 from pagedserve.gateway import sse
 from pagedserve.gateway.generation import STATE, Tally, account, generation, read_json
-from pagedserve.gateway.reasoning import ReasoningStream
+from pagedserve.gateway.answer_text import Pieces
 from pagedserve.gateway.responses import Choice, Renderer, usage
 from pagedserve.gateway.schemas import ApiError, ParsedRequest, parse
-from pagedserve.gateway.tool_calls import ToolStream
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -92,8 +91,7 @@ async def _write_stream(response: web.StreamResponse, state, parsed: ParsedReque
     first_sent: set[int] = set()
     offsets: dict[int, int] = {}
     generated: dict[int, int] = {}  # tokens so far per choice, for continuous usage stats
-    tool_streams: dict[int, ToolStream] = {}
-    thoughts: dict[int, ReasoningStream] = {}
+    pieces: dict[int, Pieces] = {}  # per choice: its thinking, answer and calls as they stream
     prompt_tokens = completion_tokens = 0
     try:
         async for index, event in events:
@@ -103,16 +101,11 @@ async def _write_stream(response: web.StreamResponse, state, parsed: ParsedReque
                 break
             for delta in event.outputs:
                 choice = index * n + delta.index
-                calls, reason, thought = [], delta.finish_reason, ""
-                if renderer.reasoning_parser is not None:  # the thinking goes apart; the answer goes on
-                    thoughts.setdefault(choice, ReasoningStream(renderer.reasoning_parser))
-                    thought, text = thoughts[choice].feed(delta.text, reason is not None)
-                    delta = replace(delta, text=text)
-                if renderer.tools is not None:  # text that may be a tool call is held back
-                    if choice not in tool_streams:
-                        tool_streams[choice] = ToolStream(renderer.tools, renderer.tool_parser)
-                    text, calls = tool_streams[choice].feed(delta.text, reason is not None)
-                    delta = replace(delta, text=text, finish_reason=None if calls else reason)
+                reason = delta.finish_reason
+                if choice not in pieces:
+                    pieces[choice] = Pieces(renderer.reasoning_parser, renderer.tools, renderer.tool_parser)
+                thought, text, calls = pieces[choice].feed(delta.text, reason is not None)
+                delta = replace(delta, text=text, finish_reason=None if calls else reason)
                 chunk = renderer.chunk(choice, delta, choice not in first_sent, parsed.include_usage, offsets.get(choice, 0),
                                        thought)
                 first_sent.add(choice)

@@ -11,8 +11,9 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from pagedserve.gateway.anthropic_bodies import MessagesRequest
-from pagedserve.gateway.bodies import BODIES, TOKEN_ID, ChatRequest, CompletionRequest
 from pagedserve.gateway.answer_bodies import ANSWERS
+from pagedserve.gateway.bodies import TOKEN_ID, ChatRequest, CompletionRequest
+from pagedserve.gateway.body_errors import REQUESTS
 from pagedserve.gateway.responses_bodies import ResponsesRequest
 from pagedserve.gateway.schemas import Limits
 from pagedserve.shared.sampling import MAX_TOKEN_ID
@@ -54,13 +55,12 @@ def _get(summary: str, response: str | None = None) -> dict:
 def body_schemas(vocab_size: int, limits: Limits, served_model: str | None) -> dict[str, Any]:
     """The request and answer bodies' schemas (and the ones inside them), by name: the models' own, token ids
     below ``vocab_size``, the gateway's caps on counts and lengths (``Limits``), the model named when known."""
-    models = (*BODIES, MessagesRequest, ResponsesRequest, *ANSWERS)
+    models = (*REQUESTS, *ANSWERS)
     _, top = models_json_schema([(model, "validation") for model in models], ref_template="#/components/schemas/{model}")
     schemas = top["$defs"]
     _bound_token_ids(schemas, vocab_size)
     caps = {"n": limits.max_n, "best_of": limits.max_n, "beam_width": limits.max_n, "max_tokens": limits.max_tokens,
-            "max_completion_tokens": limits.max_tokens}
-    caps["max_output_tokens"] = limits.max_tokens
+            "max_completion_tokens": limits.max_tokens, "max_output_tokens": limits.max_tokens}
     for name in (CompletionRequest.__name__, ChatRequest.__name__, MessagesRequest.__name__, ResponsesRequest.__name__):
         properties = schemas[name]["properties"]
         for field, cap in caps.items():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.gateway.reasoning import split
-from pagedserve.gateway.tool_calls import ToolRequest, extract
+from pagedserve.gateway.answer_text import parsed_tools, whole_answer
+from pagedserve.gateway.tool_calls import ToolRequest
 from pagedserve.shared.protocol import OutputDelta
 
 
@@ -45,7 +45,7 @@ class Renderer:
         ``reasoning_parser``: a chat's thinking goes to ``reasoning_content`` (gateway/reasoning.py)."""
         self.chat, self.id, self.created, self.model = chat, request_id, created, model
         self.top_logprobs = top_logprobs
-        self.tools = tools if tools is not None and tools.parses_output else None
+        self.tools = parsed_tools(tools)
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser if chat else None
 
@@ -57,8 +57,7 @@ class Renderer:
         for c in choices:
             item = {"index": c.index, "logprobs": self.logprobs(c.logprobs, 0), "finish_reason": c.finish_reason}
             if self.chat:
-                reasoning, text = split(c.text, self.reasoning_parser) if self.reasoning_parser else (None, c.text)
-                content, calls = extract(text or "", self.tools, self.tool_parser) if self.tools else (text, [])
+                reasoning, content, calls = whole_answer(c.text, self.reasoning_parser, self.tools, self.tool_parser)
                 item["message"] = {"role": "assistant", "content": content}
                 if self.reasoning_parser:
                     item["message"]["reasoning_content"] = reasoning

@@ -27,12 +27,11 @@ from redis.exceptions import RedisError
 from pagedserve.gateway import sse
 from pagedserve.gateway.api_error import ApiError
 from pagedserve.gateway.body_errors import validated
-from pagedserve.gateway.answer_parts import Collected, Pieces, deltas
+from pagedserve.gateway.answer_parts import Collected, deltas
+from pagedserve.gateway.answer_text import Pieces, parsed_tools, whole_answer
 from pagedserve.gateway.generation import STATE, generation, read_json
-from pagedserve.gateway.reasoning import split
 from pagedserve.gateway.responses_bodies import ResponsesRequest
-from pagedserve.gateway.schemas import ParsedRequest, parse
-from pagedserve.gateway.tool_calls import extract
+from pagedserve.gateway.schemas import ParsedRequest, joined_text, parse
 
 
 def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
@@ -71,8 +70,7 @@ def conversation_of(req: ResponsesRequest) -> list[dict]:
         elif item.type == "function_call_output":
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         else:
-            text = item.content if isinstance(item.content, str) else "\n".join(part.text for part in item.content)
-            out.append({"role": item.role, "content": text})
+            out.append({"role": item.role, "content": joined_text(item.content)})
     return out
 
 
@@ -83,7 +81,7 @@ class Answer(Collected):
         super().__init__()
         self.req, self.parsed, self.tool_parser, self.reasoning_parser = req, parsed, tool_parser, reasoning_parser
         self.id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
-        self.tools = parsed.tools if parsed.tools is not None and parsed.tools.parses_output else None
+        self.tools = parsed_tools(parsed.tools)
         self.message_id, self.reasoning_id = "msg_" + uuid.uuid4().hex, "rs_" + uuid.uuid4().hex
         self.settled: tuple[str | None, str | None, list[dict]] | None = None  # parts(), once known
 
@@ -94,9 +92,7 @@ class Answer(Collected):
     def parts(self) -> tuple[str | None, str | None, list[dict]]:
         """(reasoning, text, tool calls) of the whole answer, found once (a call keeps its id)."""
         if self.settled is None:
-            thinking, text = split(self.text, self.reasoning_parser) if self.reasoning_parser else (None, self.text)
-            content, calls = extract(text or "", self.tools, self.tool_parser) if self.tools else (text, [])
-            self.settled = thinking, content, calls
+            self.settled = whole_answer(self.text, self.reasoning_parser, self.tools, self.tool_parser)
         return self.settled
 
     def reasoning_item(self, text: str) -> dict:
@@ -273,7 +269,7 @@ async def _stream(response: web.StreamResponse, state, parsed: ParsedRequest, an
     await events.send("response.in_progress", response=started)
     try:
         async for delta in deltas(state, parsed, sent, answer):
-            thought, text = pieces.feed(delta.text, delta.finish_reason is not None)
+            thought, text, _ = pieces.feed(delta.text, delta.finish_reason is not None)
             await events.write("reasoning", thought)
             await events.write("message", text)
             thinking, content = thinking + thought, content + text

@@ -93,13 +93,19 @@ def parse(body: Any, chat: bool, limits: Limits, defaults: dict | None = None) -
         params = SamplingParams(n=n, max_tokens=max_tokens, **sampling)
     except (InvalidRequestError, TypeError) as err:
         raise ApiError(400, str(err), getattr(err, "field", None)) from None
-    choices = (len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1) * n
+    choices = prompt_count(prompt) * n  # a chat's messages are one prompt
     if choices > limits.max_choices:
         raise ApiError(400, f"prompts x n is {choices}; at most {limits.max_choices} per request", "prompt" if not chat else "n")
     include_usage = bool(req.stream and options.include_usage)
     return ParsedRequest(chat, req.model, prompt, params, bool(req.stream), include_usage, req.priority or 0, req.timeout,
                          req.user, include_usage and bool(options.continuous_usage_stats), ignored, tools,
                          constraint_field, echo, req.chat_template_kwargs if chat else None)
+
+
+def prompt_count(prompt: Any) -> int:
+    """Prompts in a completions ``prompt`` (or embeddings ``input``): a list of strings or of token
+    lists holds one each; a string or one token list is one."""
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
 
 
 def _echo(echo: bool, stream: bool, sampling: dict) -> bool:
@@ -136,7 +142,7 @@ def _message(message: Any) -> dict:
     """One message as the chat template sees it: its text, and an assistant's tool calls or a tool
     result's call id."""
     role = "system" if message.role == "developer" else message.role
-    out = {"role": role, "content": _text(message.content)}
+    out = {"role": role, "content": joined_text(message.content)}
     if getattr(message, "tool_calls", None) is not None:
         out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
     if message.role == "tool":
@@ -144,8 +150,9 @@ def _message(message: Any) -> dict:
     return out
 
 
-def _text(content: Any) -> str:
-    """A message's text: a string, or text content parts joined by newlines (as vLLM joins them)."""
+def joined_text(content: Any) -> str:
+    """A message's text: a string, or text content parts (anything with ``.text``) joined by
+    newlines (as vLLM joins them); "" for none."""
     if content is None:
         return ""
     return content if isinstance(content, str) else "\n".join(part.text for part in content)
