@@ -16,6 +16,7 @@ from pagedserve.worker.runner.prepack import (
     can_prepack,
     cpu_flags,
     fast_cpu_linears,
+    gemm_rows,
     prepack_linears,
     widen_linears,
 )
@@ -62,9 +63,31 @@ def test_prepacked_float32_layers_agree_with_plain_ones():
     packed = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 72, bias=False))
     packed.load_state_dict(plain.state_dict())
     assert prepack_linears(packed) == 2
-    for rows in (1, 64):
+    for rows in (1, 64, 17, 300):  # the last two padded (gemm_rows)
         x = torch.randn(rows, 96)
         torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)  # the same sums, in another order
+
+
+def test_gemm_row_counts_are_few_and_pad_little():
+    """oneDNN keeps a primitive per shape: a worker meeting every row count up to 2,048 must meet
+    a bounded few, each at most 12.5% larger than asked for."""
+    counts = [gemm_rows(rows) for rows in range(1, 2049)]
+    assert counts[:16] == list(range(1, 17))  # decode batches run as they are
+    assert all(rows <= got < rows * 1.125 for rows, got in enumerate(counts[16:], start=17))
+    assert counts == sorted(counts) and len(set(counts)) <= 16 + 8 * 7
+
+
+def test_prepacked_layers_run_their_gemm_at_few_row_counts():
+    torch.manual_seed(0)
+    plain = nn.Linear(48, 40)
+    packed = PrepackedLinear(plain, 64)
+    seen = set()
+    gemm = packed.gemm
+    packed.gemm = lambda rows: seen.add(rows.shape[0]) or gemm(rows)
+    for rows in range(1, 301):
+        x = torch.randn(rows, 48)
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+    assert seen == {gemm_rows(rows) for rows in range(1, 301)} and len(seen) < 60
 
 
 def test_the_choice_reads_the_cpus_flags_not_what_onednn_accepts():

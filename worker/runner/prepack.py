@@ -15,6 +15,13 @@ reads the CPU's flags (``bf16_in_hardware``), not what oneDNN accepts; without t
 kept widened to float32 (``WidenedLinear``) and the layer computes in float32 from bf16 inputs,
 rounding its output to bf16: the same products (bf16 values are exact in float32) summed in
 float32, as a bf16 GEMM sums them, for twice the weight memory.
+
+oneDNN (through ideep) keeps a primitive, about half a megabyte, for every input shape it meets, up
+to 1,024 of them per process: a serving worker meets every row count from 1 to
+``--max-num-batched-tokens``, so its memory grew for as long as new prefill chunk lengths came
+(the soak: +3-4 MB/min after half an hour, 2.3 GB and rising). ``PrepackedLinear`` therefore runs
+its GEMM at one of a few row counts (``gemm_rows``: exact up to 16, then eight sizes per doubling,
+at most 12.5% padding rows), so the shapes, and the memory, are bounded.
 """
 
 from __future__ import annotations
@@ -59,6 +66,20 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
+EXACT_ROWS = 16  # GEMMs of up to this many rows (decode batches) run at their own row count
+SIZES_PER_DOUBLING = 8  # above it, row counts are rounded up to one of this many sizes per doubling
+
+
+def gemm_rows(rows: int) -> int:
+    """The row count a GEMM of ``rows`` rows runs at: ``rows`` up to ``EXACT_ROWS``, above that
+    rounded up to a multiple of 1/``SIZES_PER_DOUBLING`` of the power of two below it (17 -> 18,
+    100 -> 104, 2049 -> 2304), so a layer meets ~8 shapes per doubling and pads < 12.5%."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = max(1, (1 << (rows.bit_length() - 1)) // SIZES_PER_DOUBLING)
+    return -(-rows // step) * step
+
+
 class PrepackedLinear(nn.Module):
     """``nn.Linear`` whose weight is kept in oneDNN's layout (``[out, in]`` shape, reordered bytes)."""
 
@@ -71,8 +92,16 @@ class PrepackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.weight, self.bias, "none", [], "")
-        return out.view(*shape[:-1], self.out_features)
+        rows = x.reshape(-1, shape[-1])
+        padding = gemm_rows(rows.shape[0]) - rows.shape[0]
+        if padding:  # zero rows, so oneDNN meets a bounded set of shapes (module docstring)
+            rows = F.pad(rows, (0, 0, 0, padding))
+        out = self.gemm(rows)
+        return out[:out.shape[0] - padding].view(*shape[:-1], self.out_features)
+
+    def gemm(self, rows: torch.Tensor) -> torch.Tensor:
+        """oneDNN's GEMM of ``rows`` ``[gemm_rows(n), in]`` by the stored weight."""
+        return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
 
 
 class WidenedLinear(nn.Module):
