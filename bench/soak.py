@@ -7,7 +7,8 @@ Traffic (``soak_traffic.py``): streamed and whole chat and completions, ``n`` > 
 structured outputs, forced tool calls, shared prompt prefixes, the Responses and Messages APIs,
 clients that leave mid-stream, deadlines that cut requests, priorities. Every ``--idle-every``
 seconds the traffic pauses until the workers are idle, and then every worker's KV pool must hold
-no block (the cached ones are free) and the queue must be empty. Sampled every ``--sample-s``
+no block (the cached ones are free), the queue must be empty and the gateway must wait on no
+request (``pagedserve:gateway_open_requests``). Sampled every ``--sample-s``
 seconds: RSS and open descriptors of every process, Redis memory and key count.
 
 Pass: no request failed (a 5xx, a broken stream, an exception; a 429/503 is backpressure, counted
@@ -54,13 +55,13 @@ class Samples:
     def take(self, at: float, processes: dict[str, int], store: redis.Redis) -> None:
         self.times.append(at)
         for name, pid in processes.items():
-            self.rss_mb.setdefault(name, []).append(_rss_mb(pid))
+            self.rss_mb.setdefault(name, []).append(rss_mb(pid))
             self.fds.setdefault(name, []).append(len(os.listdir(f"/proc/{pid}/fd")))
         self.redis_mb.append(store.info("memory")["used_memory"] / 2**20)
         self.redis_keys.append(store.dbsize())
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith("VmRSS:"):
@@ -87,15 +88,17 @@ def metrics(url: str) -> dict[str, float]:
 
 
 async def idle_point(url: str, timeout: float = 60.0) -> dict:
-    """Wait until nothing runs, waits or is queued; then the KV blocks held (must be none)."""
+    """Wait until nothing runs, waits or is queued; then the KV blocks held and the requests the
+    gateway still waits on (must be none)."""
     deadline = time.monotonic() + timeout
     while True:
         m = await asyncio.to_thread(metrics, url)
         busy = m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0) \
             + m.get("pagedserve:queue_depth", 0) + m.get("pagedserve:num_requests_swapped", 0)
-        if busy == 0 or time.monotonic() > deadline:
-            return {"busy": busy, "kv_usage": m.get("vllm:kv_cache_usage_perc", 0.0), "clean":
-                    busy == 0 and m.get("vllm:kv_cache_usage_perc", 0.0) == 0.0}
+        waited_on = m.get("pagedserve:gateway_open_requests", 0.0)
+        if (busy == 0 and waited_on == 0) or time.monotonic() > deadline:
+            return {"busy": busy, "kv_usage": m.get("vllm:kv_cache_usage_perc", 0.0), "gateway_open": waited_on,
+                    "clean": busy == 0 and m.get("vllm:kv_cache_usage_perc", 0.0) == 0.0 and waited_on == 0}
         await asyncio.sleep(0.5)
 
 

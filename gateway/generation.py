@@ -16,9 +16,10 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
-from pagedserve.gateway.schemas import ApiError, ParsedRequest
+from pagedserve.gateway.schemas import ApiError, ParsedRequest, prompt_count
 from pagedserve.gateway.service import GatewayService
 from pagedserve.runtime.mailbox import Mailbox
+from pagedserve.runtime.producer import QueueFull
 from pagedserve.shared.protocol import WireEvent
 
 STATE = web.AppKey("state", GatewayService)
@@ -54,21 +55,47 @@ async def generation(request: web.Request, parsed: ParsedRequest) -> AsyncIterat
     state.note_ignored(parsed.ignored)
     if parsed.model != state.settings.served_model_name:
         raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")
-    prompts = await state.prompt_ids(parsed)
-    await state.check_capacity(len(prompts))
-    base = state.new_id(parsed.chat)
-    ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
-    boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
-    deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
+    base, prompts, boxes = await _admitted(state, parsed)
     tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))
     state.metrics.prompt_tokens.labels(parsed.model).inc(tally.prompt_tokens)
     try:
-        await state.dispatcher.send(boxes, await state.routes([b.request for b in boxes]))  # subscribed first
+        deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
         yield Generation(base, prompts, _merged(boxes, deadline), tally)
     finally:
-        await asyncio.shield(state.cancel([b.wire_id for b in boxes if not b.done], "client gone"))
-        for box in boxes:
-            state.dispatcher.close(box)
+        await _close(state, boxes, cancel=True)
+
+
+async def _admitted(state: GatewayService, parsed: ParsedRequest) -> tuple[str, list[list[int]], list[Mailbox]]:
+    """Admit, tokenize and send ``parsed``: its id, prompts and open mailboxes, or an error with
+    none left open. From the admission check to the add, its entries count as queued
+    (``state.admission``): a burst is turned away before it is tokenized, and the add itself checks
+    the limit again, in one step with what the streams hold (``QueueLimit``)."""
+    entries = 1 if parsed.chat else prompt_count(parsed.prompt)
+    async with state.admission(entries):
+        prompts = await state.prompt_ids(parsed)
+        base = state.new_id(parsed.chat)
+        ids = [base if len(prompts) == 1 else f"{base}-{i}" for i in range(len(prompts))]
+        boxes = [state.dispatcher.open(r) for r in state.wire_requests(parsed, prompts, ids)]
+        try:  # subscribed first
+            await state.dispatcher.send(boxes, await state.routes([b.request for b in boxes]), limit=await state.queue_limit())
+        except QueueFull as full:  # nothing was added
+            await _close(state, boxes, cancel=False)
+            raise state.queue_full(full.depth) from None
+        except BaseException:
+            await _close(state, boxes, cancel=True)
+            raise
+    return base, prompts, boxes
+
+
+async def _close(state: GatewayService, boxes: list[Mailbox], cancel: bool) -> None:
+    """Close the mailboxes first, before any await (a handler cancelled again while the cancel goes
+    out, a client gone and then the server stopping, must not leave them open for good); then, with
+    ``cancel``, ask the workers to stop what is not finished."""
+    unfinished = [b.wire_id for b in boxes if not b.done]
+    for box in boxes:
+        state.dispatcher.close(box)
+    if cancel:
+        await asyncio.shield(state.cancel(unfinished, "client gone"))
 
 
 async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[int, WireEvent]]:

@@ -5,7 +5,7 @@ from Redis at scrape time."""
 from __future__ import annotations
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedserve.gateway.recent_latencies import RecentLatencies
 from pagedserve.runtime.metric_names import WORKER_SERIES, SnapshotCollector
@@ -30,6 +30,8 @@ class GatewayMetrics:
         self.requests = Counter(V + "request_success", "finished requests by reason", labels + ["finished_reason"], registry=self.registry)
         self.routed = Counter("pagedserve:routed_requests", "requests by where they were queued: a worker's own stream "
                               "(prefix routing) or the model's shared stream", labels + ["route"], registry=self.registry)
+        self.open_requests = Gauge("pagedserve:gateway_open_requests", "requests this gateway waits on (one per "
+                                   "prompt); none when nothing runs", registry=self.registry)
         self.recent = RecentLatencies()  # the dashboard's latency charts
         self.workers = SnapshotCollector(model)
         self.registry.register(self.workers)

@@ -8,8 +8,10 @@ the model's context is a 400 before it queues), and workers receive ``prompt_tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from typing import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -25,7 +27,7 @@ from pagedserve.gateway.router import Router, RoutingPolicy
 from pagedserve.gateway.schemas import ApiError, Limits, ParsedRequest
 from pagedserve.gateway.settings import GatewaySettings
 from pagedserve.gateway.worker_directory import WorkerDirectory, Workers
-from pagedserve.runtime.producer import Producer
+from pagedserve.runtime.producer import Producer, QueueLimit
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.redis_io import stop_tasks
 from pagedserve.runtime.replies import ReplyDispatcher
@@ -55,12 +57,14 @@ class GatewayService:
         # Blocking pool: a burst of requests waits for a connection instead of failing. Pooled
         # connections that died with a Redis restart are retried on a fresh one, not turned into 503s.
         self.redis = connect(settings.redis_url, blocking_pool=True, max_connections=64, timeout=30,
-                             health_check_interval=10, retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
                              retry_on_error=[RedisConnectionError])
         self.producer = Producer(self.redis, self.keys)
+        self.admitting = 0  # entries between their admission check and their add to a stream (``admission``)
         self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id), self.producer)
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
+        self.metrics.open_requests.set_function(lambda: self.dispatcher.open_count)
         policy = RoutingPolicy(settings.routing, settings.routing_load_weight, busy_waiting=settings.routing_busy_waiting,
                                imbalance=settings.routing_imbalance)
         self.dashboard = DashboardHub(self.redis, self.keys, settings.served_model_name, self.metrics.recent)
@@ -150,17 +154,35 @@ class GatewayService:
         return prompts
 
     # ------------------------------------------------------------------ queue
-    async def check_capacity(self, entries: int) -> None:
-        """503 without a live worker for the model; 429 when its stream would grow past the limit
-        with this request's ``entries``."""
+    @contextlib.asynccontextmanager
+    async def admission(self, entries: int) -> AsyncIterator[None]:
+        """503 without a live worker for the model; 429 when what its shared stream holds, the
+        entries this gateway is admitting already and these would pass ``--max-queue-depth``.
+        Otherwise these count as admitting until the block ends (added to a stream, or refused):
+        a burst is turned away before it is tokenized."""
         model = self.settings.served_model_name
         if not await self.serving():
             raise ApiError(503, f"no worker is serving {model!r} right now", None, "no_worker",
                            "service_unavailable", {"Retry-After": "5"})
-        depth = await self.redis.xlen(self.keys.requests(model))
-        if depth + entries > self.settings.max_queue_depth:
-            raise ApiError(429, f"the queue for {model!r} is full ({depth} waiting); retry shortly", None,
-                           "queue_full", "rate_limit_exceeded", {"Retry-After": "1"})
+        self.admitting += entries  # before the await: requests checked at the same time see each other
+        try:
+            depth = await self.redis.xlen(self.keys.requests(model)) + self.admitting - entries
+            if depth + entries > self.settings.max_queue_depth:
+                raise self.queue_full(depth)
+            yield
+        finally:
+            self.admitting -= entries
+
+    def queue_full(self, depth: int) -> ApiError:
+        return ApiError(429, f"the queue for {self.settings.served_model_name!r} is full ({depth} waiting); retry shortly",
+                        None, "queue_full", "rate_limit_exceeded", {"Retry-After": "1"})
+
+    async def queue_limit(self) -> QueueLimit:
+        """``--max-queue-depth`` over everything the model's streams hold: the shared stream and
+        the live workers' own (routed) streams, checked in the same step as the add."""
+        model = self.settings.served_model_name
+        routed = [self.keys.routed(model, w.name) for w in (await self.workers.workers(model)).infos]
+        return QueueLimit(self.settings.max_queue_depth, (self.keys.requests(model), *routed))
 
     def wire_requests(self, parsed: ParsedRequest, prompts: list[list[int]], ids: list[str]) -> list[WireRequest]:
         now = time.time()

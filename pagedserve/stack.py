@@ -5,7 +5,9 @@ Every child is started in its own process group and stopped (SIGTERM, then SIGKI
 grace period) when the stack closes, the embedded Redis last, so nothing is left running. While
 the stack runs, ``revive`` restarts a child that died (a restarted worker takes back the entries it
 held: their clients get their answer or an error at once, not at their deadline); a child that
-dies more than ``MAX_RESTARTS`` times ends the stack with a ``StackError``.
+dies more than ``MAX_RESTARTS`` times ends the stack with a ``StackError``. A process that uses
+the stack as a context manager and has no SIGTERM handler of its own (a benchmark script) gets one
+for the stack's lifetime that exits through ``stop``: ``timeout`` or ``kill`` leaves no orphans.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -51,6 +54,7 @@ class LocalStack:
         self.redis: RedisServer | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._worker_env: dict[str, str] | None = None
+        self._sigterm_before = None  # the SIGTERM disposition to restore, where __enter__ set one
 
     @property
     def url(self) -> str:
@@ -61,15 +65,21 @@ class LocalStack:
         return served_name(self.model, self._served_model_name)
 
     def __enter__(self) -> "LocalStack":
+        self._sigterm_before = _exit_on_sigterm()
         try:
             self.start()
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._sigterm_before is not None:
+                signal.signal(signal.SIGTERM, self._sigterm_before)
+                self._sigterm_before = None
 
     def start(self) -> None:
         port_free(self.host, self.port)  # before Redis and the model: a busy port is found at once
@@ -144,6 +154,20 @@ class LocalStack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _exit_on_sigterm():
+    """Where SIGTERM still kills this process outright (its default) and this is the main thread:
+    make it a ``SystemExit`` (so ``with`` blocks stop what they started) and return the default to
+    restore; else None, touching nothing."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    return signal.SIG_DFL
 
 
 def port_free(host: str, port: int) -> None:

@@ -5,6 +5,12 @@ Sequence numbers: duplicates (a worker resending after a reconnect) are dropped;
 lost while pub/sub was disconnected) is never a silently short answer. A mailbox is bounded; a
 reader that falls that far behind gets an error instead of unbounded memory.
 
+Holders: every event says the delivery count of the entry its sender holds. The mailbox takes the
+highest it has heard: events from a lower one (a worker cut off from Redis whose entry another
+took over, sending late) are dropped, and a higher one arriving after events of a lower one went
+to the reader (the new holder ran from the prompt, not knowing them) is handled as a resumable
+failure, so the reader never sees two runs mixed.
+
 Going on after a failure: a gap, or a terminal error marked ``resumable`` (a worker took the
 request over after its holder died, or the dispatcher found its stream entry gone), does not reach
 the reader. The mailbox sends the request again under a new attempt id (``{id}~{n}``: events of
@@ -55,6 +61,7 @@ class Mailbox:
         self._next_seq = 0
         self._resend = resend
         self._resends = 0
+        self._holder = 0  # the highest delivery count heard for the current attempt (WireEvent.delivery)
         self._keep_tokens = request is not None and can_resume(request.params)
         self._tokens: list[int] = []  # output 0's tokens delivered: where a resumed run goes on
 
@@ -84,6 +91,13 @@ class Mailbox:
             event = self._events.popleft()
             if event.id != self.wire_id:
                 continue  # queued before its attempt was given up on
+            if 0 < event.delivery < self._holder:  # (0: not said, as this side's own failures)
+                continue  # from a worker whose entry another has taken over since (it sent late)
+            if event.delivery > self._holder:
+                taken_over = self._holder > 0 and self._next_seq > 0 and event.seq != -1
+                self._holder = event.delivery
+                if taken_over:  # the new holder ran it again from the prompt, not from what was read
+                    event = failure(self.wire_id, "another worker took the request over after events went out", True)
             if event.seq > self._next_seq:
                 event = failure(self.wire_id, f"lost events {self._next_seq}..{event.seq - 1} (sequence gap)", True)
             if event.seq == -1:  # an out-of-band terminal error
@@ -109,6 +123,7 @@ class Mailbox:
             return False
         resume = Resume(list(self._tokens), self._next_seq) if self._next_seq else None
         self.request = replace(old, id=attempt_id(self.request_id, self._resends + 1), resume=resume)
+        self._holder = 0  # the new attempt's entry counts its own deliveries
         self._resends += 1
         try:
             self.entry_id = await self._resend(self.request, old.id)

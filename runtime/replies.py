@@ -21,7 +21,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pagedserve.runtime.mailbox import Mailbox, failure
-from pagedserve.runtime.producer import Producer
+from pagedserve.runtime.producer import Producer, QueueLimit
 from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.protocol import WireRequest, decode_events
@@ -72,11 +72,13 @@ class ReplyDispatcher:
         self._boxes[box.request_id] = box
         return box
 
-    async def send(self, boxes: list[Mailbox], streams: list[str | None] = (), subscribe_timeout: float = 5.0) -> None:
+    async def send(self, boxes: list[Mailbox], streams: list[str | None] = (), subscribe_timeout: float = 5.0,
+                   limit: QueueLimit | None = None) -> None:
         """Push the requests of ``boxes`` (one round trip) once the channel is subscribed; onto
-        ``streams`` where given (routed), else the model's stream."""
+        ``streams`` where given (routed), else the model's stream; within ``limit`` (else
+        ``QueueFull``, nothing sent)."""
         await self.ready(subscribe_timeout)
-        entry_ids = await self.producer.enqueue([box.request for box in boxes], streams)
+        entry_ids = await self.producer.enqueue([box.request for box in boxes], streams, limit)
         for box, entry_id, stream in zip_longest(boxes, entry_ids, streams):
             box.entry_id, box.heard_at, box.stream = entry_id, time.monotonic(), stream
 
@@ -95,6 +97,11 @@ class ReplyDispatcher:
 
     def close(self, box: Mailbox) -> None:
         self._boxes.pop(box.wire_id, None)
+
+    @property
+    def open_count(self) -> int:
+        """Mailboxes open now: requests someone still waits on (none once everything ended)."""
+        return len(self._boxes)
 
     async def _read(self) -> None:
         await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set, self._subscribed.clear,

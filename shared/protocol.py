@@ -157,6 +157,10 @@ class WireEvent:
     # on the terminal event of a request with prompt_logprobs: None, then an entry (as in OutputDelta) per position
     prompt_logprobs: list[dict | None] | None = None
     embedding: list[float] | None = None  # on the terminal event of an embedding (params.pooling): the vector
+    # the delivery count of the entry the sender holds (1: read first; each takeover adds one; 0:
+    # not said): a reader takes the highest it has seen, so a worker that lost its entry while cut
+    # off from Redis and sends late cannot mix its events into the new holder's
+    delivery: int = 0
 
     def to_wire(self) -> dict:
         return {"v": VERSION, **asdict(self)}
@@ -167,12 +171,19 @@ class WireEvent:
         outputs = [OutputDelta(**o) for o in msg.get("outputs", [])]
         return cls(msg["id"], msg["seq"], outputs, msg.get("done", False), msg.get("finish_reason"),
                    msg.get("error"), msg.get("usage"), bool(msg.get("resumable", False)), _seconds(msg.get("queue_s")),
-                   _prompt_logprobs(msg.get("prompt_logprobs")), _embedding(msg.get("embedding")))
+                   _prompt_logprobs(msg.get("prompt_logprobs")), _embedding(msg.get("embedding")),
+                   _delivery(msg.get("delivery", 0)))
 
 
 def _prompt_logprobs(value: Any) -> list[dict | None] | None:
     if value is not None and not (isinstance(value, list) and all(e is None or isinstance(e, dict) for e in value)):
         raise ProtocolError("prompt_logprobs must be a list of entries", "prompt_logprobs")
+    return value
+
+
+def _delivery(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError("delivery must be an integer >= 0", "delivery")
     return value
 
 

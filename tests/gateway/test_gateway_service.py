@@ -115,7 +115,8 @@ def test_a_constraint_that_cannot_compile_is_a_400_and_a_tools_one_says_so(redis
 def test_no_worker_is_a_503_and_a_full_queue_a_429_with_their_retry_after(redis_server, zoo):
     async def no_worker(service, _):
         with pytest.raises(ApiError) as err:
-            await service.check_capacity(1)
+            async with service.admission(1):
+                pass
         return err.value, await service.serving(), await service.live_models()
 
     error, serving, models = run(redis_server, zoo, no_worker, worker=False)
@@ -127,15 +128,18 @@ def test_no_worker_is_a_503_and_a_full_queue_a_429_with_their_retry_after(redis_
         stream = service.keys.requests(MODEL_NAME)
         for i in range(3):
             await redis.xadd(stream, {"data": b"x"})
-        await service.check_capacity(1)  # 3 + 1 = the limit: admitted
-        with pytest.raises(ApiError) as err:
-            await service.check_capacity(2)
+        async with service.admission(1):  # 3 + 1 = the limit: admitted
+            with pytest.raises(ApiError) as err:
+                async with service.admission(1):  # and one more while the first is admitted: refused
+                    pass
+        async with service.admission(1):  # the first was added or refused: room again
+            pass
         return err.value, await service.serving(), await service.live_models()
 
     error, serving, models = run(redis_server, zoo, full, max_queue_depth=4)
     assert (error.status, error.code, error.type, error.headers) == (429, "queue_full", "rate_limit_exceeded",
                                                                      {"Retry-After": "1"})
-    assert error.message == f"the queue for {MODEL_NAME!r} is full (3 waiting); retry shortly"
+    assert error.message == f"the queue for {MODEL_NAME!r} is full (4 waiting); retry shortly"
     assert serving and models == [MODEL_NAME]
 
 
@@ -343,7 +347,8 @@ def test_a_gateway_starts_and_closes_while_redis_is_down(redis_server, zoo):
         try:
             with pytest.raises(RedisConnectionError):
                 async with asyncio.timeout(30):
-                    await service.check_capacity(1)
+                    async with service.admission(1):
+                        pass
         finally:
             async with asyncio.timeout(10):
                 await service.close()

@@ -153,3 +153,35 @@ def test_a_busy_port_is_one_line_before_anything_starts(tmp_path):
                                 capture_output=True, text=True, timeout=120, env={**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 1
     assert result.stderr.splitlines() == [f"pagedserve: cannot listen on 127.0.0.1:{port}: Address already in use"]
+
+
+STACK_SCRIPT = """
+import sys, time
+from pagedserve.stack import LocalStack
+with LocalStack(model="demo") as stack:
+    print(stack.url, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_script_using_the_stack_leaves_no_orphans_when_terminated(tmp_path):
+    """A benchmark under ``timeout`` (SIGTERM) stops the stack it started: no worker, gateway or
+    Redis is left running without a parent."""
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path)}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen([sys.executable, "-c", STACK_SCRIPT], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 300)
+        assert ready and proc.stdout.readline().startswith("http://"), "the stack did not come up within 300 s"
+        children = descendants(proc.pid)
+        assert len(children) >= 3  # redis-server, a worker, a gateway
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in children if alive(p)], "orphans left running"
+    finally:
+        proc.kill()
+        proc.wait()

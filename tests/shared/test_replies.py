@@ -1,8 +1,10 @@
 """The reply mailbox: events in order, duplicates from a resend dropped, a gap an error, bounded;
-a request whose worker died mid-stream sent again (resumed) when it can be, an error when not."""
+a request whose worker died mid-stream sent again (resumed) when it can be, an error when not; a
+worker that lost its entry and sends late never mixed into the new holder's events."""
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 from structlog.testing import capture_logs
@@ -108,6 +110,40 @@ def test_a_request_whose_worker_died_mid_stream_is_resumed_from_what_was_deliver
     assert [t for e in got for o in e.outputs for t in o.token_ids] == [5, 6, 7, 8, 1]  # not 99: the old attempt's
     assert all(e.id == "r" for e in got)  # the reader sees its own id whatever the attempt
     assert [(r.id, r.resume) for r in sent] == [("r~1", Resume([5, 6, 7], 2))] and box.entry_id == "e-1"
+
+
+def held(e: WireEvent, delivery: int) -> WireEvent:
+    return replace(e, delivery=delivery)
+
+
+def test_events_from_a_holder_whose_entry_was_taken_over_are_dropped():
+    """Worker A (delivery 1) was cut off before anything reached the reader; B (delivery 2) took
+    the entry and ran it from the prompt; A's late events, before and after B's, are ignored."""
+    box = Mailbox("r")
+    for e in (held(event(0, tokens=(40,)), 2), held(event(0, tokens=(99,)), 1), held(event(1, tokens=(98,)), 1),
+              held(event(1, tokens=(41,)), 2), held(event(2, done=True, tokens=(42,)), 2)):
+        box.put(e)
+    got = drain(box)
+    assert [t for e in got for o in e.outputs for t in o.token_ids] == [40, 41, 42] and got[-1].done
+
+
+def test_a_new_holder_after_events_went_out_resumes_from_what_the_reader_has():
+    """A's events reached the reader late, after B had started over from the prompt not knowing
+    them: B's run cannot follow them, so the request goes again from what the reader holds."""
+    sent: list = []
+    box = kept(SamplingParams(max_tokens=9), sent)
+    got = drain_with_attempts(box, sent, [held(event(0, tokens=(5, 6)), 1), held(event(1, tokens=(77,)), 2)],
+                              [[held(event(1, tokens=(7,), request_id="r~1"), 1),
+                                held(event(2, done=True, tokens=(8,), request_id="r~1"), 1)]])
+    assert [t for e in got for o in e.outputs for t in o.token_ids] == [5, 6, 7, 8]  # never B's 77
+    assert [(r.id, r.resume) for r in sent] == [("r~1", Resume([5, 6], 1))]  # the new attempt counts from 1 again
+
+
+def test_events_that_say_no_holder_are_taken_as_before():
+    box = Mailbox("r")
+    for e in (event(0), held(event(1), 1), event(2, done=True)):
+        box.put(e)
+    assert [e.seq for e in drain(box)] == [0, 1, 2]
 
 
 def test_a_gap_in_a_resumable_request_is_resumed_from_before_the_gap():

@@ -44,11 +44,14 @@ class Entry:
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One event for one reply target; ``entry_id`` is set on the terminal event (ack after send)."""
+    """One event for one reply target; ``entry_id`` is set on the terminal event (ack after send);
+    ``holds``: the entry the event's request holds (after Redis was away, an event goes out only
+    while its entry is still held)."""
 
     target: ReplyTarget
     event: WireEvent
     entry_id: str | None = None
+    holds: str | None = None
 
 
 class RedisBridge:
@@ -104,18 +107,25 @@ class RedisBridge:
 
     async def read(self, count: int, block_ms: int | None, own_pending: bool = False) -> list[Entry]:
         """New entries (``>``), or with ``own_pending`` the ones this consumer holds unacknowledged;
-        its own stream's first. Redis counts per stream: new entries past ``count`` (the shared
-        stream's tail) go back to that stream for another worker."""
-        start = "0" if own_pending else ">"
-        reply = await self.r.xreadgroup(self.group, self.consumer, {self.own: start, self.stream: start},
-                                        count=count, block=block_ms)
-        entries = []
-        for stream, items in reply or []:
-            entries.extend(_entry(self._handed_id(_text(stream), eid), fields) for eid, fields in items)
+        its own stream's first, then the shared stream's for the rest of ``count``. Nothing read is
+        handed back: an entry added again gets a new id, and the gateway, not finding the one it
+        sent, would send the request a second time. (Only when both streams fill during one
+        blocking wait can a read bring up to ``count`` from each.)"""
+        if own_pending:
+            return self._entries(await self.r.xreadgroup(self.group, self.consumer, {self.own: "0", self.stream: "0"},
+                                                         count=count))
+        entries = self._entries(await self.r.xreadgroup(self.group, self.consumer, {self.own: ">"}, count=count))
+        if len(entries) < count:
+            # Wait only when nothing came: then on both streams, so a routed entry is not kept waiting.
+            streams = {self.stream: ">"} if entries else {self.own: ">", self.stream: ">"}
+            entries += self._entries(await self.r.xreadgroup(self.group, self.consumer, streams, count=count - len(entries),
+                                                             block=None if entries else block_ms))
+        return entries
+
+    def _entries(self, reply) -> list[Entry]:
+        """An XREADGROUP reply's entries, the own stream's first."""
+        entries = [_entry(self._handed_id(_text(stream), eid), fields) for stream, items in reply or [] for eid, fields in items]
         entries.sort(key=lambda e: not e.entry_id.startswith(OWN))
-        if len(entries) > count and not own_pending:
-            await self.hand_back(entries[count:])
-            del entries[count:]
         return entries
 
     async def reclaim(self, min_idle_ms: int, count: int) -> list[Entry]:
@@ -166,17 +176,33 @@ class RedisBridge:
         liveness key and the WorkerInfo (``info``, encoded); returns the ids still held (an entry
         Redis lost, or that another worker claimed, is not touched: taking it back would run it twice)."""
         pipe = self.r.pipeline(transaction=False)
-        calls = []  # the stream of each script call
+        calls = self._keep_held(pipe, entry_ids, ttl_s)
+        pipe.set(self.keys.worker_info(self.model, self.consumer), info, px=int(ttl_s * 1000))
+        if metrics:
+            pipe.hset(self.keys.metrics(self.model, self.consumer), mapping=metrics)
+            pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))
+        return self._held(calls, await pipe.execute())
+
+    async def confirm_held(self, entry_ids: list[str], ttl_s: float) -> set[str]:
+        """Which of these entries this consumer still holds (their idle time reset, the liveness
+        key renewed, in one round trip): what a worker asks before sending anything after Redis
+        was away, since another worker may have taken them over meanwhile."""
+        pipe = self.r.pipeline(transaction=False)
+        calls = self._keep_held(pipe, entry_ids, ttl_s)
+        return self._held(calls, await pipe.execute())
+
+    def _keep_held(self, pipe, entry_ids: list[str], ttl_s: float) -> list[str]:
+        """Add to ``pipe`` the KEEP_HELD scripts of these entries (500 ids a call) and the liveness
+        key's renewal; the stream of each script call, in order."""
+        calls = []
         for stream, ids in self._by_stream(entry_ids).items():
             for start in range(0, len(ids), 500):
                 pipe.eval(KEEP_HELD, 1, stream, self.group, self.consumer, *ids[start : start + 500])
                 calls.append(stream)
         pipe.set(self.keys.alive(self.model, self.consumer), self.token, px=int(ttl_s * 1000))
-        pipe.set(self.keys.worker_info(self.model, self.consumer), info, px=int(ttl_s * 1000))
-        if metrics:
-            pipe.hset(self.keys.metrics(self.model, self.consumer), mapping=metrics)
-            pipe.pexpire(self.keys.metrics(self.model, self.consumer), int(ttl_s * 1000))
-        results = await pipe.execute()
+        return calls
+
+    def _held(self, calls: list[str], results: list) -> set[str]:
         return {self._handed_id(stream, eid) for stream, kept in zip(calls, results) for eid in kept}
 
     async def publish(self, batch: list[Outgoing]) -> list[tuple[ReplyTarget, Exception]]:

@@ -37,6 +37,7 @@ class InFlight:
     started: bool = False  # an event went out (the reader counts the requests not started yet)
     accepted_at: float = field(default_factory=time.time)  # wall clock, as the request's ``created``
     queue_reported: bool = False
+    deliveries: int = 1  # the entry's delivery count when this worker took it: on every event it sends
 
     def __post_init__(self) -> None:
         if self.request.resume is not None:

@@ -9,6 +9,7 @@ engine aborts them, but nothing more is sent or acknowledged for them.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import structlog
@@ -76,7 +77,8 @@ class InFlightTable:
             self.room.set()
         if not flight.orphaned:
             self.tokens_out += sum(len(o.token_ids) for o in event.outputs)
-            batch.append(Outgoing(flight.target, event, flight.entry_id if event.done else None))
+            event = replace(event, delivery=flight.deliveries)  # which holder sent it (WireEvent.delivery)
+            batch.append(Outgoing(flight.target, event, flight.entry_id if event.done else None, flight.entry_id))
 
     def beating(self) -> list[str]:
         """Entry ids to heartbeat: those not let go of."""

@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import structlog
 from redis.exceptions import ResponseError
@@ -83,6 +85,8 @@ class WorkerService:
         self.report = SelfReport(settings.consumer, self.model, engine.limits(), self.inflight, self.engine_loop, self.stopping)
         self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
         self.exit_code = 0
+        self._beaten_at = time.monotonic()  # when the last heartbeat that renewed the liveness key was sent
+        self._lost: set[str] = set()  # entries let go of whose events may still be queued
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -227,17 +231,19 @@ class WorkerService:
                 # Another entry with a live id: answering it would end the live request's stream.
                 await self._reject(entry, f"request id {req.id!r} is already in flight", tell=False)
             return
-        flight = InFlight(entry.entry_id, req)
+        flight = InFlight(entry.entry_id, req, deliveries=entry.deliveries)
         if reclaimed and (req.resume is not None or await self.bridge.was_streamed(req.id)):
             # Tokens went out: running again from the prompt could contradict them. The client
             # re-sends it with what it has (``resume``) when it can.
-            self.outbox.put_nowait([Outgoing(req.reply, lost_event(req), entry.entry_id)])
+            event = replace(lost_event(req), delivery=entry.deliveries)  # a higher holder than the one that died
+            self.outbox.put_nowait([Outgoing(req.reply, event, entry.entry_id, entry.entry_id)])
             return
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self._text_thread, self._prompt_ids, req)
         except Exception as err:  # a bad prompt, or a chat template that chokes on these messages
             message = str(err) if isinstance(err, InvalidRequestError) else f"the prompt could not be tokenized: {err}"
-            self.outbox.put_nowait([Outgoing(req.reply, error_event(req.id, 0, message), entry.entry_id)])
+            event = replace(error_event(req.id, 0, message), delivery=entry.deliveries)
+            self.outbox.put_nowait([Outgoing(req.reply, event, entry.entry_id, entry.entry_id)])
             return
         self.inflight.add(flight)
         self.engine_loop.add(req, ids)
@@ -269,13 +275,39 @@ class WorkerService:
     # ------------------------------------------------------------------ output and upkeep
     async def _publisher(self) -> None:
         while (batch := await self.outbox.get()) is not None:
-            for target, err in await self._retrying("publish", lambda: self.bridge.publish(batch)):
+            for target, err in await self._retrying("publish", lambda: self._publish_held(batch)):
                 ids = sorted({item.event.id for item in batch if item.target == target})
                 log.warning("reply target refused; its requests are dropped", target=target.name, error=str(err),
                             requests=ids)
                 for request_id in ids:  # nobody can hear them: stop computing
                     if request_id in self.inflight:
                         self.engine_loop.abort(request_id)
+
+    async def _publish_held(self, batch: list[Outgoing]) -> list:
+        """Send ``batch`` but the events of entries let go of. When the liveness key may have
+        expired (no heartbeat got through for three heartbeats: Redis away, or this worker
+        stalled), ask first which entries are still held: another worker may have taken them over
+        meanwhile, and events from here would contradict that one's. (Sends already on their way
+        when the key expired can still arrive late; readers drop them by ``WireEvent.delivery``.)"""
+        if time.monotonic() - self._beaten_at > self.settings.heartbeat_s * 3:
+            sent = time.monotonic()
+            entries = {*self.inflight.beating(), *(i.holds for i in batch if i.holds)}
+            held = await self.bridge.confirm_held(sorted(entries), self.settings.heartbeat_s * 3)
+            self._beaten_at = sent
+            if entries - held:
+                log.warning("requests taken over while this worker could not beat: their events are dropped",
+                            entries=sorted(entries - held))
+            self._let_go(entries - held)
+        failed = await self.bridge.publish([i for i in batch if not i.holds or i.holds not in self._lost])
+        if self.outbox.empty():  # nothing queued refers to an entry let go of any more
+            self._lost.clear()
+        return failed
+
+    def _let_go(self, lost_entries: set[str]) -> None:
+        """Stop the requests of entries no longer held, and send nothing more queued for them."""
+        self._lost |= lost_entries
+        for request_id in self.inflight.let_go(lost_entries):
+            self.engine_loop.abort(request_id)
 
     async def _maintenance(self) -> None:
         while not self._io_stop.is_set():
@@ -294,10 +326,11 @@ class WorkerService:
         if self.prometheus:
             self.prometheus.update(metrics)
         beating = self.inflight.beating()
+        sent = time.monotonic()
         held = await self.bridge.heartbeat(beating, self.settings.heartbeat_s * 3, metrics,
                                            self.report.worker_info(metrics).encode())
-        for request_id in self.inflight.let_go(set(beating) - held):
-            self.engine_loop.abort(request_id)
+        self._beaten_at = sent
+        self._let_go(set(beating) - held)
         free = self.inflight.free()
         if not self.stopping.is_set() and free > 0:
             dead = await self.bridge.reclaim_from_dead(free)
