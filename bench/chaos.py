@@ -108,14 +108,20 @@ async def run_all(http, stack: LocalStack, requests: int, max_tokens: int, deadl
     return await asyncio.gather(*tasks), held, fault_at
 
 
-async def run_fault(stack: LocalStack, fault: str, requests: int, max_tokens: int, deadline: float) -> dict:
-    """A clean pass for the reference texts (greedy), then the same requests with the fault."""
-    limits = httpx.Limits(max_connections=requests + 10)
-    async with httpx.AsyncClient(base_url=stack.url, timeout=deadline + 10, limits=limits) as http:
-        clean_at = time.monotonic()
-        reference, _, _ = await run_all(http, stack, requests, max_tokens, deadline, None)
-        clean_s = time.monotonic() - clean_at
-        results, held, fault_at = await run_all(http, stack, requests, max_tokens, deadline, fault)
+async def streams_started(http, model: str, requests: int, max_tokens: int, deadline: float) -> list[asyncio.Task]:
+    """``requests`` greedy streams (``one``), returned once each has streamed (or after 120 s)."""
+    progress = Progress(requests)
+    streams = [asyncio.create_task(one(http, model, max_tokens, i, progress, deadline)) for i in range(requests)]
+    try:
+        await asyncio.wait_for(progress.all_started.wait(), 120)
+    except asyncio.TimeoutError:
+        pass
+    return streams
+
+
+def tally(results: list[Outcome], reference: list[Outcome]) -> dict:
+    """How the streams ended (a completed one whose text is not the clean pass's is ``corrupted``)
+    and each error message with its count."""
     for got, want in zip(results, reference):
         if got.kind == "completed" and want.kind == "completed" and got.text != want.text:
             got.kind, got.error = "corrupted", "text differs from the clean pass"
@@ -124,9 +130,20 @@ async def run_fault(stack: LocalStack, fault: str, requests: int, max_tokens: in
     for o in results:
         if o.error:
             errors[o.error] = errors.get(o.error, 0) + 1
-    return {"fault": fault, "requests": requests, "held_by_worker": held, **counts,
+    return {**counts, "errors": errors}
+
+
+async def run_fault(stack: LocalStack, fault: str, requests: int, max_tokens: int, deadline: float) -> dict:
+    """A clean pass for the reference texts (greedy), then the same requests with the fault."""
+    limits = httpx.Limits(max_connections=requests + 10)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=deadline + 10, limits=limits) as http:
+        clean_at = time.monotonic()
+        reference, _, _ = await run_all(http, stack, requests, max_tokens, deadline, None)
+        clean_s = time.monotonic() - clean_at
+        results, held, fault_at = await run_all(http, stack, requests, max_tokens, deadline, fault)
+    return {"fault": fault, "requests": requests, "held_by_worker": held, **tally(results, reference),
             "last_end_s": round(max(o.ended for o in results) - fault_at, 2), "clean_pass_s": round(clean_s, 2),
-            "longest_pause_s": round(max(o.pause for o in results), 2), "errors": errors}
+            "longest_pause_s": round(max(o.pause for o in results), 2)}
 
 
 FAULTS = ("worker-kill", "redis-restart")

@@ -139,11 +139,14 @@ def _cluster_port() -> int:
 
 class RedisClusterServers:
     """A Redis Cluster of ``masters`` local redis-servers on free loopback ports, slots split
-    evenly, joined with CLUSTER MEET (no redis-cli needed); for tests and ``bench/scale.py --cluster``."""
+    evenly, joined with CLUSTER MEET (no redis-cli needed), each master with ``replicas``
+    replicas (which take over when it fails: ``bench/cluster_failover.py``); for tests and
+    ``bench/scale.py --cluster``. ``nodes``: the masters first, then the replicas of each in turn."""
 
-    def __init__(self, workdir: Path, masters: int = 3) -> None:
+    def __init__(self, workdir: Path, masters: int = 3, replicas: int = 0) -> None:
+        self.masters = masters
         self.nodes = []
-        for i in range(masters):
+        for i in range(masters * (1 + replicas)):
             (workdir / f"node{i}").mkdir(parents=True, exist_ok=True)
             node = RedisServer(workdir / f"node{i}", extra_args=(
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"))
@@ -160,21 +163,35 @@ class RedisClusterServers:
         import redis
 
         clients = [redis.Redis(port=node.port) for node in self.nodes]
-        share = SLOTS // len(self.nodes)
-        for i, client in enumerate(clients):
-            last = SLOTS - 1 if i == len(clients) - 1 else (i + 1) * share - 1
+        share = SLOTS // self.masters
+        for i, client in enumerate(clients[: self.masters]):
+            last = SLOTS - 1 if i == self.masters - 1 else (i + 1) * share - 1
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share, last)
         for node in self.nodes[1:]:
             clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
         deadline = time.monotonic() + timeout
-        while not all(c.cluster("info")["cluster_state"] == "ok" and len(c.cluster("nodes")) == len(self.nodes)
-                      for c in clients):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the test cluster did not converge")
-            time.sleep(0.1)
+        self._converge(clients, deadline)
+        ids = [c.execute_command("CLUSTER", "MYID") for c in clients[: self.masters]]
+        for i, client in enumerate(clients[self.masters:]):
+            client.execute_command("CLUSTER", "REPLICATE", ids[i % self.masters])
+        self._converge(clients, deadline, replicated=True)
         for client in clients:
             client.close()
         return self
+
+    def _converge(self, clients, deadline: float, replicated: bool = False) -> None:
+        """Wait until every node sees every other and the cluster is ok (and, with ``replicated``,
+        every replica's link to its master is up)."""
+        def ready(c) -> bool:
+            if c.cluster("info")["cluster_state"] != "ok" or len(c.cluster("nodes")) != len(self.nodes):
+                return False
+            info = c.info("replication")
+            return not replicated or info["role"] == "master" or info.get("master_link_status") == "up"
+
+        while not all(ready(c) for c in clients):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test cluster did not converge")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         for node in self.nodes:

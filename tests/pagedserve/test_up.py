@@ -164,6 +164,7 @@ with LocalStack(model="demo") as stack:
 """
 
 
+@pytest.mark.slow
 def test_a_script_using_the_stack_leaves_no_orphans_when_terminated(tmp_path):
     """A benchmark under ``timeout`` (SIGTERM) stops the stack it started: no worker, gateway or
     Redis is left running without a parent."""

@@ -12,7 +12,8 @@ with backoff, the worker exits 1 when one keeps failing):
   letter with the reason; a re-sent request (``resume``) goes on from the tokens its client has;
 - outputs: each step's outputs become one batch of events (on the I/O loop);
 - publisher: sends each batch (one PUBLISH per reply channel per step, in order), then XACK+XDEL
-  the finished entries; on connection loss it retries the same batch with backoff;
+  the finished entries; on connection loss it retries the same batch with backoff; nothing for
+  entries it no longer holds (``worker/serve/outbox.py``);
 - maintenance: heartbeats the in-flight entries it still holds (one that Redis lost or another
   worker took is stopped without a word: its client sends it again) and the liveness key,
   publishes metrics, and reclaims entries of dead workers (re-run from the prompt; if tokens were
@@ -56,6 +57,7 @@ from pagedserve.worker.serve.events import InFlight, TokenPieces, error_event, l
 from pagedserve.worker.serve.inflight import InFlightTable
 from pagedserve.worker.serve.intake import Rejected, admit, salvage_reply
 from pagedserve.worker.serve.kv_publisher import KvPublisher
+from pagedserve.worker.serve.outbox import Outbox
 from pagedserve.worker.serve.loop import EngineLoop
 from pagedserve.worker.serve.metrics import WorkerMetrics
 from pagedserve.worker.serve.self_report import SelfReport
@@ -80,13 +82,11 @@ class WorkerService:
                                             lambda: self.engine_loop.want_picture(), lambda: self.report.dashboard_figures())
         self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread, on_kv=self.kv.from_engine_thread,
                                       on_picture=self.dashboard.from_engine_thread)
-        self.outbox: asyncio.Queue[list[Outgoing] | None] = asyncio.Queue()
+        self.outbox = Outbox(self.bridge, self.inflight, self.engine_loop.abort, settings.heartbeat_s * 3)
         self.stopping = asyncio.Event()
         self.report = SelfReport(settings.consumer, self.model, engine.limits(), self.inflight, self.engine_loop, self.stopping)
         self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
         self.exit_code = 0
-        self._beaten_at = time.monotonic()  # when the last heartbeat that renewed the liveness key was sent
-        self._lost: set[str] = set()  # entries let go of whose events may still be queued
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._text_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -130,7 +130,7 @@ class WorkerService:
                                   ("dashboard", lambda: self.dashboard.run(self._io_stop)),
                                   ("dashboard wake", lambda: self.dashboard.listen(self._io_stop)))]
         cancels = asyncio.create_task(supervise("cancels", self._cancels, self._give_up))
-        publisher = asyncio.create_task(supervise("publisher", self._publisher, self._give_up))
+        publisher = asyncio.create_task(supervise("publisher", lambda: self.outbox.run(self._retrying), self._give_up))
         try:
             await engine_finished()
         finally:
@@ -138,7 +138,7 @@ class WorkerService:
             # The side tasks stop by flag, then by cancel: a cancel that meets redis-py's own read
             # timeout can be lost (the task reads on), a flag is not.
             await stop_tasks([*side, cancels], self._io_stop, grace_s=3.0)
-            self.outbox.put_nowait(None)
+            self.outbox.close()
             await publisher
             try:
                 await self.kv.goodbye()
@@ -236,14 +236,14 @@ class WorkerService:
             # Tokens went out: running again from the prompt could contradict them. The client
             # re-sends it with what it has (``resume``) when it can.
             event = replace(lost_event(req), delivery=entry.deliveries)  # a higher holder than the one that died
-            self.outbox.put_nowait([Outgoing(req.reply, event, entry.entry_id, entry.entry_id)])
+            self.outbox.put([Outgoing(req.reply, event, entry.entry_id, entry.entry_id)])
             return
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self._text_thread, self._prompt_ids, req)
         except Exception as err:  # a bad prompt, or a chat template that chokes on these messages
             message = str(err) if isinstance(err, InvalidRequestError) else f"the prompt could not be tokenized: {err}"
             event = replace(error_event(req.id, 0, message), delivery=entry.deliveries)
-            self.outbox.put_nowait([Outgoing(req.reply, event, entry.entry_id, entry.entry_id)])
+            self.outbox.put([Outgoing(req.reply, event, entry.entry_id, entry.entry_id)])
             return
         self.inflight.add(flight)
         self.engine_loop.add(req, ids)
@@ -259,7 +259,7 @@ class WorkerService:
         salvaged = salvage_reply(entry.data, self.keys) if tell else None
         if salvaged:
             request_id, target = salvaged
-            self.outbox.put_nowait([Outgoing(target, error_event(request_id, 0, reason))])
+            self.outbox.put([Outgoing(target, error_event(request_id, 0, reason))])
 
     # ------------------------------------------------------------------ engine outputs
     def _outputs_from_engine_thread(self, outputs: list, errors: list[tuple[str, str]]) -> None:
@@ -269,46 +269,10 @@ class WorkerService:
         """One batch of events per engine step, in the I/O thread (the only one touching ``inflight``)."""
         batch = self.inflight.batch_for(outputs, errors)
         if batch:
-            self.outbox.put_nowait(batch)
+            self.outbox.put(batch)
         self._finish_if_drained()
 
     # ------------------------------------------------------------------ output and upkeep
-    async def _publisher(self) -> None:
-        while (batch := await self.outbox.get()) is not None:
-            for target, err in await self._retrying("publish", lambda: self._publish_held(batch)):
-                ids = sorted({item.event.id for item in batch if item.target == target})
-                log.warning("reply target refused; its requests are dropped", target=target.name, error=str(err),
-                            requests=ids)
-                for request_id in ids:  # nobody can hear them: stop computing
-                    if request_id in self.inflight:
-                        self.engine_loop.abort(request_id)
-
-    async def _publish_held(self, batch: list[Outgoing]) -> list:
-        """Send ``batch`` but the events of entries let go of. When the liveness key may have
-        expired (no heartbeat got through for three heartbeats: Redis away, or this worker
-        stalled), ask first which entries are still held: another worker may have taken them over
-        meanwhile, and events from here would contradict that one's. (Sends already on their way
-        when the key expired can still arrive late; readers drop them by ``WireEvent.delivery``.)"""
-        if time.monotonic() - self._beaten_at > self.settings.heartbeat_s * 3:
-            sent = time.monotonic()
-            entries = {*self.inflight.beating(), *(i.holds for i in batch if i.holds)}
-            held = await self.bridge.confirm_held(sorted(entries), self.settings.heartbeat_s * 3)
-            self._beaten_at = sent
-            if entries - held:
-                log.warning("requests taken over while this worker could not beat: their events are dropped",
-                            entries=sorted(entries - held))
-            self._let_go(entries - held)
-        failed = await self.bridge.publish([i for i in batch if not i.holds or i.holds not in self._lost])
-        if self.outbox.empty():  # nothing queued refers to an entry let go of any more
-            self._lost.clear()
-        return failed
-
-    def _let_go(self, lost_entries: set[str]) -> None:
-        """Stop the requests of entries no longer held, and send nothing more queued for them."""
-        self._lost |= lost_entries
-        for request_id in self.inflight.let_go(lost_entries):
-            self.engine_loop.abort(request_id)
-
     async def _maintenance(self) -> None:
         while not self._io_stop.is_set():
             await self._retrying("maintenance", self._upkeep)
@@ -329,8 +293,8 @@ class WorkerService:
         sent = time.monotonic()
         held = await self.bridge.heartbeat(beating, self.settings.heartbeat_s * 3, metrics,
                                            self.report.worker_info(metrics).encode())
-        self._beaten_at = sent
-        self._let_go(set(beating) - held)
+        self.outbox.beaten(sent)
+        self.outbox.let_go(set(beating) - held)
         free = self.inflight.free()
         if not self.stopping.is_set() and free > 0:
             dead = await self.bridge.reclaim_from_dead(free)
