@@ -148,7 +148,7 @@ def verdict(args, answers: list[Answer], deepest: int, added: int, idle: dict, r
             "rss_mb_before": {n: round(v) for n, v in rss_before.items()}, "rss_mb_peak": {n: round(v) for n, v in peak.items()}}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depth", type=int, default=24, help="the gateway's --max-queue-depth")
     parser.add_argument("--times", type=int, default=10, help="the burst, in multiples of the depth")
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> None:
           f"entries added {result['entries_added']}, drained in {result['drain_s']} s; one request "
           f"{result['one_request_ms_before']} ms before, {result['one_request_ms_after']} ms after; "
           f"peak RSS {result['rss_mb_peak']} (before {result['rss_mb_before']})  -> {'PASS' if result['passed'] else 'FAIL'}")
-    raise SystemExit(0 if result["passed"] else 1)
+    return 0 if result["passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

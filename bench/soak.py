@@ -155,14 +155,14 @@ def verdict(samples: Samples, outcomes: Outcomes, idles: list[dict], args: argpa
             "sample_times_s": [round(t) for t in samples.times]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--users", type=int, default=8, help="clients sending one request after another")
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--idle-every", type=float, default=60.0, help="seconds between idle points")
     parser.add_argument("--rss-mb-per-min", type=float, default=2.0, help="the RSS growth that fails the run")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with LocalStack(model="demo", workers=2, extra_worker_args=WORKER_ARGS) as stack:
         result = asyncio.run(run(stack, args))
     print(json.dumps({"bench": "soak", "minutes": args.minutes, "users": args.users, **result}))
@@ -174,8 +174,8 @@ def main() -> None:
                        ("fds +/- (2nd half)", lambda r: r["fds"])])
     print(f"requests {result['requests']}  idle points {result['idle_points']}  redis keys {result['redis_keys']}  "
           f"checks {result['checks']}  -> {'PASS' if result['passed'] else 'FAIL'}")
-    raise SystemExit(0 if result["passed"] else 1)
+    return 0 if result["passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

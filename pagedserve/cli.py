@@ -13,6 +13,10 @@
     pagedserve bench queue-overhead [args]       the same workload through Redis vs in-process
     pagedserve bench serve [args]                serving benchmark: TTFT, TPOT, ITL, goodput
     pagedserve bench chaos [args]                worker SIGKILL and Redis restart under load
+    pagedserve bench soak [args]                 mixed traffic for a long while: leaks, stuck KV, lost requests
+    pagedserve bench overload [args]             ten times the queue in one burst: 429s before any work
+    pagedserve bench partition [args]            a worker cut off from Redis under load, and back
+    pagedserve bench cluster-failover [args]     a Redis Cluster master killed under load
     pagedserve bench client-tools [args]         guidellm and aiperf against a gateway: zero errors
     pagedserve bench structured [args]           structured outputs: throughput cost, compile time
     pagedserve bench scale [args]                1-32 simulated workers: shared vs prefix routing
@@ -41,6 +45,10 @@ BENCHES = {
     "queue-overhead": "pagedserve.bench.queue_overhead",
     "serve": "pagedserve.bench.serve",
     "chaos": "pagedserve.bench.chaos",
+    "soak": "pagedserve.bench.soak",
+    "overload": "pagedserve.bench.overload",
+    "partition": "pagedserve.bench.partition",
+    "cluster-failover": "pagedserve.bench.cluster_failover",
     "client-tools": "pagedserve.bench.client_tools",
     "structured": "pagedserve.bench.structured",
     "scale": "pagedserve.bench.scale",
