@@ -15,6 +15,7 @@ from typing import Sequence
 import redis.asyncio as aioredis
 
 from pagedserve.runtime.redis_client import pipelines_publish
+from pagedserve.runtime.redis_io import as_text
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import WireCancel, WireRequest
 
@@ -64,7 +65,7 @@ class Producer:
         pipe = self.redis.pipeline(transaction=False)
         for request, target in zip(requests, targets):
             pipe.xadd(target, {"data": request.encode()})
-        return [_text(e) for e in await pipe.execute()]
+        return [as_text(e) for e in await pipe.execute()]
 
     async def _bounded(self, requests: Sequence[WireRequest], targets: list[str], limit: QueueLimit) -> list[str]:
         keys = list(dict.fromkeys([*limit.counted, *targets]))  # a target not counted yet is counted too
@@ -74,7 +75,7 @@ class Producer:
         reply = await self.redis.eval(BOUNDED_ADD, len(keys), *keys, *args)
         if reply and isinstance(reply[0], int):
             raise QueueFull(int(reply[1]), limit.depth)
-        return [_text(e) for e in reply]
+        return [as_text(e) for e in reply]
 
     async def cancel(self, model: str, request_ids: Sequence[str], reason: str) -> None:
         """Ask the model's workers to abort these requests (a worker not holding one ignores it)."""
@@ -89,7 +90,3 @@ class Producer:
         for message in messages:
             pipe.publish(self.keys.cancel(model), message)
         await pipe.execute()
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -14,6 +14,11 @@ log = structlog.get_logger("pagedserve.redis")
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError)
 
 
+def as_text(value) -> str:
+    """A Redis reply's id or name as text (redis-py gives bytes unless told to decode)."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 async def listen_forever(
     client: aioredis.Redis, channel: str, on_message: Callable[[bytes], None],
     on_subscribed: Callable[[], None] | None = None, on_lost: Callable[[], None] | None = None,

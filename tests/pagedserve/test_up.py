@@ -49,6 +49,19 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
+def terminate_leaving_nothing(proc: subprocess.Popen, exit_code: int) -> None:
+    """SIGTERM ``proc`` (running a stack: redis-server, a worker, a gateway at least): it exits
+    with ``exit_code`` and none of its children is left running."""
+    children = descendants(proc.pid)
+    assert len(children) >= 3  # redis-server, a worker, a gateway
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == exit_code
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if alive(p)], "orphans left running"
+
+
 def complete(port: int) -> dict:
     body = json.dumps({"model": "demo", "prompt": "Hello", "max_tokens": 5}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
@@ -80,14 +93,7 @@ def test_up_serves_revives_a_killed_worker_and_sigterm_leaves_nothing(tmp_path):
             except urllib.error.HTTPError as err:
                 assert err.code == 503 and time.monotonic() < deadline, err
                 time.sleep(0.5)
-        children = descendants(proc.pid)
-        assert len(children) >= 3  # redis-server, a worker, a gateway
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in children if alive(p)], "orphans left running"
+        terminate_leaving_nothing(proc, exit_code=0)
     finally:
         proc.kill()
         proc.wait()
@@ -175,14 +181,7 @@ def test_a_script_using_the_stack_leaves_no_orphans_when_terminated(tmp_path):
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 300)
         assert ready and proc.stdout.readline().startswith("http://"), "the stack did not come up within 300 s"
-        children = descendants(proc.pid)
-        assert len(children) >= 3  # redis-server, a worker, a gateway
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in children if alive(p)], "orphans left running"
+        terminate_leaving_nothing(proc, exit_code=128 + signal.SIGTERM)
     finally:
         proc.kill()
         proc.wait()

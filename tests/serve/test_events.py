@@ -86,9 +86,10 @@ def test_the_worst_finish_names_the_request_and_errors_say_if_they_can_resume():
     err = error_event("r", 4, "bad prompt")
     assert (err.seq, err.outputs, err.done, err.finish_reason, err.error, err.resumable) == (4, [], True, "error", "bad prompt", False)
     assert err.usage == {"prompt_tokens": 0, "completion_tokens": 0}
-    lost = lost_event(flight().request)
-    assert (lost.seq, lost.resumable, lost.error) == (-1, True, "the worker serving this request died mid-stream")
-    assert lost_event(flight(n=2).request).resumable is False
+    assert err.delivery == 0 and error_event("r", 4, "bad prompt", delivery=3).delivery == 3
+    lost = lost_event(flight().request, 2)
+    assert (lost.seq, lost.resumable, lost.error, lost.delivery) == (-1, True, "the worker serving this request died mid-stream", 2)
+    assert lost_event(flight(n=2).request, 2).resumable is False
 
 
 def test_a_token_is_decoded_once_whatever_its_count():
@@ -101,3 +102,9 @@ def test_a_token_is_decoded_once_whatever_its_count():
 
     pieces = TokenPieces(Tokenizer())
     assert [pieces(5), pieces(5), pieces(6)] == ["t5", "t5", "t6"] and calls == [[5], [6]]
+
+
+def test_every_event_says_which_delivery_of_its_entry_sent_it():
+    taken_over = InFlight("e-1", flight().request, deliveries=2)
+    assert event_for(taken_over, output(completion(tokens=[7], new=[7], delta="a")), piece).delivery == 2
+    assert event_for(flight(), output(completion(tokens=[7], new=[7], delta="a")), piece).delivery == 1

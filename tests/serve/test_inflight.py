@@ -51,10 +51,11 @@ def test_room_is_what_is_free_but_no_more_than_the_read_ahead_of_requests_not_st
 
 
 def test_a_steps_outputs_are_one_batch_and_the_end_acknowledges_the_entry_and_opens_the_room():
+    """Every event names its request's entry; the bridge acknowledges it with the terminal one."""
     held = table(4, 2, "a", "b")
     batch = held.batch_for([output("a", [7], [7]), output("b", [9], [9])], [])
-    assert [(o.target.name, o.event.id, o.event.seq, o.entry_id) for o in batch] == [
-        ("replies:a", "a", 0, None), ("replies:b", "b", 0, None)]
+    assert [(o.target.name, o.event.id, o.event.seq, o.event.done, o.entry_id) for o in batch] == [
+        ("replies:a", "a", 0, False, "e-a"), ("replies:b", "b", 0, False, "e-b")]
     assert held.room.is_set() and held.tokens_out == 2
     held.room.clear()
     batch = held.batch_for([output("a", [7, 8], [8], finished=True), output("b", [9], [])], [])  # b: nothing new

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pagedserve.runtime.redis_client import pipelines_publish
+from pagedserve.runtime.redis_io import as_text
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import ReplyTarget, WireEvent, encode_events
 from pagedserve.worker.serve.bridge_scripts import KEEP_HELD, MOVE_ROUTED, TAKE_NAME
@@ -44,14 +45,13 @@ class Entry:
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One event for one reply target; ``entry_id`` is set on the terminal event (ack after send);
-    ``holds``: the entry the event's request holds (after Redis was away, an event goes out only
-    while its entry is still held)."""
+    """One event for one reply target; ``entry_id``: the entry its request holds (None: none, a
+    dead-lettered one's), acknowledged once the terminal event is sent, and after Redis was away
+    checked to be still held before anything is sent for it."""
 
     target: ReplyTarget
     event: WireEvent
     entry_id: str | None = None
-    holds: str | None = None
 
 
 class RedisBridge:
@@ -79,7 +79,7 @@ class RedisBridge:
 
     def _handed_id(self, stream: str, eid) -> str:
         """The entry id this worker hands around for Redis id ``eid`` of ``stream`` (``_stream_of`` reversed)."""
-        return (OWN if stream == self.own else "") + _text(eid)
+        return (OWN if stream == self.own else "") + as_text(eid)
 
     def _by_stream(self, entry_ids: list[str]) -> dict[str, list[str]]:
         grouped: dict[str, list[str]] = {}
@@ -124,7 +124,7 @@ class RedisBridge:
 
     def _entries(self, reply) -> list[Entry]:
         """An XREADGROUP reply's entries, the own stream's first."""
-        entries = [_entry(self._handed_id(_text(stream), eid), fields) for stream, items in reply or [] for eid, fields in items]
+        entries = [_entry(self._handed_id(as_text(stream), eid), fields) for stream, items in reply or [] for eid, fields in items]
         entries.sort(key=lambda e: not e.entry_id.startswith(OWN))
         return entries
 
@@ -133,8 +133,8 @@ class RedisBridge:
         reply = await self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_ms, "0-0", count=count)
         claimed, deleted = reply[1], (reply[2] if len(reply) > 2 else [])  # Redis 7 adds the deleted ids
         for eid in deleted:
-            await self.ack([_text(eid)])
-        return [await self.with_deliveries(_entry(_text(eid), fields)) for eid, fields in claimed]
+            await self.ack([as_text(eid)])
+        return [await self.with_deliveries(_entry(as_text(eid), fields)) for eid, fields in claimed]
 
     async def reclaim_from_dead(self, count: int) -> list[Entry]:
         """Entries held by consumers whose liveness key has expired (they stopped beating), now
@@ -142,14 +142,14 @@ class RedisBridge:
         summary = await self.r.xpending(self.stream, self.group)
         claimed: list[Entry] = []
         for holder in summary.get("consumers") or []:
-            name = _text(holder["name"])
+            name = as_text(holder["name"])
             if name == self.consumer or count <= len(claimed) or await self.r.exists(self.keys.alive(self.model, name)):
                 continue
             held = await self.r.xpending_range(self.stream, self.group, "-", "+", count - len(claimed), consumername=name)
-            ids = [_text(e["message_id"]) for e in held]
+            ids = [as_text(e["message_id"]) for e in held]
             if ids:
                 for eid, fields in await self.r.xclaim(self.stream, self.group, self.consumer, 0, ids):
-                    claimed.append(await self.with_deliveries(_entry(_text(eid), fields)))
+                    claimed.append(await self.with_deliveries(_entry(as_text(eid), fields)))
         return claimed
 
     async def adopt_dead_routed(self) -> int:
@@ -157,9 +157,9 @@ class RedisBridge:
         entries moved (the gateway routes only to live workers, but one may die holding some)."""
         moved = 0
         async for key in self.r.scan_iter(match=self.keys.routed_pattern(self.model), count=100):
-            name = _text(key)[len(self.keys.routed(self.model, "")):]
+            name = as_text(key)[len(self.keys.routed(self.model, "")):]
             if name != self.consumer and not await self.r.exists(self.keys.alive(self.model, name)):
-                moved += int(await self.r.eval(MOVE_ROUTED, 2, _text(key), self.stream, self.group, "all"))
+                moved += int(await self.r.eval(MOVE_ROUTED, 2, as_text(key), self.stream, self.group, "all"))
         return moved
 
     async def give_back_unread(self) -> int:
@@ -225,7 +225,7 @@ class RedisBridge:
         for item in batch:
             if item.event.seq == 0 and not item.event.done:
                 pipe.set(self.keys.streamed(item.event.id), 1, ex=STREAMED_TTL_S)
-            if item.entry_id is not None:
+            if item.entry_id is not None and item.event.done:
                 self._queue_acks(pipe, [item.entry_id])
                 pipe.delete(self.keys.streamed(item.event.id))
         results = await pipe.execute(raise_on_error=False)
@@ -295,8 +295,4 @@ def _entry(entry_id: str, fields) -> Entry:
         return Entry(entry_id, None)
     moved = fields.get(b"deliveries")
     return Entry(entry_id, fields.get(b"data"), int(moved) + 1 if moved is not None else 1)
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 

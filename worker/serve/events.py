@@ -86,17 +86,20 @@ def event_for(flight: InFlight, out: RequestOutput, piece: Callable[[int], str])
         prompt = [None] + [_entry(t, piece) for t in out.prompt_logprobs[1:]]
     return WireEvent(out.request_id, flight.take_seq(), deltas, out.finished,
                      request_finish_reason(out) if out.finished else None, out.error, usage, queue_s=queue_s,
-                     prompt_logprobs=prompt, embedding=out.embedding)
+                     prompt_logprobs=prompt, embedding=out.embedding, delivery=flight.deliveries)
 
 
-def error_event(request_id: str, seq: int, message: str, resumable: bool = False) -> WireEvent:
-    return WireEvent(request_id, seq, [], True, "error", message, {"prompt_tokens": 0, "completion_tokens": 0}, resumable)
+def error_event(request_id: str, seq: int, message: str, resumable: bool = False, delivery: int = 0) -> WireEvent:
+    """A terminal error; ``delivery``: the sender's entry's delivery count (0: none held)."""
+    return WireEvent(request_id, seq, [], True, "error", message, {"prompt_tokens": 0, "completion_tokens": 0}, resumable,
+                     delivery=delivery)
 
 
-def lost_event(req: WireRequest) -> WireEvent:
-    """What a worker taking over a request that had already streamed sends: a terminal error that
-    tells the client whether it can re-send the request with ``resume``."""
-    return error_event(req.id, -1, "the worker serving this request died mid-stream", can_resume(req.params))
+def lost_event(req: WireRequest, delivery: int) -> WireEvent:
+    """What a worker taking over a request that had already streamed sends (``delivery``: its
+    entry's count, above the dead holder's): a terminal error that tells the client whether it can
+    re-send the request with ``resume``."""
+    return error_event(req.id, -1, "the worker serving this request died mid-stream", can_resume(req.params), delivery)
 
 
 def _logprobs(o: CompletionOutput, piece: Callable[[int], str]) -> list[dict] | None:

@@ -9,7 +9,6 @@ engine aborts them, but nothing more is sent or acknowledged for them.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from typing import Callable, Iterator
 
 import structlog
@@ -61,7 +60,7 @@ class InFlightTable:
         batch: list[Outgoing] = []
         for request_id, message in errors:
             flight = self._flights[request_id]
-            self._send(batch, flight, error_event(request_id, flight.take_seq(), message))
+            self._send(batch, flight, error_event(request_id, flight.take_seq(), message, delivery=flight.deliveries))
         for out in outputs:
             flight = self._flights.get(out.request_id)
             event = event_for(flight, out, self._piece) if flight else None
@@ -77,8 +76,7 @@ class InFlightTable:
             self.room.set()
         if not flight.orphaned:
             self.tokens_out += sum(len(o.token_ids) for o in event.outputs)
-            event = replace(event, delivery=flight.deliveries)  # which holder sent it (WireEvent.delivery)
-            batch.append(Outgoing(flight.target, event, flight.entry_id if event.done else None, flight.entry_id))
+            batch.append(Outgoing(flight.target, event, flight.entry_id))
 
     def beating(self) -> list[str]:
         """Entry ids to heartbeat: those not let go of."""

@@ -67,14 +67,14 @@ class Outbox:
     async def _send(self, batch: list[Outgoing]) -> list:
         if time.monotonic() - self._beaten_at > self.ttl_s:
             sent = time.monotonic()
-            entries = {*self.inflight.beating(), *(i.holds for i in batch if i.holds)}
+            entries = {*self.inflight.beating(), *(i.entry_id for i in batch if i.entry_id)}
             held = await self.bridge.confirm_held(sorted(entries), self.ttl_s)
             self.beaten(sent)
             if entries - held:
                 log.warning("requests taken over while this worker could not beat: their events are dropped",
                             entries=sorted(entries - held))
             self.let_go(entries - held)
-        failed = await self.bridge.publish([i for i in batch if not i.holds or i.holds not in self._lost])
+        failed = await self.bridge.publish([i for i in batch if i.entry_id not in self._lost])
         if self._queue.empty():  # nothing queued refers to an entry let go of any more
             self._lost.clear()
         return failed

@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import structlog
 from redis.exceptions import ResponseError
@@ -235,15 +234,13 @@ class WorkerService:
         if reclaimed and (req.resume is not None or await self.bridge.was_streamed(req.id)):
             # Tokens went out: running again from the prompt could contradict them. The client
             # re-sends it with what it has (``resume``) when it can.
-            event = replace(lost_event(req), delivery=entry.deliveries)  # a higher holder than the one that died
-            self.outbox.put([Outgoing(req.reply, event, entry.entry_id, entry.entry_id)])
+            self.outbox.put([Outgoing(req.reply, lost_event(req, entry.deliveries), entry.entry_id)])
             return
         try:
             ids = await asyncio.get_running_loop().run_in_executor(self._text_thread, self._prompt_ids, req)
         except Exception as err:  # a bad prompt, or a chat template that chokes on these messages
             message = str(err) if isinstance(err, InvalidRequestError) else f"the prompt could not be tokenized: {err}"
-            event = replace(error_event(req.id, 0, message), delivery=entry.deliveries)
-            self.outbox.put([Outgoing(req.reply, event, entry.entry_id, entry.entry_id)])
+            self.outbox.put([Outgoing(req.reply, error_event(req.id, 0, message, delivery=entry.deliveries), entry.entry_id)])
             return
         self.inflight.add(flight)
         self.engine_loop.add(req, ids)
