@@ -31,7 +31,7 @@ class NativeAttention:
     workspace) for what the kernel does not take."""
 
     def __init__(self, cache_dir: Path, kv_format: KVFormat = AUTO) -> None:
-        self._lib = load_library("paged_attention", cache_dir)
+        self._lib = self.lib = load_library("paged_attention", cache_dir)  # the layer kernels are in it too
         self.kv_format = kv_format
         if kv_format.quantized:
             # arithmetic decoding where there is one, else the table

@@ -24,6 +24,7 @@ from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.moe_reference import grouped_moe
 from pagedserve.kernels.native_attention import NativeAttention
 from pagedserve.kernels.native_build import NativeKernelUnavailable
+from pagedserve.kernels.native_layer_ops import NativeLayerOps
 
 log = structlog.get_logger("pagedserve.kernels")
 
@@ -38,6 +39,7 @@ class AttentionOps:
     moe: Callable = grouped_moe  # (x, gate_up, down, top_index, top_weight) -> [T, H]
     backend: str = "torch"  # "triton" kernels can be captured in CUDA graphs; the reference cannot
     kv_format: KVFormat = AUTO  # how store_kv writes the cache and the attention ops read it
+    layer: NativeLayerOps | None = None  # a layer's norms, rotary + K/V store and SiLU in C (CPU), else torch
 
 
 def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path | None = None,
@@ -78,13 +80,14 @@ def reference_ops(kv_format: KVFormat = AUTO) -> AttentionOps:
 
 
 def native_ops(kernel_cache: Path, kv_format: KVFormat = AUTO) -> AttentionOps:
-    """The C attention kernels for this CPU (built into ``kernel_cache`` on first use); K/V stores
-    and block copies stay the torch ones, which are single index copies already, and the
-    mixture-of-experts block the grouped torch loop."""
+    """The C attention and layer kernels for this CPU (built into ``kernel_cache`` on first use); K/V
+    stores (where the layer kernels do not make them with the rotary) and block copies stay the
+    torch ones, which are single index copies already, and the mixture-of-experts block the
+    grouped torch loop."""
     attention = NativeAttention(kernel_cache, kv_format)
     return AttentionOps(partial(reference.store_kv, kv_format=kv_format), attention.decode, attention.prefill,
-                        reference.copy_blocks,
-                        reference.swap_blocks, backend="native", kv_format=kv_format)
+                        reference.copy_blocks, reference.swap_blocks, backend="native", kv_format=kv_format,
+                        layer=NativeLayerOps(attention.lib))
 
 
 def triton_ops(kv_format: KVFormat = AUTO) -> AttentionOps:

@@ -6,6 +6,7 @@ characters; a JSON schema answered right. Float32, so the comparison is exact up
 
 from __future__ import annotations
 
+import collections
 import json
 
 import jsonschema
@@ -65,6 +66,28 @@ def test_greedy_equals_transformers_on_prefix_cache_hits_and_forks(llm, real_mod
     for i, prompt in enumerate(prompts):
         ref = real_model.hf_greedy(prompt, NEW)
         assert [c.token_ids for c in done[i].outputs] == [ref] * 3, f"prompt {i}"
+
+
+def test_the_c_layer_kernels_carry_every_layer_of_every_step(llm, real_model, monkeypatch):
+    """On the CPU a layer's norms, rotary with the K/V store and SiLU are C kernels
+    (``paged_kernels/native_layer_ops.py``). Each hands back what it cannot take to the layer's torch
+    code, so a layout it stopped recognising (a one-token view's strides, say) would only show as a
+    slower step: here every call of a prompt and its decodes is taken, and the tokens are
+    transformers'."""
+    kernels = llm.engine.runner.model.model.layers[0].self_attn.kernels
+    assert kernels is not None
+    calls: collections.Counter = collections.Counter()
+    for name in ("rms_norm", "rope_store", "silu_mul"):
+        def spy(*args, _real=getattr(kernels, name), _name=name):
+            out = _real(*args)
+            calls[_name, out is not None and out is not False] += 1
+            return out
+        monkeypatch.setattr(kernels, name, spy)
+    prompt = real_model.chat_ids("Name three primary colors.")
+    assert llm.generate([prompt], greedy(4), use_tqdm=False)[0].outputs[0].token_ids == real_model.hf_greedy(prompt, NEW)[:4]
+    layers, forwards = 30, 4  # the prompt, then three decodes
+    assert calls == {("rms_norm", True): (2 * layers + 1) * forwards, ("rope_store", True): layers * forwards,
+                     ("silu_mul", True): layers * forwards}
 
 
 def test_logprobs_equal_transformers_log_softmax(llm, real_model):

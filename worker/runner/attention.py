@@ -71,8 +71,12 @@ class PagedAttention:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
     ) -> torch.Tensor:
+        self.ops.store_kv(k, v, *kv_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta)
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """q ``[T, Hq, D]`` over the cache, where the step's K/V are stored already -> ``[T, Hq, D]``."""
         k_cache, v_cache = kv_cache
-        self.ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         d = meta.num_decodes
         parts = []
         if d:

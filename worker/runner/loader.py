@@ -28,7 +28,7 @@ from pagedserve.worker.gguf_file import open_gguf
 from pagedserve.worker.model_source import max_model_len, model_or_default, resolve_model_dir
 from pagedserve.worker.runner.gguf_weights import gguf_tensors
 from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
-from pagedserve.worker.runner.models.layers import CausalLM, fuse_projections
+from pagedserve.worker.runner.models.layers import CausalLM, fuse_projections, use_layer_kernels
 from pagedserve.worker.runner.prepack import fast_cpu_linears
 from pagedserve.worker.runner.quantized_linear import quantize_linears
 
@@ -127,6 +127,7 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     model.rotary = type(model.rotary)(info.config, model.head_dim).to(device)  # buffers were on meta
     if device.type == "cpu":
         fuse_projections(model)
+        use_layer_kernels(model, ops.layer)
     quantized = quantize_linears(model, quantization, device)
     structlog.get_logger("pagedserve.loader").info(
         "linear layers", form=fast_cpu_linears(model, device, info.dtype) or "plain", quantization=quantization,

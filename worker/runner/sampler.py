@@ -48,8 +48,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[list[SampledToken]]:
         """``logits`` ``[len(rows), vocab]`` -> ``num_samples`` tokens per row."""
         dev = logits.device
-        expand = torch.tensor([r.num_samples for r in rows], device=dev)
-        logits = logits.float().repeat_interleave(expand, dim=0)
+        logits = logits.float()
+        if any(r.num_samples > 1 for r in rows):
+            logits = logits.repeat_interleave(torch.tensor([r.num_samples for r in rows], device=dev), dim=0)
         flat = [(r, r.seq_index + k if r.num_samples > 1 else r.seq_index) for r in rows for k in range(r.num_samples)]
         params = [r.params for r, _ in flat]
         raw_logprobs = torch.log_softmax(logits, dim=-1)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.runner.attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.runner.models.rope import Rotaries, RotaryEmbedding
@@ -43,8 +44,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels: NativeLayerOps | None = None  # set by use_layer_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and (out := self.kernels.rms_norm(x, self.weight, self.eps)) is not None:
+            return out
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -106,6 +110,12 @@ class Attention(nn.Module):
         scalar = getattr(config, "query_pre_attn_scalar", None)  # Gemma 2 scales by this, not by head_dim
         softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.attn = PagedAttention(ops, (scalar or self.head_dim) ** -0.5, window, softcap)
+        self.kernels: NativeLayerOps | None = None  # set by use_layer_kernels where q, k and v need nothing but the rotary
+
+    @property
+    def plain(self) -> bool:
+        """q, k and v go from the projection to the rotary and the cache with nothing between."""
+        return not (self.qk_norm or self.qk_norm_full or self.clip is not None or self.qkv_proj is None)
 
     def forward(self, x, cos_sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
@@ -122,8 +132,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, k, cos_sin)
-        out = self.attn(q, k, v, kv_cache, meta)
+        if self.kernels is not None and self.kernels.rope_store(q, k, v, *cos_sin, *kv_cache, meta.slot_mapping):
+            out = self.attn.attend(q, kv_cache, meta)  # q rotated, k and v stored by the kernel
+        else:
+            q, k = RotaryEmbedding.apply(q, k, cos_sin)
+            out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def fuse_projections(self) -> None:
@@ -141,11 +154,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
         self.act = activation(config)
         self.gate_up_proj: nn.Linear | None = None  # gate and up in one matrix, once fuse_projections has run
+        self.kernels: NativeLayerOps | None = None  # set by use_layer_kernels where the activation is SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and (hidden := self.kernels.silu_mul(gate_up)) is not None:
+            return self.down_proj(hidden)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
     def fuse_projections(self) -> None:
@@ -171,6 +188,19 @@ def fuse_projections(model: nn.Module) -> int:
     for block in blocks:
         block.fuse_projections()
     return len(blocks)
+
+
+def use_layer_kernels(model: nn.Module, kernels: NativeLayerOps | None) -> int:
+    """Hand the C layer kernels (``AttentionOps.layer``; None: nothing to hand) to every plain
+    RMSNorm, SiLU-gated MLP and attention block whose q, k and v need only the rotary (after
+    ``fuse_projections``): a layer's small operations one C call each. How many modules took them."""
+    if kernels is None:
+        return 0
+    taking = [m for m in model.modules() if type(m) is RMSNorm or (type(m) is MLP and m.act is F.silu)
+              or (isinstance(m, Attention) and m.plain)]
+    for module in taking:
+        module.kernels = kernels
+    return len(taking)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

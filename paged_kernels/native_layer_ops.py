@@ -1,0 +1,85 @@
+"""A decoder layer's small operations through the C kernels of ``csrc/layer_ops.c``: RMSNorm, rotary
+embedding of q and k with the store of k and v into the cache, SiLU(gate) * up.
+
+At one token a step these are a layer's cost beyond its matrices: a dozen torch operations each, at
+a few microseconds apiece, 30 layers a step (docs/benchmarks.md). Each method takes what the C code
+takes (float32 or bfloat16 on the CPU, contiguous rows) and answers ``None`` (``rope_store``:
+False) for anything else, so the layer runs its own torch code, which the tests hold the C to
+(``tests/kernels/test_layer_ops.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "rms_norm": (_PTR, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT),
+    "rope_store": (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT),
+    "silu_mul": (_PTR, _PTR, _I64, _I64, _INT),
+}
+
+
+class NativeLayerOps:
+    """The layer kernels of one loaded kernel library (``native_build.load_library``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in _DTYPES.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self._fns[name, dtype] = fn
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension of a ``[rows, dim]`` ``x``
+        whose rows are contiguous."""
+        fn = self._fns.get(("rms_norm", x.dtype))
+        if (fn is None or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or weight.dtype != x.dtype
+                or not weight.is_contiguous()):
+            return None
+        rows, dim = x.shape
+        out = torch.empty((rows, dim), dtype=x.dtype, device=x.device)
+        fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, dim, x.stride(0), eps, torch.get_num_threads())
+        return out
+
+    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Rotate q ``[T, heads, dim]`` and k ``[T, kv_heads, dim]`` in place (cos and sin
+        ``[T, 1, dim]``, the whole head rotated) and store k and v ``[T, kv_heads, dim]`` into the
+        caches' slots (``slot_mapping``, int64, -1: not stored). q, k and v are views of one
+        projection's rows (one row stride, each head's values contiguous). False, touching
+        nothing, where the kernel does not apply."""
+        fn = self._fns.get(("rope_store", q.dtype))
+        tokens, heads, dim = q.shape
+        stride = q.stride(0)
+        if (fn is None or q.device.type != "cpu" or not all(_heads_of_rows(x, stride, dim) for x in (q, k, v))
+                or k.dtype != q.dtype or v.dtype != q.dtype or cos.dtype != q.dtype or sin.dtype != q.dtype
+                or cos.shape[-1] != dim or not (cos.is_contiguous() and sin.is_contiguous())
+                or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or slots.dtype != torch.int64
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            return False
+        fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), stride, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+           v_cache.data_ptr(), slots.data_ptr(), tokens, heads, k.shape[1], dim, torch.get_num_threads())
+        return True
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a contiguous ``[rows, 2 * inter]`` (gate first, then up)."""
+        fn = self._fns.get(("silu_mul", gate_up.dtype))
+        if fn is None or gate_up.device.type != "cpu" or gate_up.dim() != 2 or not gate_up.is_contiguous():
+            return None
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype, device=gate_up.device)
+        fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        return out
+
+
+def _heads_of_rows(x: torch.Tensor, stride: int, dim: int) -> bool:
+    """``x`` ``[T, heads, dim]`` lays each token's heads side by side, ``dim`` values each, tokens
+    ``stride`` elements apart (a dimension of size 1 may carry any stride)."""
+    tokens, heads, width = x.shape
+    return (width == dim and (width == 1 or x.stride(2) == 1) and (heads == 1 or x.stride(1) == dim)
+            and (tokens == 1 or x.stride(0) == stride))

@@ -1,0 +1,122 @@
+"""The C layer kernels (``paged_kernels/csrc/layer_ops.c``) against the torch code of the layers they
+replace: the rotary bit for bit (each product and sum rounded as torch rounds them), the norm and
+SiLU to an ulp or two (only the order of a sum and the e^x differ); what the kernels refuse is left
+untouched for the torch code. Skipped where no C compiler can build them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pagedserve.kernels import reference
+from pagedserve.kernels.native_attention import NativeAttention
+from pagedserve.kernels.native_build import NativeKernelUnavailable
+from pagedserve.kernels.native_layer_ops import NativeLayerOps
+from pagedserve.worker.runner.models.layers import RMSNorm
+from pagedserve.worker.runner.models.rope import RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory) -> NativeLayerOps:
+    try:
+        return NativeLayerOps(NativeAttention(tmp_path_factory.mktemp("kernels")).lib)
+    except NativeKernelUnavailable as err:
+        pytest.skip(f"no native kernels here: {err}")
+
+
+def _ulps(dtype: torch.dtype) -> float:
+    return 2 * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_is_the_layers_norm(kernels, dtype, rows):
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (torch.randn(576) * 0.3 + 1).to(dtype)
+    norm.to(dtype)
+    x = (torch.randn(rows, 576) * 4).to(dtype)
+    expected = norm(x)
+    got = kernels.rms_norm(x, norm.weight, norm.eps)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 * _ulps(dtype), atol=0)
+
+
+def test_rms_norm_reads_rows_of_a_wider_tensor(kernels):
+    wide = torch.randn(5, 700)
+    rows = wide[:, :576]
+    weight = torch.randn(576)
+    torch.testing.assert_close(kernels.rms_norm(rows, weight, 1e-6), _torch_norm(rows.contiguous(), weight, 1e-6),
+                               rtol=2 * _ulps(torch.float32), atol=0)
+
+
+def _torch_norm(x, weight, eps):
+    norm = RMSNorm(x.shape[-1], eps)
+    norm.weight.data = weight
+    return norm(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 1, 32)])
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_rope_store_rotates_as_the_layer_and_stores_as_store_kv(kernels, dtype, heads, kv_heads, dim, tokens):
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width).to(dtype)
+    q, k, v = (x.view(tokens, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    positions = torch.randint(0, 4000, (tokens,))
+    rotary = _rotary(dim)
+    cos_sin = rotary(positions, dtype)
+    expected_q, expected_k = RotaryEmbedding.apply(q, k, cos_sin)
+    expected_v = v.clone()
+    caches = [torch.zeros(6, 16, kv_heads, dim, dtype=dtype) for _ in range(4)]
+    slots = torch.randperm(96)[:tokens]
+    slots[0] = -1  # a padding token: not stored
+    reference.store_kv(expected_k, expected_v, caches[2], caches[3], slots)
+
+    assert kernels.rope_store(q, k, v, *cos_sin, caches[0], caches[1], slots)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(v, expected_v)
+
+
+def _rotary(dim: int) -> RotaryEmbedding:
+    class Config:
+        max_position_embeddings = 8192
+        rope_parameters = {"rope_type": "default", "rope_theta": 100000.0}
+
+    return RotaryEmbedding(Config(), dim)
+
+
+@pytest.mark.parametrize("why", ["partial rotary", "separate projections", "quantized cache", "float16", "int32 slots"])
+def test_rope_store_refuses_what_it_cannot_do_and_touches_nothing(kernels, why):
+    tokens, heads, kv_heads, dim = 3, 4, 2, 64
+    dtype = torch.float16 if why == "float16" else torch.float32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, v = (x.view(tokens, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    if why == "separate projections":
+        k = k.contiguous()
+    cos, sin = _rotary(32 if why == "partial rotary" else dim)(torch.arange(tokens), dtype)
+    cache_dtype = torch.uint8 if why == "quantized cache" else dtype
+    k_cache, v_cache = (torch.zeros(2, 16, kv_heads, dim, dtype=cache_dtype) for _ in range(2))
+    slots = torch.arange(tokens, dtype=torch.int32 if why == "int32 slots" else torch.int64)
+    before = qkv.clone()
+    assert not kernels.rope_store(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(qkv, before) and not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 17])
+def test_silu_mul_is_the_mlps_activation(kernels, dtype, rows):
+    gate_up = (torch.randn(rows, 2 * 1536) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = kernels.silu_mul(gate_up)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 * _ulps(dtype), atol=1e-6)
+
+
+def test_what_the_kernels_do_not_take_is_none(kernels):
+    assert kernels.rms_norm(torch.randn(2, 3, 64), torch.ones(64), 1e-6) is None  # per-head norms (Qwen3)
+    assert kernels.rms_norm(torch.randn(2, 64).half(), torch.ones(64).half(), 1e-6) is None
+    assert kernels.silu_mul(torch.randn(4, 16)[:, :8]) is None
