@@ -1,5 +1,6 @@
 """A decoder layer's small operations through the C kernels of ``csrc/layer_ops.c``: RMSNorm, rotary
-embedding of q and k with the store of k and v into the cache, SiLU(gate) * up.
+embedding of q and k with the store of k and v into the cache, SiLU(gate) * up; and the weight-only
+int8 linear layer of ``csrc/int8_linear.c``.
 
 At one token a step these are a layer's cost beyond its matrices: a dozen torch operations each, at
 a few microseconds apiece, 30 layers a step (docs/benchmarks.md). Each method takes what the C code
@@ -20,18 +21,20 @@ _SIGNATURES = {
     "rms_norm": (_PTR, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT),
     "rope_store": (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT),
     "silu_mul": (_PTR, _PTR, _I64, _I64, _INT),
+    "int8_linear": (_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT),
 }
 
 
 class NativeLayerOps:
     """The layer kernels of one loaded kernel library (``native_build.load_library``)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, names: tuple[str, ...] = tuple(_SIGNATURES)) -> None:
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
-        for name, argtypes in _SIGNATURES.items():
+        for name in names:
+            argtypes = _SIGNATURES[name]
             for dtype, suffix in _DTYPES.items():
                 fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes, fn.restype = argtypes, None
+                fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "int8_linear" else None)
                 self._fns[name, dtype] = fn
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -75,6 +78,21 @@ class NativeLayerOps:
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype, device=gate_up.device)
         fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
+
+    def int8_linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x`` ``[rows, in]`` times int8 ``codes`` ``[out, in]`` with a bfloat16 ``scale`` per
+        output (and ``bias`` at x's dtype) -> ``[rows, out]`` at x's dtype."""
+        fn = self._fns.get(("int8_linear", x.dtype))
+        if (fn is None or x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous() or codes.dtype != torch.int8
+                or not codes.is_contiguous() or scale.dtype != torch.bfloat16 or not scale.is_contiguous()
+                or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
+            return None
+        rows, width = x.shape
+        out = torch.empty((rows, codes.shape[0]), dtype=x.dtype, device=x.device)
+        failed = fn(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
+                    out.data_ptr(), rows, width, codes.shape[0], torch.get_num_threads())
+        return None if failed else out
 
 
 def _heads_of_rows(x: torch.Tensor, stride: int, dim: int) -> bool:

@@ -120,3 +120,67 @@ def test_what_the_kernels_do_not_take_is_none(kernels):
     assert kernels.rms_norm(torch.randn(2, 3, 64), torch.ones(64), 1e-6) is None  # per-head norms (Qwen3)
     assert kernels.rms_norm(torch.randn(2, 64).half(), torch.ones(64).half(), 1e-6) is None
     assert kernels.silu_mul(torch.randn(4, 16)[:, :8]) is None
+
+
+def _int8_layer(rows_out: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows_out, width), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(rows_out, generator=gen) / 50 + 1e-3).bfloat16()
+    return codes, scale
+
+
+@pytest.mark.parametrize("width", [576, 100, 1536, 2048 + 40])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_int8_linear_is_the_grids_exact_product_to_float32_rounding(kernels, width, rows):
+    """Inputs at int16 per group of 256 values: within a few 1e-4 of the exact product even with an
+    outlier 10^4 times its group's other values (torch's int8 kernel, from bfloat16 inputs, is
+    ~3e-3 off); widths off the group and the vector step included."""
+    codes, scale = _int8_layer(96, width)
+    x = torch.randn(rows, width) * torch.logspace(-2, 1, width)  # values of very different sizes
+    x[0, 7] = 300.0  # an outlier in one group
+    bias = torch.randn(96)
+    exact = (x.double() @ (codes.double() * scale.double()[:, None]).T + bias.double()).float()
+    got = kernels.int8_linear(x, codes, scale, bias)
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    assert float((got - exact).norm() / exact.norm()) < 5e-4
+    bf16 = kernels.int8_linear(x.bfloat16(), codes, scale, bias.bfloat16())
+    assert bf16.dtype == torch.bfloat16 and float((bf16.float() - exact).norm() / exact.norm()) < 5e-3
+
+
+def test_int8_linear_gives_a_row_the_same_bits_alone_and_in_any_batch(kernels):
+    """The engine's batched output must equal its unbatched one: a row's result depends on that row
+    alone, whatever the batch's size (past the kernel's tile of 32 rows too)."""
+    codes, scale = _int8_layer(80, 576, seed=1)
+    batch = torch.randn(70, 576)
+    together = kernels.int8_linear(batch, codes, scale, None)
+    for i in (0, 31, 32, 69):
+        assert torch.equal(kernels.int8_linear(batch[i : i + 1], codes, scale, None)[0], together[i])
+    assert torch.equal(kernels.int8_linear(batch[30:35], codes, scale, None), together[30:35])
+
+
+def test_int8_linear_is_the_same_with_avx2_as_with_this_cpus_instructions(kernels, tmp_path):
+    """Group sums are exact integers and groups are added in order, so a CPU with AVX2 only (a CI
+    machine, say) computes the bits this one does. Built here for Haswell (AVX2 + FMA)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from pagedserve.kernels.native_build import FLAGS, SOURCE_DIR
+
+    if "avx2" not in open("/proc/cpuinfo").read() or not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no AVX2 or no C compiler here")
+    library = tmp_path / "haswell.so"
+    flags = [f for f in FLAGS if not f.startswith("-march")]
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), *flags, "-march=haswell", "-o", str(library),
+                    str(SOURCE_DIR / "int8_linear.c"), str(SOURCE_DIR / "layer_ops.c"), "-lm"], check=True)
+    haswell = NativeLayerOps(ctypes.CDLL(str(library)), names=("int8_linear",))
+    codes, scale = _int8_layer(64, 2048 + 40, seed=2)
+    x = torch.randn(5, 2048 + 40)
+    assert torch.equal(haswell.int8_linear(x, codes, scale, None), kernels.int8_linear(x, codes, scale, None))
+
+
+def test_int8_linear_refuses_what_it_cannot_take(kernels):
+    codes, scale = _int8_layer(16, 64)
+    assert kernels.int8_linear(torch.randn(4, 128)[:, :64], codes, scale, None) is None  # rows not contiguous
+    assert kernels.int8_linear(torch.randn(4, 64).half(), codes, scale, None) is None
+    assert kernels.int8_linear(torch.randn(4, 64), codes, scale.float(), None) is None

@@ -128,7 +128,7 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     if device.type == "cpu":
         fuse_projections(model)
         use_layer_kernels(model, ops.layer)
-    quantized = quantize_linears(model, quantization, device)
+    quantized = quantize_linears(model, quantization, device, ops.layer)
     structlog.get_logger("pagedserve.loader").info(
         "linear layers", form=fast_cpu_linears(model, device, info.dtype) or "plain", quantization=quantization,
         quantized_layers=quantized)
