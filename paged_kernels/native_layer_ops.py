@@ -58,6 +58,8 @@ class NativeLayerOps:
         nothing, where the kernel does not apply."""
         fn = self._fns.get(("rope_store", q.dtype))
         tokens, heads, dim = q.shape
+        if tokens == 0 and fn is not None:
+            return True  # nothing to rotate or store (an empty view's strides can be anything)
         stride = q.stride(0)
         if (fn is None or q.device.type != "cpu" or not all(_heads_of_rows(x, stride, dim) for x in (q, k, v))
                 or k.dtype != q.dtype or v.dtype != q.dtype or cos.dtype != q.dtype or sin.dtype != q.dtype

@@ -184,3 +184,17 @@ def test_int8_linear_refuses_what_it_cannot_take(kernels):
     assert kernels.int8_linear(torch.randn(4, 128)[:, :64], codes, scale, None) is None  # rows not contiguous
     assert kernels.int8_linear(torch.randn(4, 64).half(), codes, scale, None) is None
     assert kernels.int8_linear(torch.randn(4, 64), codes, scale.float(), None) is None
+
+
+def test_an_empty_batch_passes_through_every_kernel(kernels):
+    """A step can hand a layer no rows (the head when no sequence samples): every kernel answers
+    with an empty result, never a refusal or a crash."""
+    codes, scale = _int8_layer(16, 64)
+    assert kernels.int8_linear(torch.empty(0, 64), codes, scale, None).shape == (0, 16)
+    assert kernels.rms_norm(torch.empty(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
+    assert kernels.silu_mul(torch.empty(0, 32)).shape == (0, 16)
+    qkv = torch.empty(0, 4 * 64)
+    q, k, v = (x.view(0, x.shape[1] // 64, 64) for x in qkv.split([128, 64, 64], dim=-1))
+    cos, sin = _rotary(64)(torch.empty(0, dtype=torch.int64), torch.float32)
+    caches = torch.zeros(2, 16, 1, 64), torch.zeros(2, 16, 1, 64)
+    assert kernels.rope_store(q, k, v, cos, sin, *caches, torch.empty(0, dtype=torch.int64))
