@@ -10,8 +10,9 @@ model's dtype. Scales are rounded to bfloat16 before the codes are taken, so the
 one the kernel multiplies by. Where the C kernels build (the engine's CPU ops), an int8 layer runs
 ours instead (``paged_kernels/csrc/int8_linear.c``): its input at int16 per group of 256, integer
 sums exact, no bfloat16 rounding of input or output (a hundred times closer to the grid's exact
-product), the same result for a row alone or in a batch, and at one row twice torch's speed. Groups of 32 are GGUF's Q4_0/Q4_1 blocks: a Q4_1 file's dequantized
-weights fall back on exactly their own grid.
+product), the same result for a row alone or in a batch, and at one row twice torch's speed.
+Groups of 32 are GGUF's Q4_0/Q4_1 blocks: a Q4_1 file's dequantized weights fall back on exactly
+their own grid.
 
 A layer whose input width is not a multiple of the group (or output width of 16, the int4 kernel's
 tile) stays at the model's dtype under int4. ``lm_head`` is int8 under int4 too, as llama.cpp's Q4
