@@ -10,6 +10,7 @@
  * their order, each with one fused multiply-add (fmaf: one rounding, whether the compiler would have
  * fused it or not). So a row's result depends on that row alone and on no instruction set: the same
  * for one row or a batch, on any CPU (the engine's batched output must equal its unbatched one).
+ * In a batch two rows at a time share each widened weight (their integer sums are the same).
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +24,15 @@
 
 #define GROUP 256
 #define ROW_TILE 32 /* rows of x (int16) read against every output channel before the next rows */
+
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__)) && defined(__AVX2__)
+static inline int32_t lanes_sum(__m256i acc) {
+    __m128i half = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
+    return _mm_cvtsi128_si32(half);
+}
+#endif
 
 /* One group's exact sum of codes[k] * xq[k]. */
 static inline int32_t group_dot(const int8_t *codes, const int16_t *xq, int64_t n) {
@@ -41,13 +51,43 @@ static inline int32_t group_dot(const int8_t *codes, const int16_t *xq, int64_t 
         const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + k)));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)(xq + k))));
     }
-    __m128i half = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
-    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
-    sum = _mm_cvtsi128_si32(half);
+    sum = lanes_sum(acc);
 #endif
     for (; k < n; k++) sum += (int32_t)codes[k] * (int32_t)xq[k];
     return sum;
+}
+
+/* group_dot of two rows of x against the same codes, each weight widened once for both (the sums
+ * are exact integers, so each is group_dot's to the bit). */
+static inline void group_dot2(const int8_t *codes, const int16_t *x0, const int16_t *x1, int64_t n, int32_t *s0,
+                              int32_t *s1) {
+    int64_t k = 0;
+    int32_t sum0 = 0, sum1 = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();
+    for (; k + 32 <= n; k += 32) {
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(codes + k)));
+        acc0 = _mm512_dpwssd_epi32(acc0, w, _mm512_loadu_si512((const void *)(x0 + k)));
+        acc1 = _mm512_dpwssd_epi32(acc1, w, _mm512_loadu_si512((const void *)(x1 + k)));
+    }
+    sum0 = _mm512_reduce_add_epi32(acc0);
+    sum1 = _mm512_reduce_add_epi32(acc1);
+#elif defined(__AVX2__)
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    for (; k + 16 <= n; k += 16) {
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + k)));
+        acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)(x0 + k))));
+        acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)(x1 + k))));
+    }
+    sum0 = lanes_sum(acc0);
+    sum1 = lanes_sum(acc1);
+#endif
+    for (; k < n; k++) {
+        sum0 += (int32_t)codes[k] * (int32_t)x0[k];
+        sum1 += (int32_t)codes[k] * (int32_t)x1[k];
+    }
+    *s0 = sum0;
+    *s1 = sum1;
 }
 
 /* x [rows, in] -> int16 codes [rows, in] and a float scale per (row, group). */
@@ -90,7 +130,20 @@ static inline int32_t group_dot(const int8_t *codes, const int16_t *xq, int64_t 
                 const int8_t *w = codes + n * in;                                                     \
                 const float s = bf16_load(scale + n);                                                 \
                 const float b = bias != NULL ? LOAD(bias + n) : 0.0f;                                 \
-                for (int64_t r = first; r < last; r++) {                                              \
+                int64_t r = first;                                                                    \
+                for (; r + 1 < last; r += 2) { /* two rows share each widened weight */              \
+                    float acc0 = 0.0f, acc1 = 0.0f;                                                   \
+                    for (int64_t g = 0; g < groups; g++) {                                            \
+                        const int64_t start = g * GROUP, len = start + GROUP < in ? GROUP : in - start; \
+                        int32_t s0, s1;                                                               \
+                        group_dot2(w + start, xq + r * in + start, xq + (r + 1) * in + start, len, &s0, &s1); \
+                        acc0 = fmaf((float)s0, xs[r * groups + g], acc0);                             \
+                        acc1 = fmaf((float)s1, xs[(r + 1) * groups + g], acc1);                       \
+                    }                                                                                 \
+                    STORE(out + r * outs + n, fmaf(acc0, s, b));                                      \
+                    STORE(out + (r + 1) * outs + n, fmaf(acc1, s, b));                                \
+                }                                                                                     \
+                for (; r < last; r++) {                                                               \
                     float acc = 0.0f;                                                                 \
                     for (int64_t g = 0; g < groups; g++) {                                            \
                         const int64_t start = g * GROUP, len = start + GROUP < in ? GROUP : in - start; \
