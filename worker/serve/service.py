@@ -81,7 +81,7 @@ class WorkerService:
                                             lambda: self.engine_loop.want_picture(), lambda: self.report.dashboard_figures())
         self.engine_loop = EngineLoop(engine, self._outputs_from_engine_thread, on_kv=self.kv.from_engine_thread,
                                       on_picture=self.dashboard.from_engine_thread)
-        self.outbox = Outbox(self.bridge, self.inflight, self.engine_loop.abort, settings.heartbeat_s * 3)
+        self.outbox = Outbox(self.bridge, self.inflight, self.engine_loop.abort, settings.liveness_s)
         self.stopping = asyncio.Event()
         self.report = SelfReport(settings.consumer, self.model, engine.limits(), self.inflight, self.engine_loop, self.stopping)
         self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
@@ -115,7 +115,7 @@ class WorkerService:
             await self._retrying("create group", self.bridge.ensure_group)
             # Names are stable (a restarted worker takes its pending entries back): two live workers
             # must not share one; a crashed predecessor's key expires within three heartbeats.
-            ttl = self.settings.heartbeat_s * 3
+            ttl = self.settings.liveness_s
             await self._retrying("claim consumer name",
                                  lambda: self.bridge.wait_for_name(ttl, ttl + 1, self.report.worker_info({}).encode()))
         except ConsumerNameTaken:
@@ -288,7 +288,7 @@ class WorkerService:
             self.prometheus.update(metrics)
         beating = self.inflight.beating()
         sent = time.monotonic()
-        held = await self.bridge.heartbeat(beating, self.settings.heartbeat_s * 3, metrics,
+        held = await self.bridge.heartbeat(beating, self.settings.liveness_s, metrics,
                                            self.report.worker_info(metrics).encode())
         self.outbox.beaten(sent)
         self.outbox.let_go(set(beating) - held)

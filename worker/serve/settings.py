@@ -36,6 +36,11 @@ class WorkerSettings:
     kv_resync_s: float = 30.0  # and all the cache holds, this often (a reader that missed entries catches up)
     dashboard_interval_s: float = 0.25  # a KV dashboard snapshot this often at most, while a dashboard is open
 
+    @property
+    def liveness_s(self) -> float:
+        """The liveness key's time to live: three heartbeats (a worker silent that long is taken for dead)."""
+        return self.heartbeat_s * 3
+
 
 def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     environ = os.environ if environ is None else environ
