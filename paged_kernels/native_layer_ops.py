@@ -17,11 +17,11 @@ import torch
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
-    "rms_norm": (_PTR, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT),
-    "rope_store": (_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT),
-    "silu_mul": (_PTR, _PTR, _I64, _I64, _INT),
-    "int8_linear": (_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT),
+_SIGNATURES = {  # name -> (argument types, result type)
+    "rms_norm": ((_PTR, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT), None),
+    "rope_store": ((_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), None),
+    "silu_mul": ((_PTR, _PTR, _I64, _I64, _INT), None),
+    "int8_linear": ((_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT), _INT),  # 0, or -1: no scratch memory
 }
 
 
@@ -31,10 +31,10 @@ class NativeLayerOps:
     def __init__(self, lib: ctypes.CDLL, names: tuple[str, ...] = tuple(_SIGNATURES)) -> None:
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name in names:
-            argtypes = _SIGNATURES[name]
+            argtypes, restype = _SIGNATURES[name]
             for dtype, suffix in _DTYPES.items():
                 fn = getattr(lib, f"{name}_{suffix}")
-                fn.argtypes, fn.restype = argtypes, (ctypes.c_int if name == "int8_linear" else None)
+                fn.argtypes, fn.restype = argtypes, restype
                 self._fns[name, dtype] = fn
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -58,8 +58,6 @@ class NativeLayerOps:
         nothing, where the kernel does not apply."""
         fn = self._fns.get(("rope_store", q.dtype))
         tokens, heads, dim = q.shape
-        if tokens == 0 and fn is not None:
-            return True  # nothing to rotate or store (an empty view's strides can be anything)
         stride = q.stride(0)
         if (fn is None or q.device.type != "cpu" or not all(_heads_of_rows(x, stride, dim) for x in (q, k, v))
                 or k.dtype != q.dtype or v.dtype != q.dtype or cos.dtype != q.dtype or sin.dtype != q.dtype
@@ -99,7 +97,7 @@ class NativeLayerOps:
 
 def _heads_of_rows(x: torch.Tensor, stride: int, dim: int) -> bool:
     """``x`` ``[T, heads, dim]`` lays each token's heads side by side, ``dim`` values each, tokens
-    ``stride`` elements apart (a dimension of size 1 may carry any stride)."""
+    ``stride`` elements apart (a dimension of size 0 or 1 may carry any stride)."""
     tokens, heads, width = x.shape
-    return (width == dim and (width == 1 or x.stride(2) == 1) and (heads == 1 or x.stride(1) == dim)
-            and (tokens == 1 or x.stride(0) == stride))
+    return (width == dim and (width <= 1 or x.stride(2) == 1) and (heads <= 1 or x.stride(1) == dim)
+            and (tokens <= 1 or x.stride(0) == stride))
