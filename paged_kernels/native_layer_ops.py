@@ -16,12 +16,13 @@ import ctypes
 import torch
 
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+PANEL = 32  # output channels side by side in the int8 kernel's layout (csrc/int8_linear.c)
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {  # name -> (argument types, result type)
     "rms_norm": ((_PTR, _PTR, _PTR, _I64, _I64, _I64, _F32, _INT), None),
     "rope_store": ((_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), None),
     "silu_mul": ((_PTR, _PTR, _I64, _I64, _INT), None),
-    "int8_linear": ((_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT), _INT),  # 0, or -1: no scratch memory
+    "int8_linear": ((_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), _INT),  # 0, or -1: no scratch memory
 }
 
 
@@ -79,19 +80,38 @@ class NativeLayerOps:
         fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
-    def int8_linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+    @staticmethod
+    def int8_panels(codes: torch.Tensor) -> torch.Tensor:
+        """int8 ``codes`` ``[out, in]`` in the int8 kernel's layout: ``PANEL`` output channels side by
+        side, then pairs of inputs, ``[ceil(out / PANEL), ceil(in / 2), PANEL, 2]`` (zeros where ``out``
+        falls short of whole panels or ``in`` is odd)."""
+        outs, width = codes.shape
+        panels = -(-outs // PANEL)
+        padded = torch.zeros((panels * PANEL, width + width % 2), dtype=torch.int8, device=codes.device)
+        padded[:outs, :width] = codes
+        return padded.view(panels, PANEL, -1, 2).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def int8_codes(panels: torch.Tensor, outs: int, width: int) -> torch.Tensor:
+        """``int8_panels`` undone: the ``[outs, width]`` codes."""
+        return panels.transpose(1, 2).reshape(-1, panels.shape[1] * 2)[:outs, :width]
+
+    def int8_linear(self, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor | None:
-        """``x`` ``[rows, in]`` times int8 ``codes`` ``[out, in]`` with a bfloat16 ``scale`` per
-        output (and ``bias`` at x's dtype) -> ``[rows, out]`` at x's dtype."""
+        """``x`` ``[rows, in]`` times int8 codes in ``int8_panels``' layout with a bfloat16 ``scale``
+        per output (``[out]``; and ``bias`` at x's dtype) -> ``[rows, out]`` at x's dtype."""
         fn = self._fns.get(("int8_linear", x.dtype))
-        if (fn is None or x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous() or codes.dtype != torch.int8
-                or not codes.is_contiguous() or scale.dtype != torch.bfloat16 or not scale.is_contiguous()
+        if (fn is None or x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous() or panels.dtype != torch.int8
+                or not panels.is_contiguous() or scale.dtype != torch.bfloat16 or not scale.is_contiguous()
                 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
             return None
         rows, width = x.shape
-        out = torch.empty((rows, codes.shape[0]), dtype=x.dtype, device=x.device)
-        failed = fn(x.data_ptr(), codes.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
-                    out.data_ptr(), rows, width, codes.shape[0], torch.get_num_threads())
+        outs = scale.shape[0]
+        if panels.shape != (-(-outs // PANEL), (width + 1) // 2, PANEL, 2):
+            raise ValueError(f"int8 panels of shape {tuple(panels.shape)} do not hold {outs} x {width} codes")
+        out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
+        failed = fn(x.data_ptr(), panels.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
+                    out.data_ptr(), rows, width, outs, panels.shape[0], torch.get_num_threads())
         return None if failed else out
 
 

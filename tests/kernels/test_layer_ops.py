@@ -140,10 +140,10 @@ def test_int8_linear_is_the_grids_exact_product_to_float32_rounding(kernels, wid
     x[0, 7] = 300.0  # an outlier in one group
     bias = torch.randn(96)
     exact = (x.double() @ (codes.double() * scale.double()[:, None]).T + bias.double()).float()
-    got = kernels.int8_linear(x, codes, scale, bias)
+    got = kernels.int8_linear(x, kernels.int8_panels(codes), scale, bias)
     assert got.shape == (rows, 96) and got.dtype == torch.float32
     assert float((got - exact).norm() / exact.norm()) < 5e-4
-    bf16 = kernels.int8_linear(x.bfloat16(), codes, scale, bias.bfloat16())
+    bf16 = kernels.int8_linear(x.bfloat16(), kernels.int8_panels(codes), scale, bias.bfloat16())
     assert bf16.dtype == torch.bfloat16 and float((bf16.float() - exact).norm() / exact.norm()) < 5e-3
 
 
@@ -151,46 +151,69 @@ def test_int8_linear_gives_a_row_the_same_bits_alone_and_in_any_batch(kernels):
     """The engine's batched output must equal its unbatched one: a row's result depends on that row
     alone, whatever the batch's size (past the kernel's tile of 32 rows too)."""
     codes, scale = _int8_layer(80, 576, seed=1)
+    panels = kernels.int8_panels(codes)
     batch = torch.randn(70, 576)
-    together = kernels.int8_linear(batch, codes, scale, None)
+    together = kernels.int8_linear(batch, panels, scale, None)
     for i in (0, 31, 32, 69):
-        assert torch.equal(kernels.int8_linear(batch[i : i + 1], codes, scale, None)[0], together[i])
-    assert torch.equal(kernels.int8_linear(batch[30:35], codes, scale, None), together[30:35])
+        assert torch.equal(kernels.int8_linear(batch[i : i + 1], panels, scale, None)[0], together[i])
+    assert torch.equal(kernels.int8_linear(batch[30:35], panels, scale, None), together[30:35])
 
 
-def test_int8_linear_is_the_same_with_avx2_as_with_this_cpus_instructions(kernels, tmp_path):
+@pytest.mark.parametrize("arch", ["haswell", "x86-64"])
+def test_int8_linear_is_the_same_with_avx2_or_plain_c_as_with_this_cpus_instructions(kernels, tmp_path, arch):
     """Group sums are exact integers and groups are added in order, so a CPU with AVX2 only (a CI
-    machine, say) computes the bits this one does. Built here for Haswell (AVX2 + FMA)."""
+    machine, say), or without vector instructions the kernel knows, computes the bits this one does.
+    Built here for Haswell (AVX2 + FMA) and for plain x86-64 (the C loops); rows past the kernel's
+    tile of 4 and a width that is odd and off the group."""
     import ctypes
     import shutil
     import subprocess
 
     from pagedserve.kernels.native_build import FLAGS, SOURCE_DIR
 
-    if "avx2" not in open("/proc/cpuinfo").read() or not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no AVX2 or no C compiler here")
-    library = tmp_path / "haswell.so"
+    if arch == "haswell" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 here")
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here")
+    library = tmp_path / f"{arch}.so"
     flags = [f for f in FLAGS if not f.startswith("-march")]
-    subprocess.run([shutil.which("cc") or shutil.which("gcc"), *flags, "-march=haswell", "-o", str(library),
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), *flags, f"-march={arch}", "-o", str(library),
                     str(SOURCE_DIR / "int8_linear.c"), str(SOURCE_DIR / "layer_ops.c"), "-lm"], check=True)
-    haswell = NativeLayerOps(ctypes.CDLL(str(library)), names=("int8_linear",))
-    codes, scale = _int8_layer(64, 2048 + 40, seed=2)
-    x = torch.randn(5, 2048 + 40)
-    assert torch.equal(haswell.int8_linear(x, codes, scale, None), kernels.int8_linear(x, codes, scale, None))
+    other = NativeLayerOps(ctypes.CDLL(str(library)), names=("int8_linear",))
+    for outs, width, rows in ((64, 2048 + 40, 5), (40, 577, 9)):
+        codes, scale = _int8_layer(outs, width, seed=2)
+        panels = kernels.int8_panels(codes)
+        x = torch.randn(rows, width)
+        assert torch.equal(other.int8_linear(x, panels, scale, None), kernels.int8_linear(x, panels, scale, None))
+
+
+@pytest.mark.parametrize("outs, width", [(16, 64), (33, 7), (64, 576), (1, 1)])
+def test_int8_panels_hold_the_codes_and_zeros_around_them(outs, width):
+    """The kernel's layout: 32 outputs side by side per pair of inputs; whatever pads a panel or an
+    odd width is zero (it is multiplied in), and the layout undone gives the codes back."""
+    codes, _ = _int8_layer(outs, width)
+    panels = NativeLayerOps.int8_panels(codes)
+    assert panels.shape == (-(-outs // 32), (width + 1) // 2, 32, 2)
+    assert torch.equal(panels[0, 0, 0], codes[0, :2]) if width > 1 else int(panels[0, 0, 0, 1]) == 0
+    assert int(panels.abs().sum()) == int(codes.abs().sum())
+    assert torch.equal(NativeLayerOps.int8_codes(panels, outs, width), codes)
 
 
 def test_int8_linear_refuses_what_it_cannot_take(kernels):
     codes, scale = _int8_layer(16, 64)
-    assert kernels.int8_linear(torch.randn(4, 128)[:, :64], codes, scale, None) is None  # rows not contiguous
-    assert kernels.int8_linear(torch.randn(4, 64).half(), codes, scale, None) is None
-    assert kernels.int8_linear(torch.randn(4, 64), codes, scale.float(), None) is None
+    panels = kernels.int8_panels(codes)
+    assert kernels.int8_linear(torch.randn(4, 128)[:, :64], panels, scale, None) is None  # rows not contiguous
+    assert kernels.int8_linear(torch.randn(4, 64).half(), panels, scale, None) is None
+    assert kernels.int8_linear(torch.randn(4, 64), panels, scale.float(), None) is None
+    with pytest.raises(ValueError, match="do not hold"):  # codes not in the kernel's layout
+        kernels.int8_linear(torch.randn(4, 64), codes, scale, None)
 
 
 def test_an_empty_batch_passes_through_every_kernel(kernels):
     """A step can hand a layer no rows (the head when no sequence samples): every kernel answers
     with an empty result, never a refusal or a crash."""
     codes, scale = _int8_layer(16, 64)
-    assert kernels.int8_linear(torch.empty(0, 64), codes, scale, None).shape == (0, 16)
+    assert kernels.int8_linear(torch.empty(0, 64), kernels.int8_panels(codes), scale, None).shape == (0, 16)
     assert kernels.rms_norm(torch.empty(0, 64), torch.ones(64), 1e-6).shape == (0, 64)
     assert kernels.silu_mul(torch.empty(0, 32)).shape == (0, 16)
     qkv = torch.empty(0, 4 * 64)

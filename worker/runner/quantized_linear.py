@@ -37,28 +37,35 @@ COMPUTE = torch.bfloat16  # the kernels' activation dtype
 
 
 class Int8Linear(nn.Module):
-    """``nn.Linear`` with int8 weights ``[out, in]`` and a bfloat16 scale per output channel;
-    ``kernels``: the C kernel runs it (``csrc/int8_linear.c``), else torch's from bfloat16."""
+    """``nn.Linear`` with int8 weights and a bfloat16 scale per output channel; ``kernels``: the C
+    kernel runs it (``csrc/int8_linear.c``; the codes kept in its panel layout), else torch's from
+    bfloat16 (the codes ``[out, in]``)."""
 
     def __init__(self, linear: nn.Linear, kernels: NativeLayerOps | None = None) -> None:
         super().__init__()
         self.kernels = kernels
         self.in_features, self.out_features = linear.in_features, linear.out_features
         codes, scale = _int8(linear.weight.detach().float(), COMPUTE)
-        self.register_buffer("codes", codes)
+        self.register_buffer("codes", codes if kernels is None else kernels.int8_panels(codes))
         self.register_buffer("scale", scale[:, 0])
         self.bias = _bias(linear)
 
+    def plain_codes(self) -> torch.Tensor:
+        """int8 ``[out, in]`` (the C kernel's panel layout undone where it holds them)."""
+        if self.kernels is None:
+            return self.codes
+        return self.kernels.int8_codes(self.codes, self.out_features, self.in_features).contiguous()
+
     def dequantized(self) -> torch.Tensor:
         """float32 ``[out, in]``: the weight the kernel multiplies by."""
-        return self.codes.float() * self.scale.float()[:, None]
+        return self.plain_codes().float() * self.scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if self.kernels is not None and (out := self.kernels.int8_linear(flat, self.codes, self.scale, self.bias)) is not None:
             return out.view(*shape[:-1], out.shape[-1])
-        out = torch._weight_int8pack_mm(flat.to(COMPUTE), self.codes, self.scale)
+        out = torch._weight_int8pack_mm(flat.to(COMPUTE), self.plain_codes(), self.scale)
         return _finish(out, self.bias, shape, x.dtype)
 
 
