@@ -23,6 +23,9 @@ _SIGNATURES = {  # name -> (argument types, result type)
     "rope_store": ((_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), None),
     "silu_mul": ((_PTR, _PTR, _I64, _I64, _INT), None),
     "int8_linear": ((_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), _INT),  # 0, or -1: no scratch memory
+    # csrc/paged_attention.c over a cache at the model's dtype (NativeAttention launches it with its checks)
+    "paged_attention": ((_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32,
+                         _PTR, _INT), None),
 }
 
 
@@ -30,13 +33,25 @@ class NativeLayerOps:
     """The layer kernels of one loaded kernel library (``native_build.load_library``)."""
 
     def __init__(self, lib: ctypes.CDLL, names: tuple[str, ...] = tuple(_SIGNATURES)) -> None:
+        self._lib = lib
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
         for name in names:
             argtypes, restype = _SIGNATURES[name]
             for dtype, suffix in _DTYPES.items():
-                fn = getattr(lib, f"{name}_{suffix}")
+                fn = lib[f"{name}_{suffix}"]  # an object of its own: NativeAttention calls the same symbol its way
                 fn.argtypes, fn.restype = argtypes, restype
                 self._fns[name, dtype] = fn
+
+    def raw(self, name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
+        """The C function itself (arguments as ``_SIGNATURES`` says, pointers as ints), for a caller
+        that has made every check its wrapper makes (``worker/runner/native_stack.py``)."""
+        return self._fns[name, dtype]
+
+    def attention_limits(self) -> tuple[int, int, int]:
+        """The attention kernel's largest head_dim, GQA group and block size."""
+        limits = [ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()]
+        self._lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
+        return tuple(x.value for x in limits)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension of a ``[rows, dim]`` ``x``

@@ -29,6 +29,7 @@ from pagedserve.worker.model_source import max_model_len, model_or_default, reso
 from pagedserve.worker.runner.gguf_weights import gguf_tensors
 from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
 from pagedserve.worker.runner.models.layers import CausalLM, fuse_projections, use_layer_kernels
+from pagedserve.worker.runner.native_stack import NativeStack
 from pagedserve.worker.runner.prepack import fast_cpu_linears
 from pagedserve.worker.runner.quantized_linear import quantize_linears
 
@@ -129,6 +130,7 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
         fuse_projections(model)
         use_layer_kernels(model, ops.layer)
     quantized = quantize_linears(model, quantization, device, ops.layer)
+    model.native_stack = NativeStack.of(model, ops.layer, ops.kv_format.quantized)
     structlog.get_logger("pagedserve.loader").info(
         "linear layers", form=fast_cpu_linears(model, device, info.dtype) or "plain", quantization=quantization,
         quantized_layers=quantized)

@@ -253,6 +253,9 @@ class CausalLM(nn.Module):
         first = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.rotary = Rotaries(config, self.head_dim)
+        # A decode step's layers as direct C calls (worker/runner/native_stack.py), where the loader
+        # finds every layer the kernels': (x, tables, meta, kv_caches) -> hidden states, or None.
+        self.native_stack: Callable | None = None
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
@@ -264,6 +267,9 @@ class CausalLM(nn.Module):
         """Hidden states ``[num_tokens, hidden]`` for a flat batch of tokens."""
         x = self.embed(input_ids)
         tables = self.rotary(positions, x.dtype, meta.token_seq_lens if self.rotary.needs_seq_lens else None)
+        stacked = self.native_stack(x, tables, meta, kv_caches) if self.native_stack is not None else None
+        if stacked is not None:
+            return self.model.norm(stacked)
         for layer, cache, key in zip(self.model.layers, kv_caches, self.rotary.layer_keys):
             x = layer(x, tables[key], meta, cache)
         return self.model.norm(x)

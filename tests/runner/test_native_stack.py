@@ -1,0 +1,104 @@
+"""A decode step's decoder stack as direct C calls (``worker/runner/native_stack.py``): the same bits
+as the module path it replaces (the same kernels, in the same order), taken only where every layer
+is the kernels' and the step is decodes only, and the real model's greedy text unchanged by it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.runner.native_stack import NativeStack
+
+
+def _decode_steps(llm: LLM, prompts: list[list[int]], tokens: int = 3) -> list[tuple]:
+    """The model's inputs of every step of ``prompts`` generated together."""
+    model, seen = llm.engine.runner.model, []
+    forward = model.forward
+
+    def capture(ids, positions, meta, kv_caches):
+        seen.append((ids, positions, meta, kv_caches))
+        return forward(ids, positions, meta, kv_caches)
+
+    model.forward = capture
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        model.forward = forward
+    return seen
+
+
+def _both_paths(model, step) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's final hidden states through the stack, then through the modules (each writes the
+    same K/V into the same slots)."""
+    stack = model.native_stack
+    with torch.inference_mode():
+        stacked = model(*step)
+        model.native_stack = None
+        try:
+            modules = model(*step)
+        finally:
+            model.native_stack = stack
+    return stacked, modules
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_step_through_the_stack_has_the_module_paths_bits(zoo, name, dtype):
+    llm = LLM(zoo.path(name), device="cpu", dtype=dtype, quantization="int8", block_size=8, num_gpu_blocks=64)
+    model = llm.engine.runner.model
+    assert isinstance(model.native_stack, NativeStack)
+    steps = _decode_steps(llm, [[5, 6, 7], list(range(20, 45)), [9]])
+    decodes = [s for s in steps if s[2].num_decodes == s[0].shape[0]]
+    assert len(decodes) == 2 and decodes[0][0].shape[0] == 3  # three sequences a step
+    for step in decodes:
+        stacked, modules = _both_paths(model, step)
+        assert torch.equal(stacked, modules)
+    one = _decode_steps(llm, [[11, 12]], tokens=2)[-1]
+    assert one[0].shape[0] == 1
+    assert torch.equal(*_both_paths(model, one))
+
+
+def test_a_step_with_a_prefill_chunk_takes_the_module_path(zoo):
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", quantization="int8", block_size=8,
+              num_gpu_blocks=64)
+    model = llm.engine.runner.model
+    prefill = _decode_steps(llm, [[5, 6, 7]], tokens=1)[0]
+    ids, positions, meta, kv_caches = prefill
+    tables = model.rotary(positions, torch.float32)
+    assert not model.native_stack.takes(model.embed(ids), tables, meta, kv_caches)
+
+
+@pytest.mark.parametrize("options", [dict(quantization="none"), dict(quantization="int4"),
+                                     dict(quantization="int8", kv_cache_dtype="int8"),
+                                     dict(quantization="int8", attention_backend="torch")])
+def test_models_whose_layers_are_not_entirely_the_kernels_have_no_stack(zoo, options):
+    """float32 matrices (oneDNN's), int4 (torch's kernel), a quantized cache (keys turned between the
+    rotary and the store), the torch backend (no C kernels): the modules run every step."""
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=64, **options)
+    assert llm.engine.runner.model.native_stack is None
+
+
+def test_the_real_models_greedy_text_and_logprobs_are_the_module_paths(real_model):
+    """SmolLM2 with int8 weights, three requests together and one alone, through the stack and
+    with it removed: the same tokens and the same logprobs to the bit."""
+    llm = LLM(real_model.gguf, dtype="float32", quantization="int8")
+    model = llm.engine.runner.model
+    assert isinstance(model.native_stack, NativeStack)
+    prompts = [real_model.chat_ids(text) for text in ("Name three rivers.", "What is 7 times 8?", "Say hello.")]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=1)
+
+    def run():
+        llm.engine.forget_cached()
+        outs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp for lp in o.outputs[0].logprobs]) for o in outs]
+
+    stacked = run()
+    stack, model.native_stack = model.native_stack, None
+    try:
+        modules = run()
+    finally:
+        model.native_stack = stack
+    assert [tokens for tokens, _ in stacked] == [tokens for tokens, _ in modules]
+    assert stacked == modules
