@@ -72,10 +72,12 @@ def test_the_c_layer_kernels_carry_every_layer_of_every_step(llm, real_model, mo
     """On the CPU a layer's norms, rotary with the K/V store and SiLU are C kernels
     (``paged_kernels/native_layer_ops.py``). Each hands back what it cannot take to the layer's torch
     code, so a layout it stopped recognising (a one-token view's strides, say) would only show as a
-    slower step: here every call of a prompt and its decodes is taken, and the tokens are
-    transformers'."""
-    kernels = llm.engine.runner.model.model.layers[0].self_attn.kernels
-    assert kernels is not None
+    slower step: here every call of the prompt's forward is taken, each decode runs the layers as
+    direct C calls (``worker/runner/native_stack.py``, which runs only where every layer is the
+    kernels'), and the tokens are transformers'."""
+    model = llm.engine.runner.model
+    kernels = model.model.layers[0].self_attn.kernels
+    assert kernels is not None and model.native_stack is not None
     calls: collections.Counter = collections.Counter()
     for name in ("rms_norm", "rope_store", "silu_mul"):
         def spy(*args, _real=getattr(kernels, name), _name=name):
@@ -83,11 +85,17 @@ def test_the_c_layer_kernels_carry_every_layer_of_every_step(llm, real_model, mo
             calls[_name, out is not None and out is not False] += 1
             return out
         monkeypatch.setattr(kernels, name, spy)
+
+    def stack_spy(*args, _real=model.native_stack):
+        out = _real(*args)
+        calls["stack", out is not None] += 1
+        return out
+    monkeypatch.setattr(model, "native_stack", stack_spy)
     prompt = real_model.chat_ids("Name three primary colors.")
     assert llm.generate([prompt], greedy(4), use_tqdm=False)[0].outputs[0].token_ids == real_model.hf_greedy(prompt, NEW)[:4]
-    layers, forwards = 30, 4  # the prompt, then three decodes
-    assert calls == {("rms_norm", True): (2 * layers + 1) * forwards, ("rope_store", True): layers * forwards,
-                     ("silu_mul", True): layers * forwards}
+    layers, decodes = 30, 3  # the prompt's forward through the modules, then three decodes through the stack
+    assert calls == {("rms_norm", True): 2 * layers + 1 + decodes, ("rope_store", True): layers,
+                     ("silu_mul", True): layers, ("stack", False): 1, ("stack", True): decodes}
 
 
 def test_logprobs_equal_transformers_log_softmax(llm, real_model):

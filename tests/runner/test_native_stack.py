@@ -1,6 +1,8 @@
 """A decode step's decoder stack as direct C calls (``worker/runner/native_stack.py``): the same bits
-as the module path it replaces (the same kernels, in the same order), taken only where every layer
-is the kernels' and the step is decodes only, and the real model's greedy text unchanged by it."""
+as the module path it replaces (the same kernels and matrices, in the same order), with int8
+matrices on the C kernel and any other form (prepacked float32, int4, bf16) through its module;
+taken only where every layer's small operations are the kernels' and the step is decodes only, and
+the real model's greedy text unchanged by it."""
 
 from __future__ import annotations
 
@@ -43,10 +45,11 @@ def _both_paths(model, step) -> tuple[torch.Tensor, torch.Tensor]:
     return stacked, modules
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha", "qwen2"])  # qwen2: q/k/v biases
+@pytest.mark.parametrize("name, quantization", [("llama-gqa", "int8"), ("llama-mha", "int8"), ("qwen2", "int8"),
+                                                ("qwen2", "none"), ("llama-gqa", "int4")])  # qwen2: q/k/v biases
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_decode_step_through_the_stack_has_the_module_paths_bits(zoo, name, dtype):
-    llm = LLM(zoo.path(name), device="cpu", dtype=dtype, quantization="int8", block_size=8, num_gpu_blocks=64)
+def test_a_decode_step_through_the_stack_has_the_module_paths_bits(zoo, name, quantization, dtype):
+    llm = LLM(zoo.path(name), device="cpu", dtype=dtype, quantization=quantization, block_size=8, num_gpu_blocks=64)
     model = llm.engine.runner.model
     assert isinstance(model.native_stack, NativeStack)
     steps = _decode_steps(llm, [[5, 6, 7], list(range(20, 45)), [9]])
@@ -70,20 +73,23 @@ def test_a_step_with_a_prefill_chunk_takes_the_module_path(zoo):
     assert not model.native_stack.takes(model.embed(ids), tables, meta, kv_caches)
 
 
-@pytest.mark.parametrize("options", [dict(quantization="none"), dict(quantization="int4"),
-                                     dict(quantization="int8", kv_cache_dtype="int8"),
+@pytest.mark.parametrize("options", [dict(quantization="int8", kv_cache_dtype="int8"),
                                      dict(quantization="int8", attention_backend="torch")])
 def test_models_whose_layers_are_not_entirely_the_kernels_have_no_stack(zoo, options):
-    """float32 matrices (oneDNN's), int4 (torch's kernel), a quantized cache (keys turned between the
-    rotary and the store), the torch backend (no C kernels): the modules run every step."""
+    """A quantized cache (keys turned between the rotary and the store), the torch backend (no C
+    kernels), a family whose layers differ (Gemma 2): the modules run every step."""
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=64, **options)
     assert llm.engine.runner.model.native_stack is None
+    gemma = LLM(zoo.path("gemma2"), device="cpu", dtype="float32", block_size=8, num_gpu_blocks=64)
+    assert gemma.engine.runner.model.native_stack is None
 
 
-def test_the_real_models_greedy_text_and_logprobs_are_the_module_paths(real_model):
-    """SmolLM2 with int8 weights, three requests together and one alone, through the stack and
-    with it removed: the same tokens and the same logprobs to the bit."""
-    llm = LLM(real_model.gguf, dtype="float32", quantization="int8")
+@pytest.mark.parametrize("quantization", ["int8", "none"])
+def test_the_real_models_greedy_text_and_logprobs_are_the_module_paths(real_model, quantization):
+    """SmolLM2 with int8 weights (the C kernel) and float32 ones (oneDNN's, through their modules),
+    three requests together and one alone, through the stack and with it removed: the same tokens
+    and the same logprobs to the bit."""
+    llm = LLM(real_model.gguf, dtype="float32", quantization=quantization)
     model = llm.engine.runner.model
     assert isinstance(model.native_stack, NativeStack)
     prompts = [real_model.chat_ids(text) for text in ("Name three rivers.", "What is 7 times 8?", "Say hello.")]

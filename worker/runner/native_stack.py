@@ -1,22 +1,26 @@
-"""A decode step's whole decoder stack as direct calls of the C kernels, where every layer is one the
-kernels run entirely: the RMSNorms, the int8 q/k/v, o, gate/up and down matrices
-(``csrc/int8_linear.c``), the rotary with the K/V store, the paged decode attention and SiLU.
+"""A decode step's whole decoder stack as direct calls of the C kernels, where every layer's small
+operations are theirs: the RMSNorms, the rotary with the K/V store, the paged decode attention and
+SiLU; the matrices int8 on the C kernel (``csrc/int8_linear.c``) or, in any other form (oneDNN's
+prepacked float32, int4, widened bf16), the layer's own module, called directly.
 
 Through the modules, a layer of a one-token step costs ~90 us of Python (module calls, argument
 checks, views, an allocation per result) around ~80 us of kernels (SmolLM2, int8, 2 CPU cores,
 docs/benchmarks.md). Here the checks run once per step, the results go to buffers allocated once per
-step, and each layer is seven C calls and two in-place adds: the same kernels on the same inputs in
-the same order, so the same bits as the module path (tested). Anything else (a prefill chunk in the
-step, a quantized cache, another rotary, a layer with a norm or a matrix the kernels do not run)
-takes the module path: ``NativeStack.of`` answers None for a model it cannot run, and a call answers
-None for a step it does not take.
+step, and each layer is a few C calls, the matrices and two in-place adds: the same kernels on the
+same inputs in the same order, so the same bits as the module path (tested). Anything else (a
+prefill chunk in the step, a quantized cache, another rotary, a layer with a norm the kernels do not
+run) takes the module path: ``NativeStack.of`` answers None for a model it cannot run, and a call
+answers None for a step it does not take. Built after the last change to the model's modules (the
+loader's last step): it holds them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch import nn
 
 from pagedserve.kernels.checks import check_tables
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
@@ -26,22 +30,45 @@ from pagedserve.worker.runner.quantized_linear import Int8Linear
 
 
 @dataclass(frozen=True)
-class _Matrix:
-    panels: int  # the data pointers of the codes (panel layout), scales and bias (0: none)
+class _Int8Matrix:
+    """An int8 layer on the C kernel: its codes (panel layout), scales and bias as data pointers."""
+
+    run: object  # the kernel (NativeLayerOps.raw("int8_linear", dtype))
+    panels: int
     scale: int
-    bias: int
-    width: int  # outputs
+    bias: int  # 0: none
+    width: int  # inputs
+    outs: int
     npanels: int
+
+    def __call__(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.run(source.data_ptr(), self.panels, self.scale, self.bias or None, target.data_ptr(), source.shape[0],
+                    self.width, self.outs, self.npanels, torch.get_num_threads()):
+            raise MemoryError("the int8 kernel could not allocate its scratch rows")
+        return target
+
+
+@dataclass(frozen=True)
+class _ModuleMatrix:
+    """Any other linear layer: its own forward (what the module path calls), a new result."""
+
+    module: nn.Module
+
+    def __call__(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.module.forward(source)
+
+
+Matrix = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input rows, a buffer it may fill) -> output rows
 
 
 @dataclass(frozen=True)
 class _Layer:
     norm_in: int
     norm_post: int
-    qkv: _Matrix
-    o: _Matrix
-    gate_up: _Matrix
-    down: _Matrix
+    qkv: Matrix
+    o: Matrix
+    gate_up: Matrix
+    down: Matrix
     eps_in: float
     eps_post: float
     scale: float
@@ -49,11 +76,19 @@ class _Layer:
     softcap: float
 
 
-def _matrix(linear) -> _Matrix | None:
-    if type(linear) is not Int8Linear or linear.kernels is None:
-        return None
-    bias = linear.bias.data_ptr() if linear.bias is not None else 0
-    return _Matrix(linear.codes.data_ptr(), linear.scale.data_ptr(), bias, linear.out_features, linear.codes.shape[0])
+def _matrix(linear: nn.Module, kernels: NativeLayerOps, dtype: torch.dtype) -> Matrix:
+    if type(linear) is Int8Linear and linear.kernels is not None:
+        bias = linear.bias.data_ptr() if linear.bias is not None else 0
+        return _Int8Matrix(kernels.raw("int8_linear", dtype), linear.codes.data_ptr(), linear.scale.data_ptr(), bias,
+                           linear.in_features, linear.out_features, linear.codes.shape[0])
+    return _ModuleMatrix(linear)
+
+
+def _gives_packed_rows(linear: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a linear layer answers rows at ``dtype``, packed (what the kernels after it read): tried."""
+    with torch.inference_mode():
+        out = linear(torch.zeros((2, linear.in_features), dtype=dtype, device="cpu"))
+    return out.dtype == dtype and out.shape == (2, linear.out_features) and out.is_contiguous()
 
 
 def _runs_entirely(layer) -> bool:
@@ -61,8 +96,7 @@ def _runs_entirely(layer) -> bool:
     return (type(layer) is DecoderLayer and type(attention) is Attention and attention.kernels is not None
             and attention.plain and type(mlp) is MLP and mlp.kernels is not None and mlp.gate_up_proj is not None
             and all(type(n) is RMSNorm and n.kernels is not None
-                    for n in (layer.input_layernorm, layer.post_attention_layernorm))
-            and all(_matrix(m) is not None for m in _matrices(layer)))
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm)))
 
 
 def _matrices(layer) -> tuple:
@@ -79,13 +113,12 @@ class NativeStack:
         self.hidden = model.config.hidden_size
         self.inter = model.model.layers[0].mlp.gate_up_proj.out_features // 2
         self.layers = [_Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                              _matrix(layer.self_attn.qkv_proj), _matrix(layer.self_attn.o_proj),
-                              _matrix(layer.mlp.gate_up_proj), _matrix(layer.mlp.down_proj),
+                              *(_matrix(m, kernels, dtype) for m in _matrices(layer)),
                               layer.input_layernorm.eps, layer.post_attention_layernorm.eps, layer.self_attn.attn.scale,
                               layer.self_attn.attn.extra.get("window", 0), layer.self_attn.attn.extra.get("softcap", 0.0))
                        for layer in model.model.layers]
         self.rotary_keys = list(model.rotary.layer_keys)
-        self._norm, self._linear = kernels.raw("rms_norm", dtype), kernels.raw("int8_linear", dtype)
+        self._norm = kernels.raw("rms_norm", dtype)
         self._rope, self._silu = kernels.raw("rope_store", dtype), kernels.raw("silu_mul", dtype)
         self._attention = kernels.raw("paged_attention", dtype)
         self.limits = kernels.attention_limits()
@@ -103,9 +136,13 @@ class NativeStack:
                    layer.mlp.gate_up_proj.out_features) for layer in layers}
         # what the module path's kernels would check at each call: the model's dtype, on the CPU
         at_dtype = [t for layer in layers for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                                    *(m.bias for m in _matrices(layer) if m.bias is not None))]
+                                                    *(m.bias for m in _matrices(layer)
+                                                      if type(m) is Int8Linear and m.bias is not None))]
         if (len(shapes) != 1 or dtype not in (torch.float32, torch.bfloat16)
                 or any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in at_dtype)):
+            return None
+        kinds = {type(m): m for layer in layers for m in _matrices(layer) if type(m) is not Int8Linear or m.kernels is None}
+        if not all(_gives_packed_rows(m, dtype) for m in kinds.values()):
             return None
         return cls(model, kernels, dtype)
 
@@ -145,35 +182,29 @@ class NativeStack:
         qkv_width = q_width + 2 * kv_width
         x = x.contiguous().clone()
         empty = lambda *shape: torch.empty(shape, dtype=self.dtype, device=x.device)  # noqa: E731
-        h, qkv, attended, out, gate_up, act = (empty(t, hidden), empty(t, qkv_width), empty(t, q_width), empty(t, hidden),
-                                               empty(t, 2 * self.inter), empty(t, self.inter))
-        q = empty(t, q_width) if t > 1 else qkv  # the attention kernel reads q's rows packed
+        h, qkv_rows, attended, out_rows, gate_up_rows, act = (
+            empty(t, hidden), empty(t, qkv_width), empty(t, q_width), empty(t, hidden), empty(t, 2 * self.inter),
+            empty(t, self.inter))
+        q = empty(t, q_width) if t > 1 else None  # the attention kernel reads q's rows packed
         size = x.element_size()
-        ptr = {name: buffer.data_ptr() for name, buffer in
-               (("x", x), ("h", h), ("qkv", qkv), ("q", q), ("attended", attended), ("out", out), ("gate_up", gate_up),
-                ("act", act))}
+        x_ptr, h_ptr, attended_ptr, act_ptr = x.data_ptr(), h.data_ptr(), attended.data_ptr(), act.data_ptr()
         for layer, (k_cache, v_cache), key in zip(self.layers, kv_caches, self.rotary_keys):
             cos, sin = tables[key]
-            self._norm(ptr["x"], layer.norm_in, ptr["h"], t, hidden, hidden, layer.eps_in, threads)
-            self._matmul(layer.qkv, ptr["h"], ptr["qkv"], t, hidden, threads)
-            self._rope(ptr["qkv"], ptr["qkv"] + q_width * size, ptr["qkv"] + (q_width + kv_width) * size, qkv_width,
+            self._norm(x_ptr, layer.norm_in, h_ptr, t, hidden, hidden, layer.eps_in, threads)
+            qkv = layer.qkv(h, qkv_rows)
+            qkv_ptr = qkv.data_ptr()
+            self._rope(qkv_ptr, qkv_ptr + q_width * size, qkv_ptr + (q_width + kv_width) * size, qkv_width,
                        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), t,
                        self.heads, self.kv_heads, self.dim, threads)
-            if t > 1:
+            if q is not None:
                 q.copy_(qkv[:, :q_width])
-            self._attention(ptr["q"], k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                            block_tables.stride(0), token_seq.data_ptr(), seq_lens.data_ptr(), ptr["attended"], t,
-                            self.heads, self.kv_heads, self.dim, block_size, layer.scale, layer.window, layer.softcap,
-                            None, threads)
-            self._matmul(layer.o, ptr["attended"], ptr["out"], t, q_width, threads)
-            x.add_(out)
-            self._norm(ptr["x"], layer.norm_post, ptr["h"], t, hidden, hidden, layer.eps_post, threads)
-            self._matmul(layer.gate_up, ptr["h"], ptr["gate_up"], t, hidden, threads)
-            self._silu(ptr["gate_up"], ptr["act"], t, self.inter, threads)
-            self._matmul(layer.down, ptr["act"], ptr["out"], t, self.inter, threads)
-            x.add_(out)
+            self._attention(qkv_ptr if q is None else q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                            block_tables.data_ptr(), block_tables.stride(0), token_seq.data_ptr(), seq_lens.data_ptr(),
+                            attended_ptr, t, self.heads, self.kv_heads, self.dim, block_size, layer.scale, layer.window,
+                            layer.softcap, None, threads)
+            x.add_(layer.o(attended, out_rows))
+            self._norm(x_ptr, layer.norm_post, h_ptr, t, hidden, hidden, layer.eps_post, threads)
+            gate_up = layer.gate_up(h, gate_up_rows)  # held while the kernel reads it (a module's result is new)
+            self._silu(gate_up.data_ptr(), act_ptr, t, self.inter, threads)
+            x.add_(layer.down(act, out_rows))
         return x
-
-    def _matmul(self, m: _Matrix, source: int, target: int, rows: int, width: int, threads: int) -> None:
-        if self._linear(source, m.panels, m.scale, m.bias or None, target, rows, width, m.width, m.npanels, threads):
-            raise MemoryError("the int8 kernel could not allocate its scratch rows")
