@@ -164,7 +164,8 @@ def test_int8_linear_is_the_same_with_avx2_or_plain_c_as_with_this_cpus_instruct
     """Group sums are exact integers and groups are added in order, so a CPU with AVX2 only (a CI
     machine, say), or without vector instructions the kernel knows, computes the bits this one does.
     Built here for Haswell (AVX2 + FMA) and for plain x86-64 (the C loops); rows past the kernel's
-    tile of 4 and a width that is odd and off the group."""
+    tile of 4 and a width that is odd and off the group. The float32 kernel too: each output summed
+    over its inputs in order, one fused multiply-add each, whatever the vector width."""
     import ctypes
     import shutil
     import subprocess
@@ -178,13 +179,35 @@ def test_int8_linear_is_the_same_with_avx2_or_plain_c_as_with_this_cpus_instruct
     library = tmp_path / f"{arch}.so"
     flags = [f for f in FLAGS if not f.startswith("-march")]
     subprocess.run([shutil.which("cc") or shutil.which("gcc"), *flags, f"-march={arch}", "-o", str(library),
-                    str(SOURCE_DIR / "int8_linear.c"), str(SOURCE_DIR / "layer_ops.c"), "-lm"], check=True)
-    other = NativeLayerOps(ctypes.CDLL(str(library)), names=("int8_linear",))
+                    str(SOURCE_DIR / "int8_linear.c"), str(SOURCE_DIR / "f32_linear.c"), str(SOURCE_DIR / "layer_ops.c"), "-lm"],
+                   check=True)
+    other = NativeLayerOps(ctypes.CDLL(str(library)), names=("int8_linear", "f32_linear"))
     for outs, width, rows in ((64, 2048 + 40, 5), (40, 577, 9)):
         codes, scale = _int8_layer(outs, width, seed=2)
         panels = kernels.int8_panels(codes)
         x = torch.randn(rows, width)
         assert torch.equal(other.int8_linear(x, panels, scale, None), kernels.int8_linear(x, panels, scale, None))
+        weight, bias = torch.randn(outs, width), torch.randn(outs)
+        f32 = kernels.f32_panels(weight)
+        assert torch.equal(other.f32_linear(x, f32, outs, bias), kernels.f32_linear(x, f32, outs, bias))
+
+
+@pytest.mark.parametrize("width", [576, 100, 1])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
+def test_f32_linear_is_the_product_and_a_rows_bits_do_not_depend_on_its_batch(kernels, width, rows):
+    """The float32 kernel (``csrc/f32_linear.c``): within float32 rounding of the exact product, and
+    every row the same alone as in a batch (tiles of 8, 4 and 1 rows, outputs off the panel of 32)."""
+    gen = torch.Generator().manual_seed(width + rows)
+    weight, bias, x = torch.randn(70, width, generator=gen), torch.randn(70, generator=gen), torch.randn(rows, width, generator=gen)
+    panels = kernels.f32_panels(weight)
+    got = kernels.f32_linear(x, panels, 70, bias)
+    exact = (x.double() @ weight.double().T + bias.double()).float()
+    assert got.shape == (rows, 70) and float((got - exact).norm() / exact.norm()) < 1e-6
+    for i in range(rows):
+        assert torch.equal(kernels.f32_linear(x[i : i + 1], panels, 70, bias)[0], got[i])
+    assert kernels.f32_linear(x.bfloat16(), panels, 70, bias) is None
+    with pytest.raises(ValueError, match="do not hold"):
+        kernels.f32_linear(x, weight, 70, bias)
 
 
 @pytest.mark.parametrize("outs, width", [(16, 64), (33, 7), (64, 576), (1, 1)])

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 
 from pagedserve import LLM
 from pagedserve.worker.runner.prepack import (
+    PanelLinear,
     PrepackedLinear,
     WidenedLinear,
     bf16_in_hardware,
@@ -107,8 +108,8 @@ def test_the_choice_reads_the_cpus_flags_not_what_onednn_accepts():
 
 
 def test_the_loader_speeds_up_cpu_models_and_nothing_else(zoo):
-    def layers_of(dtype):
-        model = LLM(zoo.path("llama-gqa"), device="cpu", dtype=dtype, num_gpu_blocks=64).engine.runner.model
+    def layers_of(dtype, **options):
+        model = LLM(zoo.path("llama-gqa"), device="cpu", dtype=dtype, num_gpu_blocks=64, **options).engine.runner.model
         kinds = [type(m) for m in model.modules()]
         return kinds.count(PrepackedLinear), kinds.count(WidenedLinear), kinds.count(nn.Linear)
 
@@ -116,6 +117,10 @@ def test_the_loader_speeds_up_cpu_models_and_nothing_else(zoo):
     linears = 4 * layers + 1  # q/k/v fused, o, gate/up fused, down per layer (fuse_projections), and the head
     fast_bf16 = bf16_in_hardware() and can_prepack(torch.device("cpu"), torch.bfloat16)
     assert layers_of("bfloat16") == ((linears, 0, 0) if fast_bf16 else (0, linears, 0))
-    assert layers_of("float32") == ((linears, 0, 0) if can_prepack(torch.device("cpu"), torch.float32) else (0, 0, linears))
+    # float32 runs on the C kernel where it builds (PanelLinear), on oneDNN's prepacked weights without it
+    model = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64).engine.runner.model
+    assert [type(m) for m in model.modules()].count(PanelLinear) == linears
+    assert layers_of("float32", attention_backend="torch") == (
+        (linears, 0, 0) if can_prepack(torch.device("cpu"), torch.float32) else (0, 0, linears))
     assert layers_of("float16") == (0, 0, linears)
     assert not can_prepack(torch.device("meta"), torch.bfloat16) and not can_prepack(torch.device("cpu"), torch.float16)

@@ -130,7 +130,7 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
         fuse_projections(model)
         use_layer_kernels(model, ops.layer)
     quantized = quantize_linears(model, quantization, device, ops.layer)
-    form = fast_cpu_linears(model, device, info.dtype) or "plain"
+    form = fast_cpu_linears(model, device, info.dtype, kernels=ops.layer) or "plain"
     model.native_stack = NativeStack.of(model, ops.layer, ops.kv_format.quantized)  # last: it holds the modules
     structlog.get_logger("pagedserve.loader").info(
         "linear layers", form=form, quantization=quantization, quantized_layers=quantized,

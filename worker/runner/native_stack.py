@@ -1,7 +1,8 @@
 """A decode step's whole decoder stack as direct calls of the C kernels, where every layer's small
 operations are theirs: the RMSNorms, the rotary with the K/V store, the paged decode attention and
-SiLU; the matrices int8 on the C kernel (``csrc/int8_linear.c``) or, in any other form (oneDNN's
-prepacked float32, int4, widened bf16), the layer's own module, called directly.
+SiLU; the matrices int8 or float32 on the C kernels (``csrc/int8_linear.c``, ``csrc/f32_linear.c``)
+or, in any other form (oneDNN's prepacked bf16, int4, widened bf16), the layer's own module, called
+directly.
 
 Through the modules, a layer of a one-token step costs ~90 us of Python (module calls, argument
 checks, views, an allocation per result) around ~80 us of kernels (SmolLM2, int8, 2 CPU cores,
@@ -26,6 +27,7 @@ from pagedserve.kernels.checks import check_tables
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.models.layers import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
+from pagedserve.worker.runner.prepack import PanelLinear
 from pagedserve.worker.runner.quantized_linear import Int8Linear
 
 
@@ -45,6 +47,23 @@ class _Int8Matrix:
         if self.run(source.data_ptr(), self.panels, self.scale, self.bias or None, target.data_ptr(), source.shape[0],
                     self.width, self.outs, self.npanels, torch.get_num_threads()):
             raise MemoryError("the int8 kernel could not allocate its scratch rows")
+        return target
+
+
+@dataclass(frozen=True)
+class _F32Matrix:
+    """A float32 layer on the C kernel (``PanelLinear``): its panels and bias as data pointers."""
+
+    run: object  # NativeLayerOps.raw("f32_linear", float32)
+    panels: int
+    bias: int  # 0: none
+    width: int
+    outs: int
+    npanels: int
+
+    def __call__(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.run(source.data_ptr(), self.panels, self.bias or None, target.data_ptr(), source.shape[0], self.width,
+                 self.outs, self.npanels, torch.get_num_threads())
         return target
 
 
@@ -81,6 +100,10 @@ def _matrix(linear: nn.Module, kernels: NativeLayerOps, dtype: torch.dtype) -> M
         bias = linear.bias.data_ptr() if linear.bias is not None else 0
         return _Int8Matrix(kernels.raw("int8_linear", dtype), linear.codes.data_ptr(), linear.scale.data_ptr(), bias,
                            linear.in_features, linear.out_features, linear.codes.shape[0])
+    if type(linear) is PanelLinear and dtype == torch.float32:
+        bias = linear.bias.data_ptr() if linear.bias is not None else 0
+        return _F32Matrix(kernels.raw("f32_linear", dtype), linear.weight.data_ptr(), bias, linear.in_features,
+                          linear.out_features, linear.weight.shape[0])
     return _ModuleMatrix(linear)
 
 
@@ -137,7 +160,7 @@ class NativeStack:
         # what the module path's kernels would check at each call: the model's dtype, on the CPU
         at_dtype = [t for layer in layers for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                                     *(m.bias for m in _matrices(layer)
-                                                      if type(m) is Int8Linear and m.bias is not None))]
+                                                      if type(m) in (Int8Linear, PanelLinear) and m.bias is not None))]
         if (len(shapes) != 1 or dtype not in (torch.float32, torch.bfloat16)
                 or any(t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() for t in at_dtype)):
             return None
