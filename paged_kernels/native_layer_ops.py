@@ -1,6 +1,6 @@
 """A decoder layer's small operations through the C kernels of ``csrc/layer_ops.c``: RMSNorm, rotary
 embedding of q and k with the store of k and v into the cache, SiLU(gate) * up; the weight-only
-int8 linear layer of ``csrc/int8_linear.c`` and the float32 one of ``csrc/f32_linear.c``.
+int8 linear layer of ``csrc/int8_linear.c`` and the float32 / bfloat16 one of ``csrc/float_linear.c``.
 
 At one token a step these are a layer's cost beyond its matrices: a dozen torch operations each, at
 a few microseconds apiece, 30 layers a step (docs/benchmarks.md). Each method takes what the C code
@@ -26,28 +26,22 @@ _SIGNATURES = {  # name -> (argument types, result type)
     # csrc/paged_attention.c over a cache at the model's dtype (NativeAttention launches it with its checks)
     "paged_attention": ((_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32,
                          _PTR, _INT), None),
-}
-_FLOAT32_ONLY = {  # name -> (argument types, result type), one float32 function each
-    "f32_linear": ((_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), None),
+    "float_linear": ((_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), _INT),  # 0, or -1: no scratch memory
 }
 
 
 class NativeLayerOps:
     """The layer kernels of one loaded kernel library (``native_build.load_library``)."""
 
-    def __init__(self, lib: ctypes.CDLL, names: tuple[str, ...] = (*_SIGNATURES, *_FLOAT32_ONLY)) -> None:
+    def __init__(self, lib: ctypes.CDLL, names: tuple[str, ...] = tuple(_SIGNATURES)) -> None:
         self._lib = lib
         self._fns: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
-        for name in set(names) & set(_SIGNATURES):
+        for name in names:
             argtypes, restype = _SIGNATURES[name]
             for dtype, suffix in _DTYPES.items():
                 fn = lib[f"{name}_{suffix}"]  # an object of its own: NativeAttention calls the same symbol its way
                 fn.argtypes, fn.restype = argtypes, restype
                 self._fns[name, dtype] = fn
-        for name in set(names) & set(_FLOAT32_ONLY):
-            fn = lib[name]
-            fn.argtypes, fn.restype = _FLOAT32_ONLY[name]
-            self._fns[name, torch.float32] = fn
 
     def raw(self, name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
         """The C function itself (arguments as ``_SIGNATURES`` says, pointers as ints), for a caller
@@ -138,32 +132,34 @@ class NativeLayerOps:
 
 
     @staticmethod
-    def f32_panels(weight: torch.Tensor) -> torch.Tensor:
-        """A float32 ``weight`` ``[out, in]`` in the float32 kernel's layout (``csrc/f32_linear.c``):
-        ``PANEL`` output channels side by side per input, ``[ceil(out / PANEL), in, PANEL]`` (zeros
-        where ``out`` falls short of whole panels)."""
+    def float_panels(weight: torch.Tensor) -> torch.Tensor:
+        """A float32 or bfloat16 ``weight`` ``[out, in]`` in the float kernels' layout
+        (``csrc/float_linear.c``): ``PANEL`` output channels side by side per input,
+        ``[ceil(out / PANEL), in, PANEL]`` at the weight's dtype (zeros where ``out`` falls short of
+        whole panels)."""
         outs, width = weight.shape
         panels = -(-outs // PANEL)
-        padded = torch.zeros((panels * PANEL, width), dtype=torch.float32, device=weight.device)
+        padded = torch.zeros((panels * PANEL, width), dtype=weight.dtype, device=weight.device)
         padded[:outs] = weight
         return padded.view(panels, PANEL, width).transpose(1, 2).contiguous()
 
-    def f32_linear(self, x: torch.Tensor, panels: torch.Tensor, outs: int,
-                   bias: torch.Tensor | None) -> torch.Tensor | None:
-        """float32 ``x`` ``[rows, in]`` times a weight in ``f32_panels``' layout (+ ``bias``) ->
-        ``[rows, outs]``; None for what the kernel does not take."""
-        fn = self._fns.get(("f32_linear", x.dtype))
+    def float_linear(self, x: torch.Tensor, panels: torch.Tensor, outs: int,
+                     bias: torch.Tensor | None) -> torch.Tensor | None:
+        """``x`` ``[rows, in]`` times a weight in ``float_panels``' layout (+ ``bias``), all float32 or
+        all bfloat16 (computed in float32, the output rounded once) -> ``[rows, outs]``; None for what
+        the kernel does not take."""
+        fn = self._fns.get(("float_linear", x.dtype))
         if (fn is None or x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous()
-                or panels.dtype != torch.float32 or not panels.is_contiguous()
-                or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+                or panels.dtype != x.dtype or not panels.is_contiguous()
+                or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
             return None
         rows, width = x.shape
         if panels.shape != (-(-outs // PANEL), width, PANEL):
-            raise ValueError(f"float32 panels of shape {tuple(panels.shape)} do not hold {outs} x {width} weights")
+            raise ValueError(f"float panels of shape {tuple(panels.shape)} do not hold {outs} x {width} weights")
         out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
-        fn(x.data_ptr(), panels.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), rows, width,
-           outs, panels.shape[0], torch.get_num_threads())
-        return out
+        failed = fn(x.data_ptr(), panels.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                    rows, width, outs, panels.shape[0], torch.get_num_threads())
+        return None if failed else out
 
 
 def _heads_of_rows(x: torch.Tensor, stride: int, dim: int) -> bool:

@@ -179,35 +179,45 @@ def test_int8_linear_is_the_same_with_avx2_or_plain_c_as_with_this_cpus_instruct
     library = tmp_path / f"{arch}.so"
     flags = [f for f in FLAGS if not f.startswith("-march")]
     subprocess.run([shutil.which("cc") or shutil.which("gcc"), *flags, f"-march={arch}", "-o", str(library),
-                    str(SOURCE_DIR / "int8_linear.c"), str(SOURCE_DIR / "f32_linear.c"), str(SOURCE_DIR / "layer_ops.c"), "-lm"],
+                    str(SOURCE_DIR / "int8_linear.c"), str(SOURCE_DIR / "float_linear.c"), str(SOURCE_DIR / "layer_ops.c"), "-lm"],
                    check=True)
-    other = NativeLayerOps(ctypes.CDLL(str(library)), names=("int8_linear", "f32_linear"))
+    other = NativeLayerOps(ctypes.CDLL(str(library)), names=("int8_linear", "float_linear"))
     for outs, width, rows in ((64, 2048 + 40, 5), (40, 577, 9)):
         codes, scale = _int8_layer(outs, width, seed=2)
         panels = kernels.int8_panels(codes)
         x = torch.randn(rows, width)
         assert torch.equal(other.int8_linear(x, panels, scale, None), kernels.int8_linear(x, panels, scale, None))
         weight, bias = torch.randn(outs, width), torch.randn(outs)
-        f32 = kernels.f32_panels(weight)
-        assert torch.equal(other.f32_linear(x, f32, outs, bias), kernels.f32_linear(x, f32, outs, bias))
+        for dtype in (torch.float32, torch.bfloat16):
+            panels_at, x_at, bias_at = kernels.float_panels(weight.to(dtype)), x.to(dtype), bias.to(dtype)
+            assert torch.equal(other.float_linear(x_at, panels_at, outs, bias_at),
+                               kernels.float_linear(x_at, panels_at, outs, bias_at))
 
 
 @pytest.mark.parametrize("width", [576, 100, 1])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
-def test_f32_linear_is_the_product_and_a_rows_bits_do_not_depend_on_its_batch(kernels, width, rows):
-    """The float32 kernel (``csrc/f32_linear.c``): within float32 rounding of the exact product, and
-    every row the same alone as in a batch (tiles of 8, 4 and 1 rows, outputs off the panel of 32)."""
+def test_float_linear_is_the_product_and_a_rows_bits_do_not_depend_on_its_batch(kernels, width, rows):
+    """The float kernel (``csrc/float_linear.c``): float32 within float32 rounding of the exact
+    product, bfloat16 the float32 product of its values rounded once (as torch's bfloat16 matmul:
+    within an ulp of it); every row the same alone as in a batch (tiles of 8, 4 and 1 rows, outputs
+    off the panel of 32)."""
     gen = torch.Generator().manual_seed(width + rows)
     weight, bias, x = torch.randn(70, width, generator=gen), torch.randn(70, generator=gen), torch.randn(rows, width, generator=gen)
-    panels = kernels.f32_panels(weight)
-    got = kernels.f32_linear(x, panels, 70, bias)
+    panels = kernels.float_panels(weight)
+    got = kernels.float_linear(x, panels, 70, bias)
     exact = (x.double() @ weight.double().T + bias.double()).float()
     assert got.shape == (rows, 70) and float((got - exact).norm() / exact.norm()) < 1e-6
     for i in range(rows):
-        assert torch.equal(kernels.f32_linear(x[i : i + 1], panels, 70, bias)[0], got[i])
-    assert kernels.f32_linear(x.bfloat16(), panels, 70, bias) is None
+        assert torch.equal(kernels.float_linear(x[i : i + 1], panels, 70, bias)[0], got[i])
+    wb, xb, bb = weight.bfloat16(), x.bfloat16(), bias.bfloat16()
+    bf16 = kernels.float_linear(xb, kernels.float_panels(wb), 70, bb)
+    assert bf16.dtype == torch.bfloat16
+    reference = (xb.double() @ wb.double().T + bb.double()).bfloat16()
+    assert float((bf16.float() - reference.float()).abs().max()) <= float(reference.float().abs().max()) * 2**-7
+    assert torch.equal(kernels.float_linear(xb[-1:], kernels.float_panels(wb), 70, bb)[0], bf16[-1])
+    assert kernels.float_linear(xb, panels, 70, bb) is None  # float32 panels, bfloat16 rows
     with pytest.raises(ValueError, match="do not hold"):
-        kernels.f32_linear(x, weight, 70, bias)
+        kernels.float_linear(x, weight, 70, bias)
 
 
 @pytest.mark.parametrize("outs, width", [(16, 64), (33, 7), (64, 576), (1, 1)])

@@ -116,10 +116,12 @@ def test_the_loader_speeds_up_cpu_models_and_nothing_else(zoo):
     layers = len(LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64).engine.runner.model.model.layers)
     linears = 4 * layers + 1  # q/k/v fused, o, gate/up fused, down per layer (fuse_projections), and the head
     fast_bf16 = bf16_in_hardware() and can_prepack(torch.device("cpu"), torch.bfloat16)
-    assert layers_of("bfloat16") == ((linears, 0, 0) if fast_bf16 else (0, linears, 0))
-    # float32 runs on the C kernel where it builds (PanelLinear), on oneDNN's prepacked weights without it
-    model = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64).engine.runner.model
-    assert [type(m) for m in model.modules()].count(PanelLinear) == linears
+    # float32 and bfloat16 run on the C kernel where it builds (PanelLinear); without it (the torch
+    # backend here), oneDNN's prepacked weights, or bfloat16 widened where the CPU has no bf16 instructions
+    for dtype in ("float32", "bfloat16"):
+        model = LLM(zoo.path("llama-gqa"), device="cpu", dtype=dtype, num_gpu_blocks=64).engine.runner.model
+        assert [type(m) for m in model.modules()].count(PanelLinear) == linears
+    assert layers_of("bfloat16", attention_backend="torch") == ((linears, 0, 0) if fast_bf16 else (0, linears, 0))
     assert layers_of("float32", attention_backend="torch") == (
         (linears, 0, 0) if can_prepack(torch.device("cpu"), torch.float32) else (0, 0, linears))
     assert layers_of("float16") == (0, 0, linears)

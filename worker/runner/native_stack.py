@@ -1,8 +1,8 @@
 """A decode step's whole decoder stack as direct calls of the C kernels, where every layer's small
 operations are theirs: the RMSNorms, the rotary with the K/V store, the paged decode attention and
-SiLU; the matrices int8 or float32 on the C kernels (``csrc/int8_linear.c``, ``csrc/f32_linear.c``)
-or, in any other form (oneDNN's prepacked bf16, int4, widened bf16), the layer's own module, called
-directly.
+SiLU; the matrices int8, float32 or bfloat16 on the C kernels (``csrc/int8_linear.c``,
+``csrc/float_linear.c``) or, in any other form (int4, oneDNN's prepacked layers where the kernels
+are not the model's), the layer's own module, called directly.
 
 Through the modules, a layer of a one-token step costs ~90 us of Python (module calls, argument
 checks, views, an allocation per result) around ~80 us of kernels (SmolLM2, int8, 2 CPU cores,
@@ -51,10 +51,10 @@ class _Int8Matrix:
 
 
 @dataclass(frozen=True)
-class _F32Matrix:
-    """A float32 layer on the C kernel (``PanelLinear``): its panels and bias as data pointers."""
+class _FloatMatrix:
+    """A float32 or bfloat16 layer on the C kernel (``PanelLinear``): its panels and bias as data pointers."""
 
-    run: object  # NativeLayerOps.raw("f32_linear", float32)
+    run: object  # NativeLayerOps.raw("float_linear", dtype)
     panels: int
     bias: int  # 0: none
     width: int
@@ -62,8 +62,9 @@ class _F32Matrix:
     npanels: int
 
     def __call__(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        self.run(source.data_ptr(), self.panels, self.bias or None, target.data_ptr(), source.shape[0], self.width,
-                 self.outs, self.npanels, torch.get_num_threads())
+        if self.run(source.data_ptr(), self.panels, self.bias or None, target.data_ptr(), source.shape[0], self.width,
+                    self.outs, self.npanels, torch.get_num_threads()):
+            raise MemoryError("the float kernel could not allocate its scratch rows")
         return target
 
 
@@ -100,10 +101,10 @@ def _matrix(linear: nn.Module, kernels: NativeLayerOps, dtype: torch.dtype) -> M
         bias = linear.bias.data_ptr() if linear.bias is not None else 0
         return _Int8Matrix(kernels.raw("int8_linear", dtype), linear.codes.data_ptr(), linear.scale.data_ptr(), bias,
                            linear.in_features, linear.out_features, linear.codes.shape[0])
-    if type(linear) is PanelLinear and dtype == torch.float32:
+    if type(linear) is PanelLinear and linear.weight.dtype == dtype:
         bias = linear.bias.data_ptr() if linear.bias is not None else 0
-        return _F32Matrix(kernels.raw("f32_linear", dtype), linear.weight.data_ptr(), bias, linear.in_features,
-                          linear.out_features, linear.weight.shape[0])
+        return _FloatMatrix(kernels.raw("float_linear", dtype), linear.weight.data_ptr(), bias, linear.in_features,
+                            linear.out_features, linear.weight.shape[0])
     return _ModuleMatrix(linear)
 
 

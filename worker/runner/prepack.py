@@ -1,12 +1,14 @@
 """Linear layers on the CPU in the form this CPU runs fastest.
 
-float32, where the C kernels build: our own kernel (``PanelLinear``, ``csrc/f32_linear.c``), the
-weight laid out in panels of 32 output channels per input, each output's sum in its own vector lane
-over its inputs in order, lines asked of memory ahead: one row streams the weights at ~70 GB/s where
-oneDNN's GEMV reached ~40-50 (SmolLM2's 121 matrices at one row 7.6 against 10.4-14.0 ms on a 2-core
-EPYC), and a tile of eight rows shares each line, so batches are not slower either (64 rows 39.8
-against 47.5 ms). Its sums do not depend on the batch (one row alone, or in any batch, the same
-bits) or on the instruction set. Elsewhere, float32 and, with bf16 matrix instructions (AVX-512 BF16, AMX, AVX-NE-CONVERT), bfloat16: the
+float32 and bfloat16, where the C kernels build: our own kernel (``PanelLinear``,
+``csrc/float_linear.c``), the weight laid out in panels of 32 output channels per input, each
+output's sum in its own vector lane over its inputs in order (bfloat16 weights widened exactly,
+float32 sums, the output rounded once), lines asked of memory ahead: one float32 row streams the
+weights at ~70 GB/s where oneDNN's GEMV reached ~40-50 (SmolLM2's 121 matrices at one row 7.6
+against 10.4-14.0 ms on a 2-core EPYC), and a tile of eight rows shares each line, so batches are
+not slower either (64 rows 39.8 against 47.5 ms). Its sums depend neither on the batch (a row alone
+or in any batch: the same bits) nor on the instruction set, and bfloat16 needs no bf16 instructions
+and no float32 copy. Elsewhere, float32 and, with bf16 matrix instructions (AVX-512 BF16, AMX, AVX-NE-CONVERT), bfloat16: the
 weights reordered once for oneDNN (``PrepackedLinear``). ``F.linear`` streams a plain weight
 through MKL's GEMV at one row, or lets oneDNN reorder a bf16 weight on every call; the stored
 blocked layout runs the same oneDNN kernel without either (measured on a 2-core AVX-512 EPYC, one
@@ -113,20 +115,21 @@ class PrepackedLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """``nn.Linear`` in float32 on the C kernel (``csrc/f32_linear.c``), the weight in its panels."""
+    """``nn.Linear`` (float32 or bfloat16) on the C kernel (``csrc/float_linear.c``), the weight in
+    its panels at the layer's dtype."""
 
     def __init__(self, linear: nn.Linear, kernels: NativeLayerOps) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernels = kernels
-        self.weight = nn.Parameter(kernels.f32_panels(linear.weight.detach().float()), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.weight = nn.Parameter(kernels.float_panels(linear.weight.detach()), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = self.kernels.f32_linear(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.out_features, self.bias)
+        out = self.kernels.float_linear(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.out_features, self.bias)
         if out is None:
-            raise ValueError(f"a float32 layer took a {x.dtype} input on {x.device}")
+            raise ValueError(f"a {self.weight.dtype} layer on the C kernel cannot take a {x.dtype} input on {x.device}")
         return out.view(*shape[:-1], self.out_features)
 
 
@@ -156,12 +159,12 @@ def widen_linears(model: nn.Module) -> int:
 def fast_cpu_linears(model: nn.Module, device: torch.device, dtype: torch.dtype,
                      flags: frozenset[str] | None = None, kernels: NativeLayerOps | None = None) -> str | None:
     """Give a float32 or bf16 model on the CPU the linear layers this CPU runs fastest:
-    ``"panels"`` (float32 on the C kernel, where ``kernels`` are given), ``"prepacked"``,
-    ``"widened"`` (bf16 without bf16 instructions), or None (left as they are). ``flags``: the
-    CPU's (default: read from ``/proc/cpuinfo``)."""
+    ``"panels"`` (the C kernel, where ``kernels`` are given), else ``"prepacked"``, ``"widened"``
+    (bf16 without bf16 instructions), or None (left as they are). ``flags``: the CPU's (default:
+    read from ``/proc/cpuinfo``)."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    if dtype == torch.float32 and kernels is not None:
+    if kernels is not None:
         _replace_linears(model, lambda linear: PanelLinear(linear, kernels))
         return "panels"
     if dtype == torch.bfloat16 and not bf16_in_hardware(flags):
