@@ -134,13 +134,18 @@ class NativeLayerOps:
     @staticmethod
     def float_panels(weight: torch.Tensor) -> torch.Tensor:
         """A float32 or bfloat16 ``weight`` ``[out, in]`` in the float kernels' layout
-        (``csrc/float_linear.c``): ``PANEL`` output channels side by side per input,
-        ``[ceil(out / PANEL), in, PANEL]`` at the weight's dtype (zeros where ``out`` falls short of
-        whole panels)."""
+        (``csrc/float_linear.c``), at the weight's dtype: ``PANEL`` output channels side by side per
+        input, ``[ceil(out / PANEL), in, PANEL]`` in float32, per pair of inputs ``[ceil(out / PANEL),
+        ceil(in / 2), PANEL, 2]`` in bfloat16 (zeros where ``out`` falls short of whole panels or
+        ``in`` is odd)."""
         outs, width = weight.shape
         panels = -(-outs // PANEL)
-        padded = torch.zeros((panels * PANEL, width), dtype=weight.dtype, device=weight.device)
-        padded[:outs] = weight
+        pairs = weight.dtype == torch.bfloat16
+        padded = torch.zeros((panels * PANEL, width + (width % 2 if pairs else 0)), dtype=weight.dtype,
+                             device=weight.device)
+        padded[:outs, :width] = weight
+        if pairs:
+            return padded.view(panels, PANEL, -1, 2).transpose(1, 2).contiguous()
         return padded.view(panels, PANEL, width).transpose(1, 2).contiguous()
 
     def float_linear(self, x: torch.Tensor, panels: torch.Tensor, outs: int,
@@ -154,7 +159,8 @@ class NativeLayerOps:
                 or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
             return None
         rows, width = x.shape
-        if panels.shape != (-(-outs // PANEL), width, PANEL):
+        expected = (-(-outs // PANEL), (width + 1) // 2, PANEL, 2) if x.dtype == torch.bfloat16 else (-(-outs // PANEL), width, PANEL)
+        if panels.shape != expected:
             raise ValueError(f"float panels of shape {tuple(panels.shape)} do not hold {outs} x {width} weights")
         out = torch.empty((rows, outs), dtype=x.dtype, device=x.device)
         failed = fn(x.data_ptr(), panels.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),

@@ -35,21 +35,8 @@
 #define ROW_TILE 64    /* rows of x read against every panel before the next rows */
 #define PREFETCH 8     /* lines ahead asked of memory: one row alone streams at ~40 GB/s without, ~70 with */
 
-/* 16 (AVX-512) or 8 (AVX2) weights as float32: loaded, or bfloat16 widened (its bits shifted up). */
-#if F32_512
-static inline __m512 w16_f32(const float *w) { return _mm512_loadu_ps(w); }
-static inline __m512 w16_bf16(const uint16_t *w) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16));
-}
-#elif F32_256
-static inline __m256 w8_f32(const float *w) { return _mm256_loadu_ps(w); }
-static inline __m256 w8_bf16(const uint16_t *w) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
-}
-#endif
-
-/* Sums of one panel's PANEL outputs over all inputs for R rows of float32 x (rows `in` apart):
- * acc[r * PANEL + lane]. W: the weights' type (f32 or bf16, its loaders above). */
+/* float32: sums of one panel's PANEL outputs over all inputs for R rows of x (rows `in` apart):
+ * acc[r * PANEL + lane]. */
 #if F32_512
 #define PANEL_ROWS(W, WT, R)                                                                           \
     static inline void panel_##W##_##R(const WT *panel, const float *x, int64_t in, float *acc) {       \
@@ -59,7 +46,7 @@ static inline __m256 w8_bf16(const uint16_t *w) {
             const WT *line = panel + k * PANEL;                                                        \
             _mm_prefetch((const char *)(line + PREFETCH * PANEL), _MM_HINT_T0);                         \
             _mm_prefetch((const char *)(line + PREFETCH * PANEL) + 64, _MM_HINT_T0);                    \
-            const __m512 w0 = w16_##W(line), w1 = w16_##W(line + 16);                                  \
+            const __m512 w0 = _mm512_loadu_ps(line), w1 = _mm512_loadu_ps(line + 16);                                  \
             for (int r = 0; r < R; r++) {                                                              \
                 const __m512 v = _mm512_set1_ps(x[r * in + k]);                                        \
                 a0[r] = _mm512_fmadd_ps(w0, v, a0[r]);                                                 \
@@ -78,7 +65,7 @@ static inline __m256 w8_bf16(const uint16_t *w) {
             __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
             for (int64_t k = 0; k < in; k++) {                                                         \
                 const __m256 v = _mm256_set1_ps(x[r * in + k]);                                        \
-                for (int q = 0; q < 4; q++) a[q] = _mm256_fmadd_ps(w8_##W(panel + k * PANEL + q * 8), v, a[q]); \
+                for (int q = 0; q < 4; q++) a[q] = _mm256_fmadd_ps(_mm256_loadu_ps(panel + k * PANEL + q * 8), v, a[q]); \
             }                                                                                          \
             for (int q = 0; q < 4; q++) _mm256_storeu_ps(acc + r * PANEL + q * 8, a[q]);               \
         }                                                                                              \
@@ -90,7 +77,7 @@ static inline __m256 w8_bf16(const uint16_t *w) {
             float a[PANEL] = {0};                                                                      \
             for (int64_t k = 0; k < in; k++)                                                           \
                 for (int lane = 0; lane < PANEL; lane++)                                               \
-                    a[lane] = fmaf(W##_load(panel + k * PANEL + lane), x[r * in + k], a[lane]);        \
+                    a[lane] = fmaf(panel[k * PANEL + lane], x[r * in + k], a[lane]);        \
             memcpy(acc + r * PANEL, a, sizeof a);                                                      \
         }                                                                                              \
     }
@@ -98,52 +85,160 @@ static inline __m256 w8_bf16(const uint16_t *w) {
 PANEL_ROWS(f32, float, 1)
 PANEL_ROWS(f32, float, 4)
 PANEL_ROWS(f32, float, 8) /* ROWS_AT_ONCE */
-PANEL_ROWS(bf16, uint16_t, 1)
-PANEL_ROWS(bf16, uint16_t, 4)
-PANEL_ROWS(bf16, uint16_t, 8)
 
-/* x [rows, in] at T, packed; panels [npanels, in, PANEL] at T; bias [outs] at T or NULL; out [rows,
- * outs] at T. Rows of another type than float32 are widened into scratch first: returns 0, or -1
- * where that scratch could not be had (the caller falls back). */
-#define FLOAT_LINEAR(NAME, T, W, LOAD, STORE)                                                          \
-    int NAME(const T *x, const T *panels, const T *bias, T *out, int64_t rows, int64_t in, int64_t outs, \
-             int64_t npanels, int threads) {                                                           \
-        float *wide = NULL;                                                                            \
-        const float *xf = (const float *)x;                                                            \
-        if (sizeof(T) != sizeof(float)) {                                                              \
-            wide = malloc((size_t)(rows * in) * sizeof *wide);                                         \
-            if (wide == NULL && rows * in > 0) return -1;                                              \
-            for (int64_t i = 0; i < rows * in; i++) wide[i] = LOAD(x + i);                             \
-            xf = wide;                                                                                 \
-        }                                                                                              \
-        for (int64_t first = 0; first < rows; first += ROW_TILE) { /* a tile of rows stays in cache */ \
-            const int64_t last = first + ROW_TILE < rows ? first + ROW_TILE : rows;                    \
-            _Pragma("omp parallel for schedule(static) num_threads(threads)")                          \
-            for (int64_t p = 0; p < npanels; p++) {                                                    \
-                const int64_t n0 = p * PANEL, width = outs - n0 < PANEL ? outs - n0 : PANEL;           \
-                const T *panel = panels + p * in * PANEL;                                              \
-                float acc[ROWS_AT_ONCE * PANEL];                                                       \
-                for (int64_t r = first; r < last;) {                                                   \
-                    const int tile = last - r >= 8 ? 8 : (last - r >= 4 ? 4 : 1);                     \
-                    if (tile == 8)                                                                     \
-                        panel_##W##_8(panel, xf + r * in, in, acc);                                    \
-                    else if (tile == 4)                                                                \
-                        panel_##W##_4(panel, xf + r * in, in, acc);                                    \
-                    else                                                                               \
-                        panel_##W##_1(panel, xf + r * in, in, acc);                                    \
-                    for (int i = 0; i < tile; i++)                                                     \
-                        for (int lane = 0; lane < width; lane++) {                                     \
-                            float v = acc[i * PANEL + lane];                                           \
-                            if (bias != NULL) v += LOAD(bias + n0 + lane);                             \
-                            STORE(out + (r + i) * outs + n0 + lane, v);                                \
-                        }                                                                              \
-                    r += tile;                                                                         \
-                }                                                                                      \
+/* bfloat16: the weights in pairs of inputs, [panels, ceil(in / 2), PANEL, 2] (a 128-byte line holds
+ * two inputs' weights for the PANEL outputs), x in pairs too. Each pair adds, per output, the odd
+ * input's product and then the even one's, each a fused multiply-add: what AVX-512 BF16's vdpbf16ps
+ * does in one instruction (16 outputs, 32 products), computed the same way elsewhere from the
+ * widened values. (vdpbf16ps treats subnormal inputs and results as zero: on a CPU with it, a sum
+ * that meets a subnormal may differ in its last bits from the same sum on one without.) */
+static inline int32_t pair_at(const uint16_t *x, int64_t j) {
+    int32_t pair;
+    memcpy(&pair, x + 2 * j, sizeof pair);
+    return pair;
+}
+
+#if defined(__AVX512BF16__)
+static inline __m512 dpbf16(__m512 acc, __m512i w, __m512i x) { /* in place: GCC's intrinsic copies the accumulator */
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+    return acc;
+}
+#define PAIR_STEP(acc, w, x) acc = dpbf16(acc, w, x)
+#elif F32_512
+static inline __m512 dpbf16(__m512 acc, __m512i w, __m512i x) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, high)), _mm512_castsi512_ps(_mm512_and_si512(x, high)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), acc);
+}
+#define PAIR_STEP(acc, w, x) acc = dpbf16(acc, w, x)
+#endif
+
+#if F32_512
+#define PAIR_ROWS(R)                                                                                   \
+    static inline void pairs_##R(const uint16_t *panel, const uint16_t *x, int64_t pairs, float *acc) { \
+        __m512 a0[R], a1[R];                                                                           \
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();                               \
+        for (int64_t j = 0; j < pairs; j++) {                                                          \
+            const uint16_t *line = panel + j * 2 * PANEL;                                              \
+            _mm_prefetch((const char *)(line + PREFETCH * 2 * PANEL), _MM_HINT_T0);                     \
+            _mm_prefetch((const char *)(line + PREFETCH * 2 * PANEL) + 64, _MM_HINT_T0);                \
+            const __m512i w0 = _mm512_loadu_si512((const void *)line), w1 = _mm512_loadu_si512((const void *)(line + 32)); \
+            for (int r = 0; r < R; r++) {                                                              \
+                const __m512i v = _mm512_set1_epi32(pair_at(x + r * 2 * pairs, j));                    \
+                PAIR_STEP(a0[r], w0, v);                                                               \
+                PAIR_STEP(a1[r], w1, v);                                                               \
             }                                                                                          \
         }                                                                                              \
-        free(wide);                                                                                    \
-        return 0;                                                                                      \
+        for (int r = 0; r < R; r++) {                                                                  \
+            _mm512_storeu_ps(acc + r * PANEL, a0[r]);                                                  \
+            _mm512_storeu_ps(acc + r * PANEL + 16, a1[r]);                                             \
+        }                                                                                              \
     }
+#elif F32_256
+#define PAIR_ROWS(R)                                                                                   \
+    static inline void pairs_##R(const uint16_t *panel, const uint16_t *x, int64_t pairs, float *acc) { \
+        const __m256i high = _mm256_set1_epi32((int)0xffff0000u);                                      \
+        for (int r = 0; r < R; r++) {                                                                  \
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+            for (int64_t j = 0; j < pairs; j++) {                                                      \
+                const __m256 odd = _mm256_set1_ps(bf16_load(x + r * 2 * pairs + 2 * j + 1));          \
+                const __m256 even = _mm256_set1_ps(bf16_load(x + r * 2 * pairs + 2 * j));              \
+                for (int q = 0; q < 4; q++) {                                                          \
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(panel + j * 2 * PANEL + q * 16)); \
+                    a[q] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w, high)), odd, a[q]); \
+                    a[q] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), even, a[q]); \
+                }                                                                                      \
+            }                                                                                          \
+            for (int q = 0; q < 4; q++) _mm256_storeu_ps(acc + r * PANEL + q * 8, a[q]);               \
+        }                                                                                              \
+    }
+#else
+#define PAIR_ROWS(R)                                                                                   \
+    static inline void pairs_##R(const uint16_t *panel, const uint16_t *x, int64_t pairs, float *acc) { \
+        for (int r = 0; r < R; r++) {                                                                  \
+            float a[PANEL] = {0};                                                                      \
+            for (int64_t j = 0; j < pairs; j++) {                                                      \
+                const float odd = bf16_load(x + r * 2 * pairs + 2 * j + 1), even = bf16_load(x + r * 2 * pairs + 2 * j); \
+                for (int lane = 0; lane < PANEL; lane++) {                                             \
+                    a[lane] = fmaf(bf16_load(panel + j * 2 * PANEL + 2 * lane + 1), odd, a[lane]);     \
+                    a[lane] = fmaf(bf16_load(panel + j * 2 * PANEL + 2 * lane), even, a[lane]);        \
+                }                                                                                      \
+            }                                                                                          \
+            memcpy(acc + r * PANEL, a, sizeof a);                                                      \
+        }                                                                                              \
+    }
+#endif
+PAIR_ROWS(1)
+PAIR_ROWS(4)
+PAIR_ROWS(8)
 
-FLOAT_LINEAR(float_linear_f32, float, f32, f32_load, f32_store)
-FLOAT_LINEAR(float_linear_bf16, uint16_t, bf16, bf16_load, bf16_store)
+/* The panels' tiles of rows, for one panel: 8, 4 or 1 rows at a time (PANEL_ROWS, PAIR_ROWS), then
+ * each output's sum plus its bias rounded to T. x: float32 rows of `in` (f32) or bfloat16 rows of
+ * 2 * `steps` (bf16, padded to whole pairs). */
+#define PANEL_TILES(W, T, STEP_FN, XT, XSTRIDE, LOAD, STORE)                               \
+    static void tiles_##W(const T *panel, const XT *x, int64_t steps, const T *bias, T *out, int64_t first, \
+                          int64_t last, int64_t n0, int64_t width, int64_t outs) {                     \
+        float acc[ROWS_AT_ONCE * PANEL];                                                               \
+        for (int64_t r = first; r < last;) {                                                           \
+            const int tile = last - r >= 8 ? 8 : (last - r >= 4 ? 4 : 1);                             \
+            const XT *rows = x + r * (XSTRIDE);                                                        \
+            if (tile == 8)                                                                             \
+                STEP_FN##_8(panel, rows, steps, acc);                                                  \
+            else if (tile == 4)                                                                        \
+                STEP_FN##_4(panel, rows, steps, acc);                                                  \
+            else                                                                                       \
+                STEP_FN##_1(panel, rows, steps, acc);                                                  \
+            for (int i = 0; i < tile; i++)                                                             \
+                for (int lane = 0; lane < width; lane++) {                                             \
+                    float v = acc[i * PANEL + lane];                                                   \
+                    if (bias != NULL) v += LOAD(bias + n0 + lane);                                     \
+                    STORE(out + (r + i) * outs + n0 + lane, v);                                        \
+                }                                                                                      \
+            r += tile;                                                                                 \
+        }                                                                                              \
+    }
+PANEL_TILES(f32, float, panel_f32, float, steps, f32_load, f32_store)
+PANEL_TILES(bf16, uint16_t, pairs, uint16_t, 2 * steps, bf16_load, bf16_store)
+
+/* x [rows, in] packed; panels as above; bias [outs] or NULL; out [rows, outs]; all at one type.
+ * bfloat16 rows of an odd width are copied padded to whole pairs first: returns 0, or -1 where that
+ * scratch could not be had (the caller falls back). */
+int float_linear_f32(const float *x, const float *panels, const float *bias, float *out, int64_t rows, int64_t in,
+                     int64_t outs, int64_t npanels, int threads) {
+    for (int64_t first = 0; first < rows; first += ROW_TILE) { /* a tile of rows stays in cache */
+        const int64_t last = first + ROW_TILE < rows ? first + ROW_TILE : rows;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t p = 0; p < npanels; p++) {
+            const int64_t n0 = p * PANEL;
+            tiles_f32(panels + p * in * PANEL, x, in, bias, out, first, last, n0, outs - n0 < PANEL ? outs - n0 : PANEL,
+                      outs);
+        }
+    }
+    return 0;
+}
+
+int float_linear_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *out, int64_t rows,
+                      int64_t in, int64_t outs, int64_t npanels, int threads) {
+    const int64_t pairs = (in + 1) / 2;
+    uint16_t *padded = NULL;
+    if (in % 2) {
+        padded = malloc((size_t)(rows * 2 * pairs) * sizeof *padded);
+        if (padded == NULL && rows > 0) return -1;
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(padded + r * 2 * pairs, x + r * in, (size_t)in * sizeof *x);
+            padded[r * 2 * pairs + in] = 0;
+        }
+        x = padded;
+    }
+    for (int64_t first = 0; first < rows; first += ROW_TILE) {
+        const int64_t last = first + ROW_TILE < rows ? first + ROW_TILE : rows;
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t p = 0; p < npanels; p++) {
+            const int64_t n0 = p * PANEL;
+            tiles_bf16(panels + p * pairs * 2 * PANEL, x, pairs, bias, out, first, last, n0,
+                       outs - n0 < PANEL ? outs - n0 : PANEL, outs);
+        }
+    }
+    free(padded);
+    return 0;
+}
