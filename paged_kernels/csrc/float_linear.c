@@ -38,6 +38,14 @@
 /* float32: sums of one panel's PANEL outputs over all inputs for R rows of x (rows `in` apart):
  * acc[r * PANEL + lane]. */
 #if F32_512
+/* A tile's accumulators (16 lanes each: outputs 0-15 in a0, 16-31 in a1) to acc[r * PANEL + lane]. */
+static inline void store_rows(float *acc, const __m512 *a0, const __m512 *a1, int rows) {
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(acc + r * PANEL, a0[r]);
+        _mm512_storeu_ps(acc + r * PANEL + 16, a1[r]);
+    }
+}
+
 #define PANEL_ROWS(W, WT, R)                                                                           \
     static inline void panel_##W##_##R(const WT *panel, const float *x, int64_t in, float *acc) {       \
         __m512 a0[R], a1[R];                                                                           \
@@ -53,10 +61,7 @@
                 a1[r] = _mm512_fmadd_ps(w1, v, a1[r]);                                                 \
             }                                                                                          \
         }                                                                                              \
-        for (int r = 0; r < R; r++) {                                                                  \
-            _mm512_storeu_ps(acc + r * PANEL, a0[r]);                                                  \
-            _mm512_storeu_ps(acc + r * PANEL + 16, a1[r]);                                             \
-        }                                                                                              \
+        store_rows(acc, a0, a1, R);                                                                    \
     }
 #elif F32_256
 #define PANEL_ROWS(W, WT, R)                                                                           \
@@ -129,10 +134,7 @@ static inline __m512 dpbf16(__m512 acc, __m512i w, __m512i x) {
                 PAIR_STEP(a1[r], w1, v);                                                               \
             }                                                                                          \
         }                                                                                              \
-        for (int r = 0; r < R; r++) {                                                                  \
-            _mm512_storeu_ps(acc + r * PANEL, a0[r]);                                                  \
-            _mm512_storeu_ps(acc + r * PANEL + 16, a1[r]);                                             \
-        }                                                                                              \
+        store_rows(acc, a0, a1, R);                                                                    \
     }
 #elif F32_256
 #define PAIR_ROWS(R)                                                                                   \
