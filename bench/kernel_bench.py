@@ -66,6 +66,25 @@ def one_case(batch: int, context: int, dtype: torch.dtype, device: str, repeat: 
             "kernel_gbps": round(kv_bytes / t_kernel / 1e9, 1), "kernel_vs_sdpa": round(t_sdpa / t_kernel, 3)}
 
 
+def kernel_resources() -> list[dict]:
+    """Registers, spills and shared memory of every Triton kernel variant compiled so far in this
+    process (read from Triton's per-device caches; an entry says why where they cannot be read)."""
+    from pagedserve.kernels import copy_blocks, paged_attention, prefill_attention, store_kv
+
+    rows: list[dict] = []
+    for module in (paged_attention, prefill_attention, store_kv, copy_blocks):
+        for name, fn in vars(module).items():
+            for caches in getattr(fn, "device_caches", {}).values():
+                for compiled in caches[0].values():
+                    try:
+                        compiled._init_handles()
+                        rows.append({"kernel": name, "regs": compiled.n_regs, "spills": compiled.n_spills,
+                                     "shared": compiled.metadata.shared, "warps": compiled.metadata.num_warps})
+                    except Exception as err:  # noqa: BLE001 - the report says what could not be read
+                        rows.append({"kernel": name, "error": f"{type(err).__name__}: {err}"})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny grid (CPU interpreter smoke run)")
@@ -88,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["fraction_of_copy_bw"] = round(r["kernel_gbps"] * 1e9 / copy_bw, 3)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
-    result = {"bench": "kernel_decode", "device": name, "dtype": args.dtype, "copy_gbps": round(copy_bw / 1e9, 1), "results": rows}
+    result = {"bench": "kernel_decode", "device": name, "dtype": args.dtype, "copy_gbps": round(copy_bw / 1e9, 1),
+              "results": rows, "kernels": kernel_resources() if device == "cuda" else []}
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as f:
@@ -97,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("kernel ms", lambda r: r["kernel_ms"]), ("GB/s", lambda r: r["kernel_gbps"]),
                        ("of copy", lambda r: f"{r['fraction_of_copy_bw']:.1%}"), ("sdpa ms", lambda r: r["sdpa_ms"]),
                        ("vs sdpa", lambda r: f"{r['kernel_vs_sdpa']}x")])
+    spilled = [k for k in result["kernels"] if k.get("spills")]
+    print(f"kernel variants compiled: {len(result['kernels'])}, with spills: {spilled or 'none'}")
     return 0
 
 

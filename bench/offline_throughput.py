@@ -58,8 +58,14 @@ def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batch
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     name = "pagedserve" + (" (CUDA graphs)" if llm.engine.runner.graphs is not None else "") + \
         (f" kv {kv_cache_dtype}" if kv_cache_dtype != "auto" else "")
-    return {"engine": name, "seconds": round(seconds, 2), "output_tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1), "preemptions": llm.engine.stats()["num_preemptions_total"]}
+    result = {"engine": name, "seconds": round(seconds, 2), "output_tokens": tokens,
+              "tokens_per_s": round(tokens / seconds, 1), "preemptions": llm.engine.stats()["num_preemptions_total"]}
+    device = llm.engine.runner.device
+    if device.type == "cuda":  # the pool's size is in the engine's "gpu memory" log line
+        free, total = torch.cuda.mem_get_info(device)
+        result["gpu_gib"] = {"in_use_after_run": round((total - free) / 2**30, 2),
+                             "peak_allocated": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
+    return result
 
 
 def run_transformers(path: Path, work, dtype: str, batch: int, device: str) -> dict:

@@ -3,7 +3,8 @@
 Grid ``(num_seqs, num_kv_heads, num_splits)``: each program takes one KV head with all the query
 heads that share it (GQA) and one slice of ``PARTITION`` context tokens, walks it in tiles of
 ``decode_tile`` tokens (block ids looked up per token, so any power-of-two block size works) with an
-online softmax in float32, and writes a partial result. A second kernel combines the slices, so a
+online softmax in float32, the group's scores and its weighted values as matrix products (the group
+padded to 16 rows), and writes a partial result. A second kernel combines the slices, so a
 batch of a few long sequences still spreads over the whole GPU. With ``window`` > 0 (sliding-window
 attention) slices and tiles before the window are skipped and the rest masked to it.
 """
@@ -17,17 +18,18 @@ import triton.language as tl
 from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
 from pagedserve.kernels.decode_partitions import PARTITION, decode_splits
 from pagedserve.kernels.kv_format import AUTO, KVFormat
-from pagedserve.kernels.paged_tiles import cap_scores, code_constants, load_kv_tile
+from pagedserve.kernels.paged_tiles import cap_scores, code_constants, dot_in_float32, load_kv_tile, tile_dot
 
-TILE_ELEMENTS = 8192  # a tile's q x k products (GROUP_PAD x TILE x DIM_PAD) that fit in registers
+TILE_ELEMENTS = 8192  # a tile's keys x head elements (TILE x DIM_PAD) per K or V load
+MIN_DOT = 16  # the matrix units' least rows: a GQA group is padded to it
+NUM_WARPS = 8
 
 
-def decode_tile(group_pad: int, dim_pad: int) -> int:
-    """Key positions per tile: 64, fewer as the GQA group and the head grow, so the tile's products
-    stay in registers (compiled for sm_90: group 4 x head 128 at 64 keys took 255 registers and 832
-    bytes of stack, group 8 6,400 bytes; at 8,192 products none spills, tests/kernels/test_register_budget.py)."""
+def decode_tile(dim_pad: int) -> int:
+    """Key positions per tile: 64, 32 for heads of 256 (at 8 warps no spills at sm_90, plain or int8
+    caches: tests/kernels/test_register_budget.py; 4 warps spilled at heads of 128)."""
     tile = 64
-    while tile > 8 and group_pad * tile * dim_pad > TILE_ELEMENTS:
+    while tile > 16 and tile * dim_pad > TILE_ELEMENTS:
         tile //= 2
     return tile
 
@@ -36,9 +38,9 @@ def decode_tile(group_pad: int, dim_pad: int) -> int:
 def _decode_partial(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     scale, stride_qs, stride_qh, stride_bt, stride_kb, stride_kt, stride_kh, max_splits, window, softcap,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
-    CODE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+    CODE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, F32: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -47,28 +49,28 @@ def _decode_partial(
     start = split * PARTITION
     first = _first_key(seq_len, window)
     if (start < seq_len) & (start + PARTITION > first):
-        g = tl.arange(0, GROUP_PAD)
+        g = tl.arange(0, ROWS)  # the group's query heads, padded with zero rows to the matrix units' size
         d = tl.arange(0, DIM_PAD)
         heads = kv_head * GROUP + g
         q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                    mask=(g[:, None] < GROUP) & (d[None, :] < DIM), other=0.0).to(tl.float32)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+                    mask=(g[:, None] < GROUP) & (d[None, :] < DIM), other=0.0)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        l = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
         end = tl.minimum(start + PARTITION, seq_len)
         for tile in range(tl.maximum(start, first // TILE * TILE), end, TILE):  # tiles wholly before the window skipped
             pos = tile + tl.arange(0, TILE)
             valid = (pos < end) & (pos >= first)
-            k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
-                                pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
+            k, k_scale, v, v_scale = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
+                                                  stride_kh, kv_head, pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
+            scores = tile_dot(q, tl.trans(k.to(q.dtype)), F32) * (k_scale * scale)[None, :]  # [ROWS, TILE]
             scores = cap_scores(scores, softcap)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tile_dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), F32)
             m = m_new
         row = (seq * tl.num_programs(1) * GROUP + heads) * max_splits + split
         tl.store(part_max_ptr + row, m, mask=g < GROUP)
@@ -126,13 +128,13 @@ def paged_attention_decode(
     part_max = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     block_tables = block_tables.contiguous()
-    group_pad, dim_pad = max(triton.next_power_of_2(group), 1), triton.next_power_of_2(dim)
+    rows, dim_pad = max(triton.next_power_of_2(group), MIN_DOT), max(triton.next_power_of_2(dim), MIN_DOT)
     _decode_partial[(num_seqs, k_cache.shape[2], splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        splits, window, float(softcap), GROUP=group, GROUP_PAD=group_pad, DIM=dim,
-        DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], TILE=decode_tile(group_pad, dim_pad), PARTITION=PARTITION,
-        **code_constants(kv_format),
+        splits, window, float(softcap), GROUP=group, ROWS=rows, DIM=dim,
+        DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], TILE=decode_tile(dim_pad), PARTITION=PARTITION,
+        F32=dot_in_float32(q.dtype), **code_constants(kv_format), num_warps=NUM_WARPS,
     )
     _decode_reduce[(num_seqs, num_heads)](
         part_out, part_max, part_sum, seq_lens, out, out.stride(0), out.stride(1), num_heads, splits, window,

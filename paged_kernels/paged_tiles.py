@@ -4,6 +4,7 @@ from a quantized cache, decoded in registers (``CODE``, ``code_constants``), and
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -28,23 +29,31 @@ def code_constants(kv_format: KVFormat) -> dict:
 def load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head, pos, valid, d,
                  DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr,
                  BIAS: tl.constexpr):
-    """float32 K and V ``[len(pos), DIM_PAD]``; positions where ``valid`` is false read as zeros."""
+    """K and V of a tile as ``(k, k_scale, v, v_scale)``: ``[len(pos), DIM_PAD]`` values (a plain
+    cache's as stored; int8 codes or decoded fp8 codes as float32, exact in any 16-bit type) and each
+    row's float32 scale (ones for a plain cache). The kernels take their dot products on the
+    values and apply the scales to the scores and the probabilities, so the matrix units see exact
+    inputs. Positions where ``valid`` is false read as zeros."""
     block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     offs = block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head * stride_kh
     kv_mask = valid[:, None] & (d[None, :] < DIM)
-    k = _load_rows(k_ptr, offs, d, valid, kv_mask, DIM, CODE, MANT, BIAS)
-    v = _load_rows(v_ptr, offs, d, valid, kv_mask, DIM, CODE, MANT, BIAS)
-    return k, v
+    if CODE == 0:
+        k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k_scale = tl.full(offs.shape, 1.0, tl.float32)
+        v_scale = k_scale
+    else:
+        k, k_scale = _load_codes(k_ptr, offs, d, valid, kv_mask, DIM, CODE, MANT, BIAS)
+        v, v_scale = _load_codes(v_ptr, offs, d, valid, kv_mask, DIM, CODE, MANT, BIAS)
+    return k, k_scale, v, v_scale
 
 
 @triton.jit
-def _load_rows(ptr, offs, d, valid, mask, DIM: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr,
-               BIAS: tl.constexpr):
-    """float32 ``[len(offs), DIM_PAD]``: plain values, or one-byte codes times the row's bfloat16
-    scale (the two bytes after the codes; ``paged_kernels/kv_format.py``), decoded with integer
-    arithmetic only, as exact as the torch reference's table."""
-    if CODE == 0:
-        return tl.load(ptr + offs[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+def _load_codes(ptr, offs, d, valid, mask, DIM: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr,
+                BIAS: tl.constexpr):
+    """float32 ``[len(offs), DIM_PAD]`` values and ``[len(offs)]`` scales: one-byte codes decoded with
+    integer arithmetic only (as exact as the torch reference's table) and the row's bfloat16 scale
+    (the two bytes after the codes; ``paged_kernels/kv_format.py``)."""
     codes = tl.load(ptr + offs[:, None] + d[None, :], mask=mask, other=0).to(tl.int32)
     low = tl.load(ptr + offs + DIM, mask=valid, other=0).to(tl.uint32)
     high = tl.load(ptr + offs + DIM + 1, mask=valid, other=0).to(tl.uint32)
@@ -56,7 +65,24 @@ def _load_rows(ptr, offs, d, valid, mask, DIM: tl.constexpr, CODE: tl.constexpr,
         significand = (codes & ((1 << MANT) - 1)) + tl.where(exponent > 0, 1 << MANT, 0)  # subnormals: no implicit 1
         power = ((tl.maximum(exponent, 1) - BIAS - MANT + 127) << 23).to(tl.float32, bitcast=True)
         values = tl.where(codes >= 128, -1.0, 1.0) * significand.to(tl.float32) * power
-    return values * scale[:, None]
+    return values, scale
+
+
+def dot_in_float32(dtype: torch.dtype) -> bool:
+    """Whether the kernels' ``tile_dot`` takes IEEE float32 products for queries of ``dtype``: for
+    float32 (a float32 model's parity with transformers), and for bfloat16 under
+    ``TRITON_INTERPRET=1``, whose dot reads bfloat16 operands wrongly (the products of two bfloat16
+    values are exact in float32, so the result is the matrix units' up to the order of the sums)."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def tile_dot(a, b, F32: tl.constexpr):
+    """``a @ b`` summed in float32: from IEEE float32 products where ``F32`` (``dot_in_float32``), the
+    matrix units' 16-bit products otherwise."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
 
 
 @triton.jit

@@ -3,7 +3,8 @@
 Each sequence's chunk holds its last ``q_len`` positions; the earlier ``seq_len - q_len`` tokens
 (a prefix-cache hit or earlier chunks) and the chunk itself are read from the cache through the
 block table, so the chunk's K/V must be stored first. Grid ``(num_seqs, query tiles, num_heads)``;
-each program walks key tiles up to its causal limit with an online softmax in float32 (from the
+each program walks key tiles up to its causal limit with an online softmax in float32, scores and
+weighted values as matrix products in the queries' type (IEEE float32 for float32) (from the
 start of its earliest row's window, with ``window`` > 0: sliding-window attention).
 """
 
@@ -15,10 +16,16 @@ import triton.language as tl
 
 from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
 from pagedserve.kernels.kv_format import AUTO, KVFormat
-from pagedserve.kernels.paged_tiles import cap_scores, code_constants, load_kv_tile
+from pagedserve.kernels.paged_tiles import cap_scores, code_constants, dot_in_float32, load_kv_tile, tile_dot
 
-BLOCK_M = 16
-BLOCK_N = 32
+NUM_WARPS = 8
+
+
+def prefill_tiles(dim_pad: int) -> tuple[int, int]:
+    """(query rows, key positions) per tile: 64 x 32 up to heads of 128, 16 x 32 beyond (at 8 warps,
+    Hopper's wgmma for the first, and no spills at sm_90 for either, plain or int8 caches:
+    tests/kernels/test_register_budget.py; 64 x 64 spilled at heads of 128 with 4 warps)."""
+    return (64, 32) if dim_pad <= 128 else (16, 32)
 
 
 @triton.jit
@@ -27,6 +34,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh, window, softcap,
     GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+    F32: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     tile_m = tl.program_id(1)
@@ -40,7 +48,7 @@ def _prefill_kernel(
         d = tl.arange(0, DIM_PAD)
         row_ok = rows < q_len
         q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & (d[None, :] < DIM), other=0.0).to(tl.float32)
+                    mask=row_ok[:, None] & (d[None, :] < DIM), other=0.0)
         q_pos = prefix + rows
         kv_head = head // GROUP
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -51,9 +59,9 @@ def _prefill_kernel(
         for tile in range(lowest // BLOCK_N * BLOCK_N, limit, BLOCK_N):
             pos = tile + tl.arange(0, BLOCK_N)
             valid = (pos < limit) & (pos >= lowest)  # before the window: never read (its blocks may be released)
-            k, v = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head,
-                                pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
-            scores = cap_scores(tl.dot(q, tl.trans(k), input_precision="ieee") * scale, softcap)
+            k, k_scale, v, v_scale = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
+                                                  stride_kh, kv_head, pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
+            scores = cap_scores(tile_dot(q, tl.trans(k.to(q.dtype)), F32) * (k_scale * scale)[None, :], softcap)
             allowed = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
             allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
             scores = tl.where(allowed, scores, float("-inf"))
@@ -62,7 +70,7 @@ def _prefill_kernel(
             alpha = tl.exp(m - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tile_dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), F32)
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -92,12 +100,14 @@ def prefill_attention(
         return out
     max_q = max_query_len if max_query_len is not None else int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_tables = block_tables.contiguous()
-    grid = (num_seqs, triton.cdiv(max_q, BLOCK_M), q.shape[1])
+    dim_pad = max(triton.next_power_of_2(q.shape[2]), 16)
+    block_m, block_n = prefill_tiles(dim_pad)
+    grid = (num_seqs, triton.cdiv(max_q, block_m), q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window, float(softcap),
-        GROUP=group, DIM=q.shape[2], DIM_PAD=triton.next_power_of_2(q.shape[2]),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **code_constants(kv_format),
+        GROUP=group, DIM=q.shape[2], DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        F32=dot_in_float32(q.dtype), **code_constants(kv_format), num_warps=NUM_WARPS,
     )
     return out

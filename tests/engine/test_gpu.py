@@ -78,7 +78,8 @@ def test_every_sampling_feature_and_beam_search_on_cuda(zoo):
     llm = cuda_llm(zoo, num_gpu_blocks=64, block_size=8, num_cpu_blocks=256, preemption_mode="swap")
     params = list(FEATURES.values())
     done = run_checked(llm, [[20 + i, *range(30, 45)] for i in range(len(params))], params)
-    assert all(done[i].finished and done[i].error is None for i in range(len(params)))
+    failed = {name: done[i].error for i, name in enumerate(FEATURES) if not done[i].finished or done[i].error}
+    assert not failed, failed
     seeded = FEATURES["seeded"]
     again = run_checked(llm, [[20 + list(FEATURES).index("seeded"), *range(30, 45)]], [seeded])
     assert again[0].outputs[0].token_ids == done[list(FEATURES).index("seeded")].outputs[0].token_ids
@@ -120,12 +121,13 @@ def test_the_whole_stack_streams_from_a_gpu_worker(tmp_path, monkeypatch):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_cuda_graphs_give_the_eager_tokens(zoo):
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma2", "mistral-window", "phi3"])
+def test_cuda_graphs_give_the_eager_tokens(zoo, name):
     cases = random_prompts(seed=8, count=40, max_len=200, vocab=VOCAB, max_new=60)  # batch sizes across buckets
     params = [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases]
-    graphed = cuda_llm(zoo, num_gpu_blocks=2048)
+    graphed = cuda_llm(zoo, name, num_gpu_blocks=2048)
     assert graphed.engine.runner.graphs is not None
-    eager = cuda_llm(zoo, num_gpu_blocks=2048, enforce_eager=True)
+    eager = cuda_llm(zoo, name, num_gpu_blocks=2048, enforce_eager=True)
     assert eager.engine.runner.graphs is None
     a = run_checked(graphed, [p for p, _ in cases], params)
     b = run_checked(eager, [p for p, _ in cases], params)

@@ -254,3 +254,34 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
         replayed = graphs._forward(bucket, graphs._metadata(bucket))
     assert bucket.slots[3] == -1 and bucket.lens[3] == 1  # the padding row writes nothing
     close(replayed[:3], eager, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_pool_past_2_31_elements_is_read_and_written_at_its_highest_blocks():
+    """A real GPU's pool holds more than 2**31 elements: sequences on its last blocks give what the
+    same kernels give on a small pool holding the same rows (int32 offsets would wrap)."""
+    block_size, kv_heads, head_dim, dtype = 16, 8, 128, torch.bfloat16
+    lengths = [40, 600, 17]
+    small = make_case(lengths, block_size, kv_heads, head_dim, dtype, "cuda")
+    used = small.k_cache.shape[0]
+    num_blocks = 2**31 // (block_size * kv_heads * head_dim) + used
+    base = num_blocks - used
+    k_big = torch.zeros((num_blocks, block_size, kv_heads, head_dim), dtype=dtype, device="cuda")
+    v_big = torch.zeros_like(k_big)
+    assert k_big.numel() > 2**31
+    k_big[base:], v_big[base:] = small.k_cache, small.v_cache
+    tables = small.block_tables + base
+    q = torch.randn(len(lengths), 32, head_dim, device="cuda").to(dtype)
+    assert torch.equal(paged_attention_decode(q, k_big, v_big, tables, small.seq_lens, 0.1),
+                       paged_attention_decode(q, small.k_cache, small.v_cache, small.block_tables, small.seq_lens, 0.1))
+    q_lens = [8, 1, 17]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    qp = torch.randn(sum(q_lens), 32, head_dim, device="cuda").to(dtype)
+    assert torch.equal(prefill_attention(qp, k_big, v_big, tables, starts, small.seq_lens, 0.125),
+                       prefill_attention(qp, small.k_cache, small.v_cache, small.block_tables, starts, small.seq_lens, 0.125))
+    key = torch.randn(block_size, kv_heads, head_dim, device="cuda").to(dtype)
+    slots = torch.arange((num_blocks - 1) * block_size, num_blocks * block_size, device="cuda")
+    store_kv(key, -key, k_big, v_big, slots)
+    assert torch.equal(k_big[-1], key) and torch.equal(v_big[-1], -key)
+    assert torch.equal(k_big[0], torch.zeros_like(key))

@@ -32,7 +32,7 @@ MODELS = {  # (query heads per KV head, head_dim)
 POINTERS = {"tables_ptr": "*i32", "lens_ptr": "*i32", "starts_ptr": "*i32"}
 
 
-def resources(fn, cache_dtype: str, constexprs: dict) -> dict[str, int]:
+def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int) -> dict[str, int]:
     """``REG``, ``STACK``, ... of ``fn`` compiled for sm_90 with a cache of ``cache_dtype``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -46,7 +46,8 @@ def resources(fn, cache_dtype: str, constexprs: dict) -> dict[str, int]:
                                            "*bf16" if name in ("q_ptr", "out_ptr") else "*fp32")
         else:
             signature[name] = "fp32" if name in ("scale", "softcap") else "i64" if name.startswith("stride") else "i32"
-    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": num_warps})
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "kernel.cubin")
         with open(cubin, "wb") as f:
@@ -57,20 +58,21 @@ def resources(fn, cache_dtype: str, constexprs: dict) -> dict[str, int]:
 
 
 def cases() -> dict[str, tuple]:
-    """name -> (kernel, cache dtype for the signature, constexprs)."""
+    """name -> (kernel, cache dtype for the signature, constexprs, warps)."""
     out = {}
     for model, (group, dim) in MODELS.items():
-        group_pad = triton.next_power_of_2(group)
+        rows = max(triton.next_power_of_2(group), paged_attention.MIN_DOT)
+        block_m, block_n = prefill_attention.prefill_tiles(dim)
         for cache in ("auto", "int8"):
+            constants = dict(code_constants(kv_format(cache)), F32=False)
             out[f"decode-{cache}-{model}"] = (
                 paged_attention._decode_partial, "bf16" if cache == "auto" else "u8",
-                dict(GROUP=group, GROUP_PAD=group_pad, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16,
-                     TILE=paged_attention.decode_tile(group_pad, dim), PARTITION=paged_attention.PARTITION,
-                     **code_constants(kv_format(cache))))
-        out[f"prefill-auto-{model}"] = (
-            prefill_attention._prefill_kernel, "bf16",
-            dict(GROUP=group, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=prefill_attention.BLOCK_M,
-                 BLOCK_N=prefill_attention.BLOCK_N, **code_constants(kv_format("auto"))))
+                dict(GROUP=group, ROWS=rows, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, TILE=paged_attention.decode_tile(dim),
+                     PARTITION=paged_attention.PARTITION, **constants), paged_attention.NUM_WARPS)
+            out[f"prefill-{cache}-{model}"] = (
+                prefill_attention._prefill_kernel, "bf16" if cache == "auto" else "u8",
+                dict(GROUP=group, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n, **constants),
+                prefill_attention.NUM_WARPS)
     return out
 
 
@@ -93,10 +95,10 @@ def test_the_kernels_keep_their_registers(usage, case):
     assert usage[case]["STACK"] == 0 and usage[case]["REG"] <= 255, usage[case]
 
 
-def test_the_tile_shrinks_as_the_group_and_head_grow():
-    assert paged_attention.decode_tile(1, 64) == 64
-    assert paged_attention.decode_tile(4, 128) == 16 and paged_attention.decode_tile(8, 128) == 8
-    assert paged_attention.decode_tile(16, 256) == 8  # never below 8
+def test_the_tiles_shrink_as_the_head_grows():
+    assert paged_attention.decode_tile(64) == 64 and paged_attention.decode_tile(128) == 64
+    assert paged_attention.decode_tile(256) == 32 and paged_attention.decode_tile(1024) == 16  # never below 16
+    assert prefill_attention.prefill_tiles(128) == (64, 32) and prefill_attention.prefill_tiles(256) == (16, 32)
 
 
 if __name__ == "__main__":
