@@ -1,4 +1,4 @@
-"""Decode attention kernel: time, achieved bandwidth, and ratios to two baselines on the same data.
+"""Decode and prefill attention kernels: time, achieved bandwidth, and ratios to baselines on the same data.
 
 For each (batch, context): the Triton paged decode kernel; torch SDPA over the same K/V gathered
 into contiguous tensors (gather not timed); and the device's copy bandwidth (a large
@@ -66,6 +66,31 @@ def one_case(batch: int, context: int, dtype: torch.dtype, device: str, repeat: 
             "kernel_gbps": round(kv_bytes / t_kernel / 1e9, 1), "kernel_vs_sdpa": round(t_sdpa / t_kernel, 3)}
 
 
+def prefill_case(seqs: int, length: int, dtype: torch.dtype, device: str, repeat: int) -> dict:
+    """The Triton prefill kernel on ``seqs`` whole prompts of ``length`` tokens (causal, one chunk
+    each) against torch SDPA's causal attention over the same K/V laid out contiguously."""
+    from pagedserve.kernels.prefill_attention import prefill_attention
+
+    blocks = -(-length // BLOCK)
+    k_cache = torch.randn(seqs * blocks, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(seqs * blocks, device=device, dtype=torch.int32).view(seqs, blocks)
+    lens = torch.full((seqs,), length, dtype=torch.int32, device=device)
+    starts = torch.arange(seqs + 1, device=device, dtype=torch.int32) * length
+    q = torch.randn(seqs * length, HEADS, HEAD_DIM, device=device, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+    t_kernel = timed(lambda: prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, max_query_len=length),
+                     device, repeat)
+    k = k_cache.view(seqs, blocks * BLOCK, KV_HEADS, HEAD_DIM)[:, :length].transpose(1, 2).contiguous()
+    v = v_cache.view(seqs, blocks * BLOCK, KV_HEADS, HEAD_DIM)[:, :length].transpose(1, 2).contiguous()
+    qs = q.view(seqs, length, HEADS, HEAD_DIM).transpose(1, 2)
+    t_sdpa = timed(lambda: F.scaled_dot_product_attention(qs, k, v, scale=scale, is_causal=True, enable_gqa=True),
+                   device, repeat)
+    flops = 4 * seqs * HEADS * HEAD_DIM * length * length / 2  # causal: half the square, two products
+    return {"seqs": seqs, "length": length, "kernel_ms": round(t_kernel * 1e3, 4), "sdpa_ms": round(t_sdpa * 1e3, 4),
+            "kernel_tflops": round(flops / t_kernel / 1e12, 1), "kernel_vs_sdpa": round(t_sdpa / t_kernel, 3)}
+
+
 def kernel_resources() -> list[dict]:
     """Registers, spills and shared memory of every Triton kernel variant compiled so far in this
     process (read from Triton's per-device caches; an entry says why where they cannot be read)."""
@@ -106,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = [one_case(b, c, dtype, device, repeat) for b, c in grid]
     for r in rows:
         r["fraction_of_copy_bw"] = round(r["kernel_gbps"] * 1e9 / copy_bw, 3)
+    prefill_grid = [(1, 512)] if args.quick else [(s, n) for s, n in ((16, 512), (4, 2048), (1, 8192))]
+    prefill = [prefill_case(s, n, dtype, device, repeat) for s, n in prefill_grid]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     result = {"bench": "kernel_decode", "device": name, "dtype": args.dtype, "copy_gbps": round(copy_bw / 1e9, 1),
-              "results": rows, "kernels": kernel_resources() if device == "cuda" else []}
+              "results": rows, "prefill": prefill, "kernels": kernel_resources() if device == "cuda" else []}
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as f:
@@ -117,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                        ("kernel ms", lambda r: r["kernel_ms"]), ("GB/s", lambda r: r["kernel_gbps"]),
                        ("of copy", lambda r: f"{r['fraction_of_copy_bw']:.1%}"), ("sdpa ms", lambda r: r["sdpa_ms"]),
                        ("vs sdpa", lambda r: f"{r['kernel_vs_sdpa']}x")])
+    print_table(prefill, [("prompts", lambda r: r["seqs"]), ("length", lambda r: r["length"]),
+                          ("prefill ms", lambda r: r["kernel_ms"]), ("TFLOP/s", lambda r: r["kernel_tflops"]),
+                          ("sdpa ms", lambda r: r["sdpa_ms"]), ("vs sdpa", lambda r: f"{r['kernel_vs_sdpa']}x")])
     spilled = [k for k in result["kernels"] if k.get("spills")]
     print(f"kernel variants compiled: {len(result['kernels'])}, with spills: {spilled or 'none'}")
     return 0
