@@ -21,7 +21,7 @@ import torch
 from pagedserve.kernels.kv_format import KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.core.plan import ScheduledSeq
-from pagedserve.worker.runner.kv_pool import layer_caches, pool_shape
+from pagedserve.worker.runner.kv_pool import layer_caches, pool_shape, zeroed_pool
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.step_inputs import step_inputs
 
@@ -32,7 +32,7 @@ class Drafter:
     def __init__(self, model: CausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype, kv: KVFormat,
                  block_size: int, num_blocks: int) -> None:
         self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
-        self.kv_pool = torch.zeros(pool_shape(model, num_blocks, block_size, kv), dtype=kv.storage_dtype(dtype), device=device)
+        self.kv_pool = zeroed_pool(pool_shape(model, num_blocks, block_size, kv), kv.storage_dtype(dtype), device)
         self.kv_caches = layer_caches(self.kv_pool)
 
     @torch.inference_mode()

@@ -1,9 +1,15 @@
 """The layout of a model's paged KV pool: K and V of every layer in one tensor
 ``[2 * layers, num_blocks, block_size, kv_heads, row width]``, so block copies and swaps are one
 operation, and the per-layer (K, V) views the attention reads. The target's pool, its CPU swap
-pool and a draft model's pool (drafter.py) are all laid out so."""
+pool and a draft model's pool (drafter.py) are all laid out so.
+
+A pool in host memory that nothing pins is an anonymous mapping (``zeroed_pool``): its pages read as
+zeros and become resident only when a block is first written, so a worker's memory follows the KV
+it holds, not its budget (a 1 GiB pool on SmolLM2 was 1 GiB of RSS from the start)."""
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -18,3 +24,15 @@ def pool_shape(model: CausalLM, num_blocks: int, block_size: int, kv: KVFormat) 
 def layer_caches(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) views of ``pool``."""
     return [(pool[2 * i], pool[2 * i + 1]) for i in range(pool.shape[0] // 2)]
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pinned: bool = False) -> torch.Tensor:
+    """A zero-filled tensor of ``shape`` for a pool: on the CPU, unpinned and not empty, the pages of an
+    anonymous mapping (zeros the kernel supplies on first touch, resident once written); else
+    ``torch.zeros``."""
+    device = torch.device(device)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype, device="meta").element_size()
+    if device.type != "cpu" or pinned or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pinned)
+    pages = mmap.mmap(-1, nbytes)  # the tensor below holds a reference to it: unmapped when the pool is freed
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

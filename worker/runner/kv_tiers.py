@@ -17,14 +17,15 @@ import torch
 from pagedserve.kernels import reference
 from pagedserve.worker.core.disk_tier import DiskTier
 from pagedserve.worker.core.plan import TierMoves
+from pagedserve.worker.runner.kv_pool import zeroed_pool
 
 
 class TierCopier:
     def __init__(self, kv_pool: torch.Tensor, num_host_slots: int, disk: DiskTier | None) -> None:
         self.kv_pool, self.disk = kv_pool, disk
         pinned = kv_pool.device.type == "cuda" and num_host_slots > 0
-        self.host_pool = torch.zeros((kv_pool.shape[0], num_host_slots, *kv_pool.shape[2:]), dtype=kv_pool.dtype,
-                                     device="cpu", pin_memory=pinned)
+        self.host_pool = zeroed_pool((kv_pool.shape[0], num_host_slots, *kv_pool.shape[2:]), kv_pool.dtype, "cpu",
+                                     pinned=pinned)
         self.copy_up_seconds = 0.0  # spent copying blocks up (on CUDA: queueing the copies)
 
     @staticmethod

@@ -27,7 +27,7 @@ from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
 from pagedserve.worker.runner.draft_check import check_drafts
 from pagedserve.worker.runner.drafter import Drafter
-from pagedserve.worker.runner.kv_pool import layer_caches, pool_shape
+from pagedserve.worker.runner.kv_pool import layer_caches, pool_shape, zeroed_pool
 from pagedserve.worker.runner.kv_tiers import TierCopier
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampler import Sampler, scored_token
@@ -65,10 +65,10 @@ class ModelRunner:
         shape = pool_shape(model, num_gpu_blocks, block_size, kv)
         dtype = kv.storage_dtype(dtype)
         with tqdm(total=2, desc="allocating KV cache", unit="pool", leave=False, disable=None) as bar:
-            self.kv_pool = torch.zeros(shape, dtype=dtype, device=device)
+            self.kv_pool = zeroed_pool(shape, dtype, device)
             bar.update(1)
-            self.cpu_pool = torch.zeros(pool_shape(model, num_cpu_blocks, block_size, kv), dtype=dtype, device="cpu",
-                                        pin_memory=device.type == "cuda" and num_cpu_blocks > 0)
+            self.cpu_pool = zeroed_pool(pool_shape(model, num_cpu_blocks, block_size, kv), dtype, "cpu",
+                                        pinned=device.type == "cuda" and num_cpu_blocks > 0)
             bar.update(1)
         self.kv_caches = layer_caches(self.kv_pool)
         # speculative decoding's draft model, its KV on the same block ids (drafter.py)
