@@ -2,7 +2,7 @@
 # The GPU check for the device tool: about 6 minutes in all, each step with its own limit, on
 # the device image as it is (python3, torch, triton, transformers, aiohttp, msgpack; no registry).
 #   here, once:  bash bench/gpu_wheels.sh            (the missing wheels into gpu_wheels/, ignored)
-#   device run:  command "bash bench/gpu_check.sh", carry ["gpu_wheels"], timeout_s 450
+#   device run:  command "bash bench/gpu_check.sh", carry ["gpu_wheels"], timeout_s 360
 # Order: set-up and a preflight (versions, the device, every import; fails loudly in seconds), the
 # GPU-marked tests (each test's line streamed, 120 s a test), the decode kernel benchmark, decode
 # attention over int8/fp8 caches against bf16, offline throughput of a ~1.1B random-weight Llama in

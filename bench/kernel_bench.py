@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [one_case(b, c, dtype, device, repeat) for b, c in grid]
     for r in rows:
         r["fraction_of_copy_bw"] = round(r["kernel_gbps"] * 1e9 / copy_bw, 3)
-    prefill_grid = [(1, 512)] if args.quick else [(s, n) for s, n in ((16, 512), (4, 2048), (1, 8192))]
+    prefill_grid = [(1, 512)] if args.quick else [(16, 512), (4, 2048), (1, 8192)]
     prefill = [prefill_case(s, n, dtype, device, repeat) for s, n in prefill_grid]
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)"
     result = {"bench": "kernel_decode", "device": name, "dtype": args.dtype, "copy_gbps": round(copy_bw / 1e9, 1),

@@ -4,7 +4,7 @@ Grid ``(num_seqs, num_kv_heads, num_splits)``: each program takes one KV head wi
 heads that share it (GQA) and one slice of ``PARTITION`` context tokens, walks it in tiles of
 ``decode_tile`` tokens (block ids looked up per token, so any power-of-two block size works) with an
 online softmax in float32, the group's scores and its weighted values as matrix products (the group
-padded to 16 rows), and writes a partial result. A second kernel combines the slices, so a
+padded to ``MIN_DOT`` rows), and writes a partial result. A second kernel combines the slices, so a
 batch of a few long sequences still spreads over the whole GPU. With ``window`` > 0 (sliding-window
 attention) slices and tiles before the window are skipped and the rest masked to it.
 """
@@ -18,10 +18,10 @@ import triton.language as tl
 from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
 from pagedserve.kernels.decode_partitions import PARTITION, decode_splits
 from pagedserve.kernels.kv_format import AUTO, KVFormat
-from pagedserve.kernels.paged_tiles import cap_scores, code_constants, dot_in_float32, load_kv_tile, tile_dot
+from pagedserve.kernels.paged_tiles import (cap_scores, code_constants, dot_in_float32, dot_pad, load_kv_tile, tile_scores,
+                                            tile_weighted)
 
 TILE_ELEMENTS = 8192  # a tile's keys x head elements (TILE x DIM_PAD) per K or V load
-MIN_DOT = 16  # the matrix units' least rows: a GQA group is padded to it
 NUM_WARPS = 8
 
 
@@ -63,14 +63,14 @@ def _decode_partial(
             valid = (pos < end) & (pos >= first)
             k, k_scale, v, v_scale = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
                                                   stride_kh, kv_head, pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
-            scores = tile_dot(q, tl.trans(k.to(q.dtype)), F32) * (k_scale * scale)[None, :]  # [ROWS, TILE]
+            scores = tile_scores(q, k, k_scale, scale, F32)  # [ROWS, TILE]
             scores = cap_scores(scores, softcap)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tile_dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), F32)
+            acc = acc * alpha[:, None] + tile_weighted(p, v, v_scale, q.dtype, F32)
             m = m_new
         row = (seq * tl.num_programs(1) * GROUP + heads) * max_splits + split
         tl.store(part_max_ptr + row, m, mask=g < GROUP)
@@ -128,7 +128,7 @@ def paged_attention_decode(
     part_max = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     block_tables = block_tables.contiguous()
-    rows, dim_pad = max(triton.next_power_of_2(group), MIN_DOT), max(triton.next_power_of_2(dim), MIN_DOT)
+    rows, dim_pad = dot_pad(group), dot_pad(dim)
     _decode_partial[(num_seqs, k_cache.shape[2], splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -13,6 +13,7 @@ import triton.language as tl
 from pagedserve.kernels.kv_format import KVFormat
 
 PLAIN, INT8, FP8 = 0, 1, 2
+MIN_DOT = 16  # the matrix units' least rows and columns
 
 
 def code_constants(kv_format: KVFormat) -> dict:
@@ -76,6 +77,11 @@ def dot_in_float32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+def dot_pad(n: int) -> int:
+    """``n`` rows or columns padded for ``tl.dot``: a power of two, at least the matrix units' 16."""
+    return max(triton.next_power_of_2(n), MIN_DOT)
+
+
 @triton.jit
 def tile_dot(a, b, F32: tl.constexpr):
     """``a @ b`` summed in float32: from IEEE float32 products where ``F32`` (``dot_in_float32``), the
@@ -83,6 +89,20 @@ def tile_dot(a, b, F32: tl.constexpr):
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def tile_scores(q, k, k_scale, scale, F32: tl.constexpr):
+    """``[rows, keys]`` scores of ``q`` against a tile's keys (``load_kv_tile``): the product on the
+    exact values, then each key row's scale and the softmax scale."""
+    return tile_dot(q, tl.trans(k.to(q.dtype)), F32) * (k_scale * scale)[None, :]
+
+
+@triton.jit
+def tile_weighted(p, v, v_scale, dtype: tl.constexpr, F32: tl.constexpr):
+    """``[rows, DIM_PAD]``: probabilities ``p`` times a tile's values, each value row's scale folded
+    into ``p`` before both enter the product at ``dtype`` (the queries')."""
+    return tile_dot((p * v_scale[None, :]).to(dtype), v.to(dtype), F32)
 
 
 @triton.jit

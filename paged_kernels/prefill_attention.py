@@ -3,9 +3,9 @@
 Each sequence's chunk holds its last ``q_len`` positions; the earlier ``seq_len - q_len`` tokens
 (a prefix-cache hit or earlier chunks) and the chunk itself are read from the cache through the
 block table, so the chunk's K/V must be stored first. Grid ``(num_seqs, query tiles, num_heads)``;
-each program walks key tiles up to its causal limit with an online softmax in float32, scores and
-weighted values as matrix products in the queries' type (IEEE float32 for float32) (from the
-start of its earliest row's window, with ``window`` > 0: sliding-window attention).
+each program walks key tiles up to its causal limit (from the start of its earliest row's window,
+with ``window`` > 0: sliding-window attention) with an online softmax in float32, scores and
+weighted values as matrix products in the queries' type (IEEE float32 for float32).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import triton.language as tl
 
 from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
 from pagedserve.kernels.kv_format import AUTO, KVFormat
-from pagedserve.kernels.paged_tiles import cap_scores, code_constants, dot_in_float32, load_kv_tile, tile_dot
+from pagedserve.kernels.paged_tiles import (cap_scores, code_constants, dot_in_float32, dot_pad, load_kv_tile, tile_scores,
+                                            tile_weighted)
 
 NUM_WARPS = 8
 
@@ -61,7 +62,7 @@ def _prefill_kernel(
             valid = (pos < limit) & (pos >= lowest)  # before the window: never read (its blocks may be released)
             k, k_scale, v, v_scale = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
                                                   stride_kh, kv_head, pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
-            scores = cap_scores(tile_dot(q, tl.trans(k.to(q.dtype)), F32) * (k_scale * scale)[None, :], softcap)
+            scores = cap_scores(tile_scores(q, k, k_scale, scale, F32), softcap)
             allowed = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
             allowed &= (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
             scores = tl.where(allowed, scores, float("-inf"))
@@ -70,7 +71,7 @@ def _prefill_kernel(
             alpha = tl.exp(m - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tile_dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), F32)
+            acc = acc * alpha[:, None] + tile_weighted(p, v, v_scale, q.dtype, F32)
             m = m_new
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -100,7 +101,7 @@ def prefill_attention(
         return out
     max_q = max_query_len if max_query_len is not None else int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_tables = block_tables.contiguous()
-    dim_pad = max(triton.next_power_of_2(q.shape[2]), 16)
+    dim_pad = dot_pad(q.shape[2])
     block_m, block_n = prefill_tiles(dim_pad)
     grid = (num_seqs, triton.cdiv(max_q, block_m), q.shape[1])
     _prefill_kernel[grid](

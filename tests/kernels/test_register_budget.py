@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 
 from pagedserve.kernels import paged_attention, prefill_attention  # noqa: E402
 from pagedserve.kernels.kv_format import kv_format  # noqa: E402
-from pagedserve.kernels.paged_tiles import code_constants  # noqa: E402
+from pagedserve.kernels.paged_tiles import code_constants, dot_pad  # noqa: E402
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 MODELS = {  # (query heads per KV head, head_dim)
@@ -61,7 +61,7 @@ def cases() -> dict[str, tuple]:
     """name -> (kernel, cache dtype for the signature, constexprs, warps)."""
     out = {}
     for model, (group, dim) in MODELS.items():
-        rows = max(triton.next_power_of_2(group), paged_attention.MIN_DOT)
+        rows = dot_pad(group)
         block_m, block_n = prefill_attention.prefill_tiles(dim)
         for cache in ("auto", "int8"):
             constants = dict(code_constants(kv_format(cache)), F32=False)

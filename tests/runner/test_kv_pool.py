@@ -8,9 +8,6 @@ import torch
 
 from pagedserve.worker.runner.kv_pool import zeroed_pool
 
-MIB = 1 << 20
-
-
 def resident_mib() -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
 
@@ -28,7 +25,7 @@ def test_a_host_pool_reads_zeros_and_takes_memory_only_where_written():
     assert resident_mib() - before > 200  # written: resident
 
 
-def test_pinned_device_and_empty_pools_are_plain_zeros():
+def test_device_and_empty_pools_are_plain_zeros():
     assert zeroed_pool((0, 4), torch.bfloat16, "cpu").shape == (0, 4)
     meta = zeroed_pool((3, 4), torch.float16, "meta")
     assert meta.device.type == "meta" and meta.dtype == torch.float16
