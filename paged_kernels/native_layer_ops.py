@@ -103,8 +103,7 @@ class NativeLayerOps:
         falls short of whole panels or ``in`` is odd)."""
         outs, width = codes.shape
         panels = -(-outs // PANEL)
-        padded = torch.zeros((panels * PANEL, width + width % 2), dtype=torch.int8, device=codes.device)
-        padded[:outs, :width] = codes
+        padded = _padded(codes, panels * PANEL, width + width % 2)
         return padded.view(panels, PANEL, -1, 2).transpose(1, 2).contiguous()
 
     @staticmethod
@@ -141,9 +140,7 @@ class NativeLayerOps:
         outs, width = weight.shape
         panels = -(-outs // PANEL)
         pairs = weight.dtype == torch.bfloat16
-        padded = torch.zeros((panels * PANEL, width + (width % 2 if pairs else 0)), dtype=weight.dtype,
-                             device=weight.device)
-        padded[:outs, :width] = weight
+        padded = _padded(weight, panels * PANEL, width + (width % 2 if pairs else 0))
         if pairs:
             return padded.view(panels, PANEL, -1, 2).transpose(1, 2).contiguous()
         return padded.view(panels, PANEL, width).transpose(1, 2).contiguous()
@@ -174,3 +171,13 @@ def _heads_of_rows(x: torch.Tensor, stride: int, dim: int) -> bool:
     tokens, heads, width = x.shape
     return (width == dim and (width <= 1 or x.stride(2) == 1) and (heads <= 1 or x.stride(1) == dim)
             and (tokens <= 1 or x.stride(0) == stride))
+
+
+def _padded(matrix: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``matrix`` with zero rows and columns up to ``rows`` x ``cols``; itself where none are needed
+    (a model's largest matrix is not copied once more on its way into panels)."""
+    if matrix.shape == (rows, cols) and matrix.is_contiguous():
+        return matrix
+    padded = torch.zeros((rows, cols), dtype=matrix.dtype, device=matrix.device)
+    padded[:matrix.shape[0], :matrix.shape[1]] = matrix
+    return padded

@@ -34,6 +34,7 @@ from pagedserve.kernels.native_layer_ops import NativeLayerOps
 
 GROUP = 32  # int4: weights per scale and zero, along the input
 COMPUTE = torch.bfloat16  # the kernels' activation dtype
+CHUNK_ELEMENTS = 1 << 21  # values quantized at a time: float32 temporaries of at most 8 MiB
 
 
 class Int8Linear(nn.Module):
@@ -45,7 +46,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        codes, scale = _int8(linear.weight.detach().float(), COMPUTE)
+        codes, scale = _int8(linear.weight.detach(), COMPUTE)
         self.register_buffer("codes", codes if kernels is None else kernels.int8_panels(codes))
         self.register_buffer("scale", scale[:, 0])
         self.bias = _bias(linear)
@@ -80,7 +81,7 @@ class Int8Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.num_embeddings, table.embedding_dim
         self.dtype = table.weight.dtype
         group = GROUP if self.embedding_dim % GROUP == 0 else self.embedding_dim
-        codes, scale = _int8(table.weight.detach().float().reshape(self.num_embeddings, -1, group), torch.float32)
+        codes, scale = _int8(table.weight.detach().reshape(self.num_embeddings, -1, group), torch.float32)
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
 
@@ -149,11 +150,19 @@ def quantize_linears(model: nn.Module, quantization: str, device: torch.device,
 
 
 def _int8(values: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes of float32 ``values`` over their last dimension and the scale of each
-    row (``[..., 1]``, at ``scale_dtype``, rounded before the codes are taken: the grid stored is
-    the one decoded)."""
-    scale = (values.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(2**-126).to(scale_dtype)
-    return (values / scale.float()).round().clamp(-127, 127).to(torch.int8), scale
+    """Symmetric int8 codes of ``values`` (any float dtype, taken in float32) over their last
+    dimension and the scale of each row (``[..., 1]``, at ``scale_dtype``, rounded before the codes
+    are taken: the grid stored is the one decoded). A few rows at a time (``CHUNK_ELEMENTS``), so a
+    vocabulary-sized table is never copied whole in float32 while it is quantized."""
+    codes = torch.empty(values.shape, dtype=torch.int8, device=values.device)
+    scale = torch.empty((*values.shape[:-1], 1), dtype=scale_dtype, device=values.device)
+    rows = max(1, CHUNK_ELEMENTS // max(1, values[0].numel()))
+    for start in range(0, values.shape[0], rows):
+        part = values[start:start + rows].to(torch.float32, copy=True)
+        part_scale = (part.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(2**-126).to(scale_dtype)
+        scale[start:start + rows] = part_scale
+        codes[start:start + rows] = part.div_(part_scale.float()).round_().clamp_(-127, 127)
+    return codes, scale
 
 
 def _bias(linear: nn.Linear) -> nn.Parameter | None:

@@ -139,6 +139,10 @@ class Attention(nn.Module):
             out = self.attn(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    @property
+    def fused(self) -> bool:
+        return self.qkv_proj is not None
+
     def fuse_projections(self) -> None:
         self.qkv_proj = concatenated(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
@@ -165,6 +169,10 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
+    @property
+    def fused(self) -> bool:
+        return self.gate_up_proj is not None
+
     def fuse_projections(self) -> None:
         self.gate_up_proj = concatenated(self.gate_proj, self.up_proj)
         del self.gate_proj, self.up_proj
@@ -181,10 +189,10 @@ def concatenated(*linears: nn.Linear) -> nn.Linear:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Give every attention block one q/k/v matrix and every dense feed-forward one gate/up matrix:
-    fewer, wider matrix calls per layer (on the CPU a call's fixed cost is a tenth of a small
-    layer's time). How many blocks were fused."""
-    blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP))]
+    """Give every attention block one q/k/v matrix and every dense feed-forward one gate/up matrix
+    (those not fused already): fewer, wider matrix calls per layer (on the CPU a call's fixed cost is
+    a tenth of a small layer's time). How many blocks were fused."""
+    blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP)) and not m.fused]
     for block in blocks:
         block.fuse_projections()
     return len(blocks)
@@ -234,7 +242,11 @@ class Backbone(nn.Module):
     def __init__(self, config, arch: Arch, ops: AttentionOps, feed_forward: FeedForward,
                  layer_class: type = DecoderLayer, norm_class: type = RMSNorm) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An uninitialised table (the checkpoint fills it): nn.Embedding's own init draws normal_,
+        # which on the meta device runs torch's Python decompositions and imports torch._dynamo and
+        # triton with them (+75 MiB resident on a CPU worker that never runs either).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(layer_class(config, arch, ops, feed_forward(config, i, ops), layer_window(config, i))
                                     for i in range(config.num_hidden_layers))
         self.norm = norm_class(config.hidden_size, config.rms_norm_eps)

@@ -66,17 +66,21 @@ class RotaryEmbedding(nn.Module):
         self.scale_factor = float(params.get("factor") or 1.0)
         self.max_position = int(config.max_position_embeddings)
         self.switch_after = _original_length(params, config)
-        if rope_type in ("default", "dynamic"):  # dynamic: at most max_position_embeddings, the plain base
-            inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float) / self.dim))
-            factor = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        # The tables are computed on the CPU whatever the default device (the loader builds the model
+        # on meta, where this arithmetic would run torch's decompositions and import torch._dynamo
+        # and triton with them) and moved with the model.
+        with torch.device("cpu"):
+            if rope_type in ("default", "dynamic"):  # dynamic: at most max_position_embeddings, the plain base
+                inv_freq = 1.0 / (self.base ** (torch.arange(0, self.dim, 2, dtype=torch.float) / self.dim))
+                factor = 1.0
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            extra = {"layer_type": layer_type} if layer_type is not None else {}
-            inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, **extra)
-            if rope_type == "longrope":  # the long factors, for sequences past the original length
-                long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=self.switch_after + 1, **extra)
-                self.register_buffer("long_inv_freq", long_inv_freq.float(), persistent=False)
+                extra = {"layer_type": layer_type} if layer_type is not None else {}
+                inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **extra)
+                if rope_type == "longrope":  # the long factors, for sequences past the original length
+                    long_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=self.switch_after + 1, **extra)
+                    self.register_buffer("long_inv_freq", long_inv_freq.float(), persistent=False)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.factor = float(factor)
 
