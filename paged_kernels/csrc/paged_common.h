@@ -87,6 +87,22 @@ static inline void int8_row(float *dst, const uint8_t *src, int64_t n, const flo
     for (int64_t d = 0; d < n; d++) dst[d] = (float)codes[d] * s;
 }
 
+/* Calls TASK ARGS with head_dim (the caller's variable of that name, which ARGS passes) as a
+ * constant where it is one of the common head sizes, so the task inlined there has loops of known
+ * length; with the caller's value otherwise. */
+#define SPECIALISED(TASK, ARGS)                                                   \
+    do {                                                                          \
+        if (head_dim == 64) {                                                     \
+            const int64_t head_dim = 64;                                          \
+            TASK ARGS;                                                            \
+        } else if (head_dim == 128) {                                             \
+            const int64_t head_dim = 128;                                         \
+            TASK ARGS;                                                            \
+        } else {                                                                  \
+            TASK ARGS;                                                            \
+        }                                                                         \
+    } while (0)
+
 /* Every layout a kernel is built for, as X(name, T, LOAD, STORE, C, EXTRA, ROW): T the type of q and
  * out, C the cache's element type, EXTRA the elements a row holds past its head_dim values (a
  * quantized row's scale), ROW the loader of one row; the name gets the layout's suffix

@@ -27,9 +27,10 @@ def native(tmp_path_factory) -> NativeAttention:
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_decode_matches_naive(native, block_size, heads, kv_heads, dtype):
-    case = make_case(LENGTHS, block_size, kv_heads, 64, dtype)
-    q = torch.randn(len(LENGTHS), heads, 64).to(dtype)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # the kernel's two sizes compiled as constants, and another
+def test_decode_matches_naive(native, block_size, heads, kv_heads, dtype, head_dim):
+    case = make_case(LENGTHS, block_size, kv_heads, head_dim, dtype)
+    q = torch.randn(len(LENGTHS), heads, head_dim).to(dtype)
     out = native.decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125)
     assert out.dtype == dtype and out.shape == q.shape
     for s, n in enumerate(LENGTHS):
