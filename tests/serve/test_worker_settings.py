@@ -1,6 +1,8 @@
 """Worker flags and their environment twins reach the engine's keyword arguments; bad values are
 one clear line."""
 
+import socket
+
 import pytest
 
 from pagedserve.kernels.ops import BACKENDS
@@ -73,3 +75,66 @@ def test_serve_takes_the_model_positionally_and_shows_defaults_and_variables(cap
     assert "env PAGEDSERVE_MAX_MODEL_LEN" in text and "(default: 8000; env PAGEDSERVE_PORT)" in text
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--port", "70000"])
+
+
+WORKER_FLAGS = [  # flag, its default, a value as typed, that value parsed (the worker's own flags, not the engine's)
+    ("--model", None, "m1", "m1"),
+    ("--redis-url", "redis://127.0.0.1:6379/0", "redis://h:7/1", "redis://h:7/1"),
+    ("--served-model-name", None, "s1", "s1"),
+    ("--consumer", socket.gethostname(), "w9", "w9"),
+    ("--max-inflight", None, "5", 5),
+    ("--read-ahead", 16, "3", 3),
+    ("--claim-idle-ms", 30_000, "40000", 40_000),
+    ("--heartbeat", 1.0, "0.5", 0.5),
+    ("--max-deliveries", 3, "4", 4),
+    ("--drain-timeout", 30.0, "2.5", 2.5),
+    ("--key-prefix", "pagedserve", "k1", "k1"),
+    ("--metrics-port", 0, "9100", 9100),
+    ("--metrics-host", "127.0.0.1", "0.0.0.0", "0.0.0.0"),
+    ("--log-stats-interval", 10.0, "0", 0.0),
+]
+POSITIVE = ["--max-inflight", "--read-ahead", "--claim-idle-ms", "--heartbeat", "--max-deliveries", "--drain-timeout"]
+
+
+@pytest.mark.parametrize("flag,default,typed,parsed", WORKER_FLAGS)
+def test_each_worker_flag_has_its_default_its_type_and_its_environment_twin(flag, default, typed, parsed, capsys):
+    dest = flag[2:].replace("-", "_")
+    parser = worker_parser({})
+    assert getattr(parser.parse_args([]), dest) == default
+    assert getattr(parser.parse_args([flag, typed]), dest) == parsed
+    variable = "REDIS_URL" if dest == "redis_url" else f"PAGEDSERVE_{dest.upper()}"  # REDIS_URL as every Redis tool reads it
+    assert getattr(worker_parser({variable: typed}).parse_args([]), dest) == parsed
+    help_text = next(a.help for a in parser._actions if a.dest == dest)
+    assert help_text.endswith(f"env {variable})") and len(help_text) > 30
+    if flag in POSITIVE:
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "0"])
+        assert "> 0" in capsys.readouterr().err
+    if flag == "--log-stats-interval":
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "-1"])
+
+
+def test_the_settings_are_what_the_flags_say():
+    settings = worker_settings(["--model", "m1", "--consumer", "w9", "--read-ahead", "3", "--claim-idle-ms", "40000",
+                                "--heartbeat", "0.5", "--max-deliveries", "4", "--drain-timeout", "2.5",
+                                "--key-prefix", "k1", "--metrics-port", "9100", "--metrics-host", "0.0.0.0",
+                                "--log-stats-interval", "0", "--redis-url", "redis://h:7/1", "--max-num-seqs", "6"], {})
+    assert (settings.model, settings.redis_url, settings.served_model_name, settings.consumer, settings.max_inflight,
+            settings.read_ahead, settings.claim_idle_ms, settings.heartbeat_s, settings.max_deliveries,
+            settings.drain_timeout_s, settings.key_prefix, settings.metrics_port, settings.metrics_host,
+            settings.log_stats_interval_s, settings.liveness_s) == (
+        "m1", "redis://h:7/1", "m1", "w9", 6, 3, 40_000, 0.5, 4, 2.5, "k1", 9100, "0.0.0.0", 0.0, 1.5)
+    assert worker_settings(["--max-inflight", "2", "--served-model-name", "s1"], {}).max_inflight == 2
+    assert worker_settings(["--served-model-name", "s1"], {}).served_model_name == "s1"
+    assert worker_parser({}).prog == "pagedserve worker"
+    with pytest.raises(SystemExit) as refused:
+        worker_settings(["--heartbeat", "2", "--claim-idle-ms", "2000"], {})
+    assert str(refused.value) == "pagedserve: --heartbeat must be shorter than --claim-idle-ms, or live work gets reclaimed"
+    assert worker_settings(["--heartbeat", "1.999", "--claim-idle-ms", "2000"], {}).heartbeat_s == 1.999  # 1,999 ms < 2,000
+
+
+def test_without_a_mapping_the_process_environment_is_read(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_READ_AHEAD", "5")
+    assert worker_parser().parse_args([]).read_ahead == 5
+    assert worker_settings([]).read_ahead == 5
