@@ -58,6 +58,7 @@ BENCHES = {
     "kv-decode": "pagedserve.bench.kv_decode",
     "kv-tiers": "pagedserve.bench.kv_tiers",
     "prefill-attention": "pagedserve.bench.prefill_attention",
+    "load-memory": "pagedserve.bench.load_memory",
 }
 
 
