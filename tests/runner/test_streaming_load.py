@@ -81,3 +81,20 @@ def test_quantized_gguf_tensors_read_in_chunks_are_gguf_s_own_dequantized(zoo, t
     table = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
     assert table.tensor_type.name == "Q8_0" and table.data.shape[0] > 7
     assert torch.equal(chunked["model.embed_tokens.weight"], torch.from_numpy(dequantize(table.data, table.tensor_type)))
+
+
+def test_a_checkpoint_short_of_a_layer_s_tensor_is_one_clear_error(zoo, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "short"
+    shutil.copytree(zoo.path("llama-gqa"), folder)
+    [shard] = sorted(folder.glob("*.safetensors"))
+    tensors = load_file(shard)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    info = loader.inspect_model(folder, "float32")
+    ops = select_ops(torch.device("cpu"), "torch", tmp_path / "kernels", kv_format("auto"))
+    with pytest.raises(ValueError, match=r"lacks 1 weights, e.g. \['model.layers.1.mlp.down_proj.weight'\]"):
+        loader.load_weights(info, ops, torch.device("cpu"), "int8")
