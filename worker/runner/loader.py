@@ -96,7 +96,8 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
 
     Each decoder layer takes its final form (projections fused, quantized or laid out for the CPU
     kernels) as soon as its last tensor arrives, and its checkpoint-precision weights go: at most one
-    layer is held twice, never the whole model (SmolLM2-135M int8: a load peak of 1,414 -> ~510 MiB)."""
+    unit is held twice, never the whole model (SmolLM2-135M int8: a load peak of 1,527 -> 606-640 MiB,
+    docs/engine.md)."""
     family = info.family
     with torch.device("meta"):
         model = family.model(info.config, family.arch, ops, family.feed_forward)
