@@ -53,7 +53,7 @@ async def generation(request: web.Request, parsed: ParsedRequest) -> AsyncIterat
     state = request.app[STATE]
     started = time.monotonic()
     state.note_ignored(parsed.ignored)
-    if parsed.model != state.settings.served_model_name:
+    if parsed.model != state.settings.served_model_name and not await state.serves_adapter(parsed.model):
         raise ApiError(404, f"the model {parsed.model!r} does not exist", "model", "model_not_found")
     base, prompts, boxes = await _admitted(state, parsed)
     tally = request[TALLY] = Tally(started, sum(len(p) for p in prompts))

@@ -188,16 +188,19 @@ class GatewayService:
         now = time.time()
         timeout = parsed.timeout or self.settings.request_timeout_s
         reply = ReplyTarget("channel", self.dispatcher.channel)
+        adapter = parsed.model if parsed.model != self.settings.served_model_name else None  # checked: serves_adapter
         return [
             WireRequest(id=request_id, model=self.settings.served_model_name, params=parsed.params, reply=reply,
                         prompt_token_ids=prompt, created=now, deadline=now + timeout,
-                        priority=parsed.priority, tenant=parsed.user)
+                        priority=parsed.priority, tenant=parsed.user, adapter=adapter)
             for request_id, prompt in zip(ids, prompts)
         ]
 
     async def routes(self, requests: list[WireRequest]) -> list[str | None]:
         """The stream each request goes to: a worker's own (prefix routing), or None (the model's)."""
-        routes = [await self.router.route(list(r.prompt_token_ids), r.tenant) for r in requests]
+        # An adapter's blocks are salted with its bytes, which the KV index does not know: the shared stream.
+        routes = [None if r.adapter is not None else await self.router.route(list(r.prompt_token_ids), r.tenant)
+                  for r in requests]
         for stream in routes:
             self.metrics.routed.labels(self.settings.served_model_name, "prefix" if stream else "shared").inc()
         return routes
@@ -212,6 +215,10 @@ class GatewayService:
     async def serving(self) -> bool:
         """Whether a live worker serves this gateway's model."""
         return bool((await self.workers.workers(self.settings.served_model_name)).infos)
+
+    async def serves_adapter(self, name: str) -> bool:
+        """Whether a live worker of this gateway's model holds the LoRA adapter ``name``."""
+        return name in (await self.workers.workers(self.settings.served_model_name)).adapters
 
     async def live_models(self) -> list[str]:
         return await self.workers.models()

@@ -58,14 +58,17 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The models live workers serve; the one this gateway fronts also says its context length."""
+    """The models live workers serve; the one this gateway fronts also says its context length, and
+    is followed by the LoRA adapters its workers hold (``parent``: the model)."""
     state = request.app[STATE]
     data = []
     for name in await state.live_models():
         entry = {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": name, "parent": None}
+        data.append(entry)
         if name == state.settings.served_model_name:
             workers = await state.workers.workers(name)
             entry["max_model_len"] = workers.context_limit
             entry["kv_cache_dtype"] = ",".join(workers.kv_cache_dtypes)  # the live workers' (one, unless mixed)
-        data.append(entry)
+            data.extend({"id": adapter, "object": "model", "created": 0, "owned_by": "pagedserve", "root": adapter,
+                         "parent": name} for adapter in workers.adapters)  # LoRA adapters, as vLLM lists them
     return web.json_response({"object": "list", "data": data})

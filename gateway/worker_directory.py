@@ -38,6 +38,11 @@ class Workers:
         return sorted({w.kv_cache_dtype for w in self.infos})
 
     @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters some live worker holds (``--lora-modules``), by name."""
+        return sorted({name for w in self.infos for name in w.adapters})
+
+    @property
     def vocab_size(self) -> int | None:
         return min((w.vocab_size for w in self.infos), default=None)
 

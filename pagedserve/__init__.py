@@ -9,7 +9,7 @@ services (``worker`` and ``gateway``). ``LLM`` loads lazily, so ``SamplingParams
 
 from pagedserve.shared.sampling import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,6 +17,10 @@ def __getattr__(name: str):
         from pagedserve.worker.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from pagedserve.worker.lora.request import LoRARequest
+
+        return LoRARequest
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
 

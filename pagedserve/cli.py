@@ -59,6 +59,7 @@ BENCHES = {
     "kv-tiers": "pagedserve.bench.kv_tiers",
     "prefill-attention": "pagedserve.bench.prefill_attention",
     "load-memory": "pagedserve.bench.load_memory",
+    "lora": "pagedserve.bench.lora",
 }
 
 

@@ -99,6 +99,7 @@ class WireRequest:
     priority: int = 0
     tenant: str | None = None
     resume: Resume | None = None  # set by a client re-sending a request whose worker died mid-stream
+    adapter: str | None = None  # a LoRA adapter the model's workers hold (WorkerInfo.adapters); None: the base model
 
     def encode(self) -> bytes:
         body = {k: v for k, v in asdict(self).items() if k not in ("params", "reply")}
@@ -116,7 +117,7 @@ class WireRequest:
             raise ProtocolError("give exactly one of prompt, prompt_token_ids, messages", "prompt")
         _check_prompt(msg)
         for name, kinds in (("created", (int, float)), ("deadline", (int, float, type(None))),
-                            ("priority", (int,)), ("tenant", (str, type(None)))):
+                            ("priority", (int,)), ("tenant", (str, type(None))), ("adapter", (str, type(None)))):
             if name in msg and (isinstance(msg[name], bool) or not isinstance(msg[name], kinds)):
                 raise ProtocolError(f"{name} has the wrong type", name)
         params = msg.get("params", {})
@@ -130,7 +131,7 @@ class WireRequest:
             prompt_token_ids=msg.get("prompt_token_ids"), messages=msg.get("messages"),
             created=float(msg.get("created", 0.0)), deadline=msg.get("deadline"),
             priority=msg.get("priority", 0), tenant=msg.get("tenant"),
-            resume=None if resume is None else Resume.from_wire(resume, sampling),
+            resume=None if resume is None else Resume.from_wire(resume, sampling), adapter=msg.get("adapter"),
         )
 
 

@@ -28,6 +28,7 @@ class WorkerInfo:
     running: int = 0
     waiting: int = 0  # requests read (or taken from its own stream) but not running yet
     draining: bool = False  # stopping: it takes nothing new
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds (--lora-modules): request them by name as the model
 
     def encode(self) -> bytes:
         return pack({"v": WORKER_INFO_VERSION, **asdict(self)})
@@ -41,10 +42,10 @@ class WorkerInfo:
         values = {}
         for f in fields(cls):
             value = msg.get(f.name)
-            kind = {"str": str, "int": int, "bool": bool}[f.type]
+            kind = {"str": str, "int": int, "bool": bool, "tuple[str, ...]": list}[f.type]
             if value is None and f.default is not MISSING:  # a load figure left out
-                value = f.default
-            if type(value) is not kind or (kind is int and value < 0):
+                value = list(f.default) if kind is list else f.default
+            if type(value) is not kind or (kind is int and value < 0) or (kind is list and not all(type(v) is str for v in value)):
                 raise ProtocolError(f"worker info {f.name} must be a {f.type}", f.name)
-            values[f.name] = value
+            values[f.name] = tuple(value) if kind is list else value
         return cls(**values)

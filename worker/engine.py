@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from pagedserve.kernels.kv_format import kv_format
 from pagedserve.kernels.ops import select_ops
 from pagedserve.runtime.env import cache_dir
+from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.prompts import check_token_ids
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.sampling_defaults import generation_defaults
@@ -41,6 +42,8 @@ from pagedserve.worker.core.scheduler import Scheduler
 from pagedserve.worker.core.speculative import prices_guesses
 from pagedserve.worker.core.step_cost import StepCost
 from pagedserve.worker.engine_config import EngineConfig, available_ram
+from pagedserve.worker.lora.adapters import Adapters
+from pagedserve.worker.lora.peft_adapter import LoraError
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.grammar import GrammarCompiler
@@ -79,6 +82,7 @@ class Engine:
             log.warning("max_model_len capped to the model's context: positions past it were never trained",
                         asked=config.max_model_len, max_model_len=max_len)
         eos = frozenset(info.eos_token_ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
+        self.adapters: Adapters | None = None  # LoRA (--enable-lora)
         if config.simulate:  # no weights: the pool is bookkeeping only
             block_bytes, num_gpu, num_cpu = 0, config.num_gpu_blocks or 4096, config.num_cpu_blocks or 0
             self.runner = SimulatedRunner(StepCost.parse(config.simulate), info.config.vocab_size, eos)
@@ -87,12 +91,14 @@ class Engine:
                 kv = kv_format(config.kv_cache_dtype)
                 ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", kv)
                 model = load_weights(info, ops, device, config.quantization)
+                self.adapters = self._adapters(model, device)
                 draft = self._draft_model(ops, device)
                 block_bytes = sum(kv_block_bytes(m, config.block_size, info.dtype, kv) for m in (model, draft) if m is not None)
 
                 def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
                     return ModelRunner(model, ops, device, info.dtype, kv, config.block_size, num_gpu, num_cpu,
-                                       Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos), graphs, draft)
+                                       Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos),
+                                       None if self.adapters is not None else graphs, draft, self.adapters)
 
                 if kv.quantized:  # before the pool is sized: its runner comes and goes first
                     self._calibrate_keys(make_runner, max_len)
@@ -124,6 +130,17 @@ class Engine:
             kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
+
+    def _adapters(self, model: CausalLM, device: torch.device) -> Adapters | None:
+        """LoRA adapters over ``model`` (``--enable-lora``), those of ``--lora-modules`` read now."""
+        config = self.config
+        if not config.enable_lora:
+            return None
+        adapters = Adapters(model, config.max_loras, config.max_lora_rank, device, self.info.dtype)
+        for module in config.lora_modules:
+            name, path = module.split("=", 1)
+            adapters.load(name, path)
+        return adapters
 
     def _draft_model(self, ops, device: torch.device) -> CausalLM | None:
         """Speculative decoding's draft model (``{"model": ...}``), at the target's dtype, with its
@@ -202,15 +219,47 @@ class Engine:
     def add_encoded(
         self, request_id: str, ids: list[int], params: SamplingParams, *,
         priority: int = 0, deadline: float | None = None, extra_key: Hashable = None, resume_output: Seq[int] = (),
+        adapter: str | None = None,
     ) -> Request:
         """Queue a request whose ids came from ``encode`` (the serve layer encodes on its I/O
         thread). ``deadline`` is wall-clock (``time.time()``) seconds; ``resume_output``: output
-        tokens a client already has from a worker that died (``shared.protocol.Resume``)."""
+        tokens a client already has from a worker that died (``shared.protocol.Resume``);
+        ``adapter``: the name of a loaded LoRA adapter to run under (its blocks are salted with it,
+        so no other adapter or the base model ever shares them)."""
         resumed = check_token_ids(resume_output, self.info.config.vocab_size, "resume") if resume_output else ()
+        if adapter is not None:
+            extra_key = (self.adapter_salt(adapter), extra_key)
         monotonic_deadline = None if deadline is None else time.monotonic() + (deadline - time.time())
         grammar = None if params.structured is None else self.grammars.compile(params.structured)
         return self.scheduler.add(request_id, ids, params, priority=priority, deadline=monotonic_deadline,
-                                  extra_key=extra_key, resume_output=resumed, grammar=grammar)
+                                  extra_key=extra_key, resume_output=resumed, grammar=grammar, adapter=adapter)
+
+    def adapter_salt(self, name: str) -> str:
+        """The loaded adapter ``name``'s prefix-cache salt (an InvalidRequestError when there is none)."""
+        if self.adapters is None:
+            raise InvalidRequestError(f"model {name!r}: LoRA adapters are off (start with --enable-lora)", "model")
+        try:
+            return self.adapters.salt(name)
+        except LoraError as err:
+            raise InvalidRequestError(str(err), "model") from None
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Read the PEFT adapter at ``path`` under ``name`` (a ``LoraError`` saying why it cannot be
+        served); replacing a loaded one is refused while a request runs under it."""
+        self._idle_adapter(name, "replace")
+        self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget adapter ``name``; refused while a request runs under it."""
+        self._idle_adapter(name, "unload")
+        self.adapters.unload(name)
+
+    def _idle_adapter(self, name: str, change: str) -> None:
+        if self.adapters is None:
+            raise LoraError("LoRA adapters are off (start with --enable-lora)")
+        busy = sum(r.adapter == name for r in self.scheduler.requests.values())
+        if busy:
+            raise LoraError(f"adapter {name!r} is in use by {busy} request(s); {change} it when they are done")
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
@@ -233,7 +282,8 @@ class Engine:
         config = self.scheduler.config
         return {"max_model_len": config.max_model_len, "vocab_size": self.info.config.vocab_size,
                 "block_size": config.block_size, "rope_switch": config.rope_switch, "max_num_seqs": config.max_num_seqs,
-                "kv_cache_dtype": self.config.kv_cache_dtype, "kv_bytes_per_token": self.kv_bytes_per_token}
+                "kv_cache_dtype": self.config.kv_cache_dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "adapters": tuple(sorted(self.adapters.loaded)) if self.adapters is not None else ()}
 
     def kv_snapshot(self) -> dict:
         """What the KV dashboard shows of this engine (``worker/core/kv_snapshot.py``), with how its

@@ -32,6 +32,7 @@ class Flag:
     switch: str = ""  # "on": a presence flag (store_true); "both": --x / --no-x
     unit: int = 1
     metavar: str | None = None
+    many: bool = False  # one or more values after the flag (a tuple; its environment variable splits on spaces)
 
 
 def flag(default: Any, help: str = "", **how) -> Any:
@@ -82,6 +83,13 @@ class EngineConfig:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} guesses a row\'s next tokens from its own history '
         'and checks them in one forward; {"model": DRAFT, "num_speculative_tokens": 4, "quantization": "int4"} '
         "guesses with a small draft model of the same vocabulary (default: off)", metavar="JSON")
+    enable_lora: bool = flag(False, "serve LoRA adapters on the base model (--lora-modules; requests name one as their "
+                             "model)", switch="on")
+    lora_modules: tuple[str, ...] = flag((), "adapters loaded at start, NAME=PATH each (a PEFT adapter directory)",
+                                         many=True, metavar="NAME=PATH")
+    max_loras: int = flag(4, "adapters on the device at once (more are kept in host memory, least recently used "
+                          "out)", kind=positive(int))
+    max_lora_rank: int = flag(16, "the highest adapter rank accepted", kind=positive(int))
     max_num_seqs: int = flag(256, "sequences in one running batch at most", kind=positive(int))
     max_num_batched_tokens: int = flag(2048, "tokens in one engine step at most (prefill chunks and decodes)",
                                        kind=positive(int))
@@ -115,6 +123,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a number of bytes >= 0, got {value!r}")
         if self.num_host_blocks is not None and (not isinstance(self.num_host_blocks, int) or self.num_host_blocks < 0):
             raise ValueError(f"num_host_blocks must be an integer >= 0 or None, got {self.num_host_blocks!r}")
+        if isinstance(self.lora_modules, (list, str)):  # LLM(lora_modules=[...]) or one item
+            object.__setattr__(self, "lora_modules", (self.lora_modules,) if isinstance(self.lora_modules, str) else tuple(self.lora_modules))
+        for module in self.lora_modules:
+            if not isinstance(module, str) or "=" not in module or not module.split("=", 1)[0] or not module.split("=", 1)[1]:
+                raise ValueError(f"lora_modules takes NAME=PATH items, got {module!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         spec = SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
         if spec is not None and spec.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got {spec.quantization!r}")

@@ -31,8 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str])
             action = argparse.BooleanOptionalAction if how.switch == "both" else "store_true"
             actions.append(parser.add_argument(option, action=action, default=default, help=how.help or None))
             continue
-        kind = how.kind or str
+        kind = (lambda raw: tuple(raw.split())) if how.many else how.kind or str
         actions.append(parser.add_argument(option, type=how.kind, choices=how.choices, metavar=how.metavar,
+                                           nargs="+" if how.many else None,
                                            default=env_default(environ, name, default, kind), help=how.help or None))
     with_env_help(actions)
     return actions
@@ -43,7 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {}
     for name, how, _ in declared_flags():
         value = getattr(args, name)
-        kwargs[name] = int(value * how.unit) if how.unit != 1 and value is not None else value
+        kwargs[name] = int(value * how.unit) if how.unit != 1 and value is not None else tuple(value) if how.many else value
     return kwargs
 
 
@@ -57,6 +58,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             continue
         if how.switch == "both":
             argv.append(option if value else f"--no-{option[2:]}")
+        elif how.many:
+            argv += [option, *value]
         elif how.switch:
             argv.append(option)
         else:

@@ -19,6 +19,7 @@ from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.outputs import RequestOutput
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.lora.request import LoRARequest
 from pagedserve.worker.model_source import model_or_default
 
 Prompt = str | Seq[int]
@@ -38,16 +39,20 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. ``lora_request``: the LoRA
+        adapter every prompt runs under, or one per prompt (None: the base model); an adapter not
+        loaded yet is read from its path (the engine needs ``enable_lora=True``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = _broadcast(params or self.get_default_sampling_params(), len(prompts))
+        adapters = self._adapters(lora_request, len(prompts))
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p, adapter in zip(prompts, params_list, adapters):
                 ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], prompt, p, adapter=adapter)
         except Exception:
             for request_id in ids:  # one bad prompt: nothing of this call stays queued
                 self.engine.abort(request_id)
@@ -77,6 +82,17 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [encode_chat(self.tokenizer, c) for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def _adapters(self, lora_request, count: int) -> list[str | None]:
+        """Each prompt's adapter name, reading those not loaded yet."""
+        requests = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * count
+        if len(requests) != count:
+            raise ValueError(f"got {len(requests)} LoRA requests for {count} prompts")
+        for request in {r for r in requests if r is not None}:
+            adapters = self.engine.adapters
+            if adapters is None or request.lora_name not in adapters.loaded:
+                self.engine.load_adapter(request.lora_name, request.lora_path)
+        return [None if r is None else r.lora_name for r in requests]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

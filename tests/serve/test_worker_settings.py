@@ -52,12 +52,24 @@ def test_engine_flags_pass_on_to_a_worker_unchanged():
     """``serve`` starts workers with ``engine_argv`` of its own flags: they must parse back to the
     same engine settings."""
     given = ["--dtype", "float32", "--max-model-len", "512", "--no-enable-prefix-caching", "--enforce-eager",
-             "--swap-space", "0.5", "--block-size", "8", "--attention-backend", "torch"]
+             "--swap-space", "0.5", "--block-size", "8", "--attention-backend", "torch", "--enable-lora",
+             "--lora-modules", "sql=/a/sql", "chat=/b/chat", "--max-loras", "2"]
     args = worker_parser({}).parse_args(given)
     again = worker_parser({}).parse_args(engine_argv(args))
     assert worker_settings(engine_argv(args), {}).engine == worker_settings(given, {}).engine
     assert again.enable_prefix_caching is False and worker_settings(given, {}).engine["swap_space"] == 1 << 29
     assert engine_argv(worker_parser({}).parse_args([])) == []
+    assert worker_settings(given, {}).engine["lora_modules"] == ("sql=/a/sql", "chat=/b/chat")
+
+
+def test_lora_modules_come_as_several_values_or_a_spaced_environment_variable():
+    assert worker_settings([], {}).engine["lora_modules"] == ()
+    env = {"PAGEDSERVE_LORA_MODULES": "sql=/a/sql chat=/b/chat", "PAGEDSERVE_ENABLE_LORA": "1"}
+    assert worker_settings([], env).engine["lora_modules"] == ("sql=/a/sql", "chat=/b/chat")
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        EngineConfig(model="m", enable_lora=True, lora_modules=["sql"])
+    with pytest.raises(ValueError, match="needs enable_lora"):
+        EngineConfig(model="m", lora_modules=["sql=/a"])
 
 
 def test_serve_takes_the_model_positionally_and_shows_defaults_and_variables(capsys):

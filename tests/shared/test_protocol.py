@@ -66,6 +66,7 @@ def test_events_and_cancels_round_trip():
     (raw(deadline=True), "deadline", "deadline has the wrong type"),
     (raw(priority=1.5), "priority", "priority has the wrong type"),
     (raw(tenant=3), "tenant", "tenant has the wrong type"),
+    (raw(adapter=["sql"]), "adapter", "adapter has the wrong type"),
     (raw(params=[1]), "params", "params must be a map"),
     (raw(params={"bogus": 1}), "bogus", "unknown sampling parameter(s): bogus"),
     (raw(params={"temperature": -1}), "temperature", "temperature must be in [0.0, 100.0], got -1"),
@@ -97,15 +98,15 @@ def test_malformed_requests_are_invalid_request_errors_naming_the_field(data, fi
 
 def test_minimal_messages_take_the_documented_defaults():
     req = WireRequest.decode(raw(id="x" * MAX_ID_LEN))  # the longest id is allowed
-    assert (req.created, req.deadline, req.priority, req.tenant, req.params, req.resume) == \
-        (0.0, None, 0, None, SamplingParams(), None)
+    assert (req.created, req.deadline, req.priority, req.tenant, req.params, req.resume, req.adapter) == \
+        (0.0, None, 0, None, SamplingParams(), None, None)
     event = WireEvent.from_wire({"v": VERSION, "id": "a", "seq": 0})
     assert (event.outputs, event.done, event.finish_reason, event.error, event.usage, event.resumable) == \
         ([], False, None, None, None, False)
     assert WireCancel.decode(msgpack.packb({"v": VERSION, "id": "a"})).reason == "cancelled"
     assert set(msgpack.unpackb(request().encode())) == {"v", "id", "model", "params", "reply", "prompt",
                                                         "prompt_token_ids", "messages", "created", "deadline",
-                                                        "priority", "tenant", "resume"}
+                                                        "priority", "tenant", "resume", "adapter"}
 
 
 def test_malformed_cancels_are_protocol_errors():

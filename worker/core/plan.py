@@ -37,6 +37,7 @@ class ScheduledSeq:
     draft_grammars: tuple = ()  # with a grammar: its state before each guess and after the last
     draft_context: tuple[int, ...] | None = None  # a draft model guesses (its guesses here are 0 until then): the tokens before start it has no KV for
     pool_from: int | None = None  # an embedding (params.pooling): positions before this are pooled already
+    adapter: str | None = None  # the LoRA adapter its request runs under (worker/lora/); None: the base model
 
     @property
     def num_tokens(self) -> int:

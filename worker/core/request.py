@@ -88,7 +88,8 @@ class Request:
     order: int  # tie-breaker: submission order
     priority: int = 0  # lower runs first
     deadline: float | None = None  # absolute time on the scheduler's clock
-    extra_key: Hashable = None  # prefix-cache salt (e.g. a tenant id)
+    extra_key: Hashable = None  # prefix-cache salt (e.g. a tenant id; with an adapter, its key too)
+    adapter: str | None = None  # the LoRA adapter it runs under (worker/lora/); None: the base model
     seqs: list[Sequence] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     forked: bool = False

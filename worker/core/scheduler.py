@@ -89,18 +89,21 @@ class Scheduler:
         extra_key: Hashable = None,
         resume_output: Seq[int] = (),
         grammar: Future | None = None,
+        adapter: str | None = None,
     ) -> Request:
         """Queue a request. Raises InvalidRequestError if it could never be served.
 
         ``resume_output``: output tokens already sent by a worker that died; the request goes on
         after them (prefilled with the prompt, like a request preempted by recompute). ``grammar``:
-        the compiled constraint of a structured request, which waits until it is done."""
+        the compiled constraint of a structured request, which waits until it is done. ``adapter``:
+        the LoRA adapter its rows run under (the caller salts ``extra_key`` with it)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight", "id")
         self.config.check_fits(len(prompt_ids), params)
         req = Request(
             request_id, list(prompt_ids), params, arrival=self.clock(), order=next(self._orders),
             priority=priority, deadline=deadline, extra_key=extra_key, resumed=len(resume_output), grammar=grammar,
+            adapter=adapter,
         )
         self.table.new_seq(req, list(prompt_ids) + list(resume_output), index=0)
         self.requests[request_id] = req
@@ -323,7 +326,7 @@ class Scheduler:
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
             seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
-            len(guess.tokens), guess.grammars, guess.draft_context, req.pooled_upto if p.pooling else None,
+            len(guess.tokens), guess.grammars, guess.draft_context, req.pooled_upto if p.pooling else None, req.adapter,
         )
 
     @staticmethod

@@ -23,6 +23,7 @@ from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.kernels.reference import block_pairs
 from pagedserve.worker.core.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
+from pagedserve.worker.lora.adapters import Adapters
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits
 from pagedserve.worker.runner.draft_check import check_drafts
@@ -57,10 +58,10 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, ops: AttentionOps, device: torch.device, dtype: torch.dtype, kv: KVFormat,
         block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, sampler: Sampler, beams: BeamSearcher,
-        graph_limits: GraphLimits | None = None, draft: CausalLM | None = None,
+        graph_limits: GraphLimits | None = None, draft: CausalLM | None = None, adapters: Adapters | None = None,
     ) -> None:
         self.model, self.ops, self.device, self.block_size, self.dtype = model, ops, device, block_size, dtype
-        self.sampler, self.beams = sampler, beams
+        self.sampler, self.beams, self.adapters = sampler, beams, adapters
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         shape = pool_shape(model, num_gpu_blocks, block_size, kv)
         dtype = kv.storage_dtype(dtype)
@@ -173,7 +174,7 @@ class ModelRunner:
             rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
             return StepLogits(logits[rows], tuple(items[i] for i in sampling))
         batch = step_inputs(items, self.block_size, self.device, self.model.rotary.needs_seq_lens)
-        hidden = self.model(batch.ids, batch.positions, batch.meta, self.kv_caches)
+        hidden = self._run_model(batch)
         last_index = batch.last_index
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=self.device)
         prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
@@ -183,6 +184,16 @@ class ModelRunner:
         drafts = self._draft_logits(hidden, items, last_index) if drafted else {}
         return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, drafts,
                           draft_rounds, draft_seconds, pooled)
+
+    def _run_model(self, batch) -> torch.Tensor:
+        """The model's hidden states for ``batch``, each row under its LoRA adapter where it has one."""
+        if self.adapters is None:
+            return self.model(batch.ids, batch.positions, batch.meta, self.kv_caches)
+        self.adapters.prepare(batch.items)
+        try:
+            return self.model(batch.ids, batch.positions, batch.meta, self.kv_caches)
+        finally:
+            self.adapters.clear()
 
     def _draft_logits(self, hidden: torch.Tensor, items: list[ScheduledSeq], last_index: list[int]) -> dict[int, torch.Tensor]:
         """Speculative rows: the logits before each guess (the positions ahead of a row's last), for

@@ -17,7 +17,7 @@ loader's last step): it holds them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedserve.kernels.checks import check_tables
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
+from pagedserve.worker.lora.lora_linear import LoraStep, add_updates, layer_keys
 from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.models.layers import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from pagedserve.worker.runner.prepack import PanelLinear
@@ -79,6 +80,19 @@ class _ModuleMatrix:
 
 
 Matrix = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input rows, a buffer it may fill) -> output rows
+
+
+@dataclass(frozen=True)
+class _AdaptedMatrix:
+    """A matrix, then the low-rank updates of this step's LoRA adapters (``worker/lora/``), as the
+    module path's ``LoraLinear`` adds them."""
+
+    base: Matrix
+    key: str
+    step: LoraStep
+
+    def __call__(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return add_updates(self.base(source, target), source, self.key, self.step)
 
 
 @dataclass(frozen=True)
@@ -169,6 +183,12 @@ class NativeStack:
         if not all(_gives_packed_rows(m, dtype) for m in kinds.values()):
             return None
         return cls(model, kernels, dtype)
+
+    def adapt(self, step: LoraStep) -> None:
+        """Add the LoRA updates of ``step``'s rows after every matrix (``worker/lora/adapters.py``)."""
+        self.layers = [replace(layer, **{name: _AdaptedMatrix(getattr(layer, name), key, step)
+                                         for name, key in zip(("qkv", "o", "gate_up", "down"), layer_keys(i))})
+                       for i, layer in enumerate(self.layers)]
 
     def takes(self, x: torch.Tensor, tables: dict, meta: AttentionMetadata, kv_caches: list) -> bool:
         """Whether this step is one the stack runs: decodes only, at the model's dtype, a whole-head

@@ -126,7 +126,8 @@ class EngineLoop:
                 req, ids = args
                 try:
                     self.engine.add_encoded(req.id, ids, req.params, priority=req.priority, deadline=req.deadline,
-                                            extra_key=req.tenant, resume_output=req.resume.token_ids if req.resume else ())
+                                            extra_key=req.tenant, resume_output=req.resume.token_ids if req.resume else (),
+                                            adapter=req.adapter)
                 except InvalidRequestError as err:
                     errors.append((req.id, str(err)))
             else:

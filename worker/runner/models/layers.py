@@ -152,7 +152,7 @@ class MLP(nn.Module):
     def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        size = intermediate_size or config.intermediate_size
+        size = self.intermediate_size = intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(config.hidden_size, size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, size, bias=bias)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)

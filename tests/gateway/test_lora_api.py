@@ -1,0 +1,61 @@
+"""LoRA adapters through the gateway: a worker started with ``--lora-modules`` lists its adapters in
+its WorkerInfo, ``/v1/models`` shows them with the model as their ``parent``, and a request naming
+an adapter as its ``model`` runs under it, as the offline engine does."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from pagedserve import LLM, LoRARequest, SamplingParams
+from pagedserve.embedded_redis import RedisServer
+from pagedserve.worker.engine import Engine
+from pagedserve.worker.engine_config import EngineConfig
+from tests.gateway_stack import Stack
+from tests.lora_helpers import ALL_TARGETS, make_adapter
+from tests.service_helpers import MODEL_NAME
+
+PROMPT = [21, 40, 7, 300, 11, 90, 5, 77, 64, 12]
+
+
+@pytest.fixture(scope="module")
+def adapter_path(zoo, tmp_path_factory):
+    path = tmp_path_factory.mktemp("adapters") / "sql"
+    make_adapter(zoo, "llama-gqa", path, 8, ALL_TARGETS, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_stack(zoo, adapter_path, tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256,
+                                 enable_lora=True, lora_modules=(f"sql={adapter_path}",)))
+    try:
+        stack = Stack(server, engine, zoo.path("llama-gqa")).start()
+        yield stack
+        stack.stop()
+    finally:
+        server.stop()
+
+
+def test_models_lists_the_adapters_under_their_model(lora_stack):
+    client = openai.OpenAI(base_url=lora_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    models = {m.id: m for m in client.models.list().data}
+    assert models["sql"].parent == MODEL_NAME and models[MODEL_NAME].parent is None
+
+
+def test_a_request_naming_an_adapter_runs_under_it(lora_stack, zoo, adapter_path):
+    client = openai.OpenAI(base_url=lora_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    offline = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64, enable_lora=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = offline.generate([PROMPT], params, lora_request=LoRARequest("sql", 1, str(adapter_path)), use_tqdm=False)[0]
+    base = offline.generate([PROMPT], params, use_tqdm=False)[0]
+    assert want.outputs[0].token_ids != base.outputs[0].token_ids  # the adapter changes the answer
+    for model, expected in (("sql", want), (MODEL_NAME, base)):
+        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
+        assert got.model == model and got.choices[0].text == expected.outputs[0].text
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=12, temperature=0.0, stream=True, extra_body={"ignore_eos": True}) if c.choices)
+        assert streamed == expected.outputs[0].text
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="not-an-adapter", prompt=PROMPT, max_tokens=2)
