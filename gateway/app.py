@@ -11,7 +11,7 @@ from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from pagedserve.gateway.anthropic_api import error_body as anthropic_error_body, messages
-from pagedserve.gateway import responses_api
+from pagedserve.gateway import lora_api, responses_api
 from pagedserve.gateway.api_docs import DOCS_ASSETS, docs, docs_asset
 from pagedserve.gateway.dashboard_api import ASSETS, dashboard_asset, dashboard_events
 from pagedserve.gateway.embeddings_api import embeddings
@@ -45,6 +45,8 @@ def create_app(settings: GatewaySettings) -> web.Application:
     app.router.add_get("/v1/responses/{response_id}", responses_api.retrieve)
     app.router.add_delete("/v1/responses/{response_id}", responses_api.delete)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/load_lora_adapter", lora_api.load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", lora_api.unload_lora_adapter)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/version", version)

@@ -64,6 +64,15 @@ class Keys:
         """Entries that could not be served, with the reason."""
         return f"{self.model_space(model)}:dead"
 
+    def adapters(self, model: str) -> str:
+        """The model's LoRA adapters, name -> path (a hash): every worker of the model holds these
+        (``POST /v1/load_lora_adapter`` writes it, workers follow it at each heartbeat)."""
+        return f"{self.model_space(model)}:adapters"
+
+    def adapter_errors(self, model: str) -> str:
+        """Why a worker could not load an adapter of the registry, name -> message (a hash)."""
+        return f"{self.model_space(model)}:adapter_errors"
+
     def cancel(self, model: str) -> str:
         """Pub/sub channel for cancel messages (client gone, deadline) to the model's workers."""
         return f"{self.prefix}:cancel:{model}"

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import openai
 import pytest
+import redis
 
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.embedded_redis import RedisServer
+from pagedserve.shared.keys import Keys
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.engine_config import EngineConfig
 from tests.gateway_stack import Stack
@@ -59,3 +61,47 @@ def test_a_request_naming_an_adapter_runs_under_it(lora_stack, zoo, adapter_path
         assert streamed == expected.outputs[0].text
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="not-an-adapter", prompt=PROMPT, max_tokens=2)
+
+
+def post(url: str, path: str, body) -> tuple[int, str]:
+    import httpx
+
+    got = httpx.post(url + path, json=body, timeout=60)
+    return got.status_code, got.text
+
+
+def test_adapters_load_and_unload_at_run_time_on_every_worker(lora_stack, zoo, tmp_path):
+    """``/v1/load_lora_adapter`` puts an adapter in the model's registry and answers once the worker
+    holds it; a bad directory is a 400 with the worker's reason and is taken back; ``unload`` takes
+    it off again."""
+    client = openai.OpenAI(base_url=lora_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    path = tmp_path / "chat"
+    make_adapter(zoo, "llama-gqa", path, 4, ["q_proj", "down_proj"], seed=9)
+    offline = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64, enable_lora=True)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = offline.generate([PROMPT], params, lora_request=LoRARequest("chat", 1, str(path)), use_tqdm=False)[0]
+
+    assert post(lora_stack.url, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(path)}) == \
+        (200, "Success: LoRA adapter 'chat' added successfully.")
+    assert {m.id: m.parent for m in client.models.list().data}["chat"] == MODEL_NAME
+    got = client.completions.create(model="chat", prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want.outputs[0].text
+    status, text = post(lora_stack.url, "/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(path)})
+    assert status == 400 and "already loaded" in text
+
+    status, text = post(lora_stack.url, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "none")})
+    assert status == 400 and "not a directory" in text
+    assert "bad" not in {m.id for m in client.models.list().data}
+    r = redis.Redis.from_url(lora_stack.redis.url)
+    assert sorted(r.hkeys(Keys().adapters(MODEL_NAME))) == [b"chat", b"sql"]  # "bad" taken back
+    assert r.hlen(Keys().adapter_errors(MODEL_NAME)) == 0  # the reason went to the caller, and was taken back
+    status, text = post(lora_stack.url, "/v1/load_lora_adapter", {"lora_name": "", "lora_path": "x"})
+    assert status == 400 and "lora_name must be a non-empty string" in text
+
+    assert post(lora_stack.url, "/v1/unload_lora_adapter", {"lora_name": "chat"}) == \
+        (200, "Success: LoRA adapter 'chat' removed successfully.")
+    assert "chat" not in {m.id for m in client.models.list().data}
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="chat", prompt=PROMPT, max_tokens=2)
+    status, text = post(lora_stack.url, "/v1/unload_lora_adapter", {"lora_name": "chat"})
+    assert status == 404 and "no LoRA adapter named 'chat'" in text

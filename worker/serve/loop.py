@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Callable
 
 import structlog
@@ -53,6 +54,13 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
         self._ready.set()
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the engine thread between two steps; its result (or exception) in the future."""
+        future: Future = Future()
+        self._inbox.append(("call", fn, future))
+        self._ready.set()
+        return future
 
     def finish(self) -> None:
         """Return from ``run`` once the inbox and the engine are empty."""
@@ -130,6 +138,12 @@ class EngineLoop:
                                             adapter=req.adapter)
                 except InvalidRequestError as err:
                     errors.append((req.id, str(err)))
+            elif kind == "call":
+                fn, future = args
+                try:
+                    future.set_result(fn())
+                except Exception as err:  # the caller's to handle, on its own thread
+                    future.set_exception(err)
             else:
                 self.engine.abort(args[0])
         return (self.engine.step() if self.engine.has_unfinished() else []), errors

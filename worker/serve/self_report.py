@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 from pagedserve.shared.worker_info import WorkerInfo
 from pagedserve.worker.serve.inflight import InFlightTable
@@ -14,9 +15,10 @@ from pagedserve.worker.serve.metrics import worker_metrics
 
 class SelfReport:
     def __init__(self, name: str, model: str, limits: dict[str, int], inflight: InFlightTable, engine_loop: EngineLoop,
-                 stopping: asyncio.Event) -> None:
-        """``limits``: the engine's, fixed while it runs (``Engine.limits()``)."""
-        self.name, self.model, self.limits = name, model, limits
+                 stopping: asyncio.Event, adapters: Callable[[], tuple[str, ...]] | None = None) -> None:
+        """``limits``: the engine's, fixed while it runs (``Engine.limits()``); ``adapters``: the LoRA
+        adapters it holds now (they change at run time), else the limits' own."""
+        self.name, self.model, self.limits, self.adapters = name, model, limits, adapters
         self.inflight, self.engine_loop, self.stopping = inflight, engine_loop, stopping
         self.queue_depth = 0  # the model's stream, as the last upkeep read it
         self._rate_mark = (time.monotonic(), 0)
@@ -30,7 +32,8 @@ class SelfReport:
 
     def worker_info(self, metrics: dict) -> WorkerInfo:
         """The engine's limits and, from ``metrics``, its load."""
-        return WorkerInfo(self.name, self.model, **self.limits, running=int(metrics.get("num_requests_running", 0)),
+        limits = self.limits if self.adapters is None else {**self.limits, "adapters": self.adapters()}
+        return WorkerInfo(self.name, self.model, **limits, running=int(metrics.get("num_requests_running", 0)),
                           waiting=int(metrics.get("num_requests_waiting", 0)), draining=self.stopping.is_set())
 
     def dashboard_figures(self) -> dict:

@@ -50,6 +50,7 @@ from pagedserve.shared.keys import Keys
 from pagedserve.shared.prompts import encode_chat
 from pagedserve.shared.protocol import WireCancel, WireRequest
 from pagedserve.worker.engine import Engine
+from pagedserve.worker.serve.adapter_sync import AdapterSync
 from pagedserve.worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
 from pagedserve.worker.serve.dashboard_publisher import DashboardPublisher
 from pagedserve.worker.serve.events import InFlight, TokenPieces, error_event, lost_event
@@ -83,7 +84,9 @@ class WorkerService:
                                       on_picture=self.dashboard.from_engine_thread)
         self.outbox = Outbox(self.bridge, self.inflight, self.engine_loop.abort, settings.liveness_s)
         self.stopping = asyncio.Event()
-        self.report = SelfReport(settings.consumer, self.model, engine.limits(), self.inflight, self.engine_loop, self.stopping)
+        self.adapters = AdapterSync(self.redis, self.keys, self.model, engine, self.engine_loop, self.stopping)
+        self.report = SelfReport(settings.consumer, self.model, engine.limits(), self.inflight, self.engine_loop, self.stopping,
+                                 lambda: self.adapters.held)
         self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -113,6 +116,7 @@ class WorkerService:
         self._loop = self.kv.loop = self.dashboard.loop = asyncio.get_running_loop()
         try:
             await self._retrying("create group", self.bridge.ensure_group)
+            await self._retrying("publish adapters", lambda: self.adapters.publish_startup(self.engine.config.lora_modules))
             # Names are stable (a restarted worker takes its pending entries back): two live workers
             # must not share one; a crashed predecessor's key expires within three heartbeats.
             ttl = self.settings.liveness_s
@@ -286,6 +290,7 @@ class WorkerService:
             log.info("stats", **stats)
         if self.prometheus:
             self.prometheus.update(metrics)
+        await self.adapters.sync()  # before the beat: its WorkerInfo lists what this engine holds now
         beating = self.inflight.beating()
         sent = time.monotonic()
         held = await self.bridge.heartbeat(beating, self.settings.liveness_s, metrics,
