@@ -5,8 +5,10 @@ synchronous openai SDK)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass, field, replace
+from typing import Iterator
 
 from aiohttp import web
 
@@ -75,3 +77,20 @@ class Stack:
 
         self.run(down())
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@contextlib.contextmanager
+def running_stack(tmp_path_factory, model_path, **engine_options) -> Iterator[Stack]:
+    """A redis-server, an in-process worker with the real engine (float32 on the CPU, ``engine_options``
+    beside) and a gateway, stopped after."""
+    from pagedserve.worker.engine import Engine
+    from pagedserve.worker.engine_config import EngineConfig
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    engine = Engine(EngineConfig(model=str(model_path), device="cpu", dtype="float32", **engine_options))
+    try:
+        stack = Stack(server, engine, model_path).start()
+        yield stack
+        stack.stop()
+    finally:
+        server.stop()

@@ -6,22 +6,13 @@ import openai
 import pytest
 
 from pagedserve import LLM
-from pagedserve.embedded_redis import RedisServer
-from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
-from tests.gateway_stack import Stack
+from tests.gateway_stack import running_stack
 
 
 @pytest.fixture(scope="module")
 def stack(zoo, tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=1024, max_num_seqs=64))
-    try:
-        s = Stack(server, engine, zoo.path("llama-gqa")).start()
+    with running_stack(tmp_path_factory, zoo.path("llama-gqa"), num_gpu_blocks=1024, max_num_seqs=64) as s:
         yield s
-        s.stop()
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,8 @@ import pytest
 import redis
 
 from pagedserve import LLM, LoRARequest, SamplingParams
-from pagedserve.embedded_redis import RedisServer
 from pagedserve.shared.keys import Keys
-from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
-from tests.gateway_stack import Stack
+from tests.gateway_stack import running_stack
 from tests.lora_helpers import ALL_TARGETS, make_adapter
 from tests.service_helpers import MODEL_NAME
 
@@ -29,15 +26,9 @@ def adapter_path(zoo, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lora_stack(zoo, adapter_path, tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    engine = Engine(EngineConfig(model=str(zoo.path("llama-gqa")), device="cpu", dtype="float32", num_gpu_blocks=256,
-                                 enable_lora=True, lora_modules=(f"sql={adapter_path}",)))
-    try:
-        stack = Stack(server, engine, zoo.path("llama-gqa")).start()
+    with running_stack(tmp_path_factory, zoo.path("llama-gqa"), num_gpu_blocks=256, enable_lora=True,
+                       lora_modules=(f"sql={adapter_path}",)) as stack:
         yield stack
-        stack.stop()
-    finally:
-        server.stop()
 
 
 def test_models_lists_the_adapters_under_their_model(lora_stack):

@@ -131,27 +131,25 @@ def wrap_layers(model: CausalLM, step: LoraStep) -> tuple[Layout, dict[tuple[int
             layout[(i, target)], shapes[(i, target)] = (key, at), (width, out)
             at += out
 
+    def wrap_fusable(i: int, owner, fused_attr: str, key: str, parts: list[tuple[str, int, int]]) -> None:
+        """One wrapper around the fused matrix, or one per part where the block is not fused."""
+        if owner.fused:
+            wrap(i, owner, fused_attr, key, parts)
+        else:
+            for part in parts:
+                wrap(i, owner, part[0], f"{i}.{part[0]}", [part])
+
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         qkv_key, o_key, gate_up_key, down_key = layer_keys(i)
         if isinstance(attn, Attention):
             nq, nk, _ = attn.qkv_sizes
-            qkv = [("q_proj", hidden, nq), ("k_proj", hidden, nk), ("v_proj", hidden, nk)]
-            if attn.fused:
-                wrap(i, attn, "qkv_proj", qkv_key, qkv)
-            else:
-                for target, width, out in qkv:
-                    wrap(i, attn, target, f"{i}.{target}", [(target, width, out)])
+            wrap_fusable(i, attn, "qkv_proj", qkv_key, [("q_proj", hidden, nq), ("k_proj", hidden, nk), ("v_proj", hidden, nk)])
             wrap(i, attn, "o_proj", o_key, [("o_proj", nq, hidden)])
         mlp = layer.mlp
         if isinstance(mlp, MLP):  # a mixture of experts is not adapted (an adapter naming it is refused)
             size = mlp.intermediate_size
-            gate_up = [("gate_proj", hidden, size), ("up_proj", hidden, size)]
-            if mlp.fused:
-                wrap(i, mlp, "gate_up_proj", gate_up_key, gate_up)
-            else:
-                for target, width, out in gate_up:
-                    wrap(i, mlp, target, f"{i}.{target}", [(target, width, out)])
+            wrap_fusable(i, mlp, "gate_up_proj", gate_up_key, [("gate_proj", hidden, size), ("up_proj", hidden, size)])
             wrap(i, mlp, "down_proj", down_key, [("down_proj", size, hidden)])
     return layout, shapes, widths
 
