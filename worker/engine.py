@@ -119,6 +119,7 @@ class Engine:
                 max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode, sliding_window=release_window(info.config),
                 rope_switch=rope_switch(info.config), speculative=config.speculative,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer), tiers=tiers,
         )

@@ -117,3 +117,26 @@ def test_adapters_need_enable_lora_and_unload_waits_for_their_requests(zoo, adap
     llm.engine.unload_adapter("all8")
     with pytest.raises(InvalidRequestError, match="no adapter named 'all8'"):
         llm.engine.add_request("s", [1, 2, 3], GREEDY, adapter="all8")
+
+
+def test_no_step_runs_more_adapters_than_max_loras(zoo, adapters):
+    """With --max-loras 1 a request of a second adapter waits until the first adapter's requests end
+    (base rows run beside either), and every output is still its adapter's."""
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64, enable_lora=True, max_loras=1)
+    seen: list[set] = []
+    prepare = llm.engine.adapters.prepare
+
+    def spy(items):
+        seen.append({item.adapter for item in items})
+        prepare(items)
+
+    llm.engine.adapters.prepare = spy
+    names = ["all8", "mlp8", None, "all8", "mlp8", None]
+    prompts = [[30 + i, 7, 90 + 2 * i] * 4 for i in range(len(names))]
+    requests = [None if n is None else LoRARequest(n, 1, str(adapters[n][0])) for n in names]
+    outs = llm.generate(prompts, GREEDY, lora_request=requests, use_tqdm=False)
+    assert max(len(s - {None}) for s in seen) == 1 and set().union(*seen) == {"all8", "mlp8", None}
+    assert seen[0] == {"all8", None}  # the base request started beside the first adapter's, past the held one
+    for prompt, name, out in zip(prompts, names, outs):
+        want = zoo.hf_greedy("llama-gqa", prompt, 12) if name is None else greedy(adapters[name][1], prompt, 12)
+        assert out.outputs[0].token_ids == want, name

@@ -28,6 +28,7 @@ class SchedulerConfig:
     sliding_window: int = 0  # > 0: every layer sees only its last W positions, so older blocks are released
     rope_switch: int = 0  # > 0 (long-rope): a sequence growing past this length has its KV recomputed
     speculative: SpeculativeConfig | None = None  # prompt-lookup guesses, checked in one forward (worker/core/speculative.py)
+    max_loras: int = 0  # LoRA adapters among the running requests at most (0: no limit; worker/lora/)
 
     def __post_init__(self) -> None:
         positive = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")

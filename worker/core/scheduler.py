@@ -227,6 +227,8 @@ class Scheduler:
     def _schedule_swapped(self, step: StepBuilder) -> None:
         self.swapped.sort(key=lambda r: r.sort_key)
         for req in list(self.swapped):
+            if not self._adapter_fits(req):
+                continue
             ids = [s.seq_id for s in req.live_seqs]
             sizes = self._chunk_sizes(req, step.budget)
             cost = self.blocks.swap_in_cost(ids) + self.blocks.cost_to_grow(sizes)
@@ -246,6 +248,8 @@ class Scheduler:
         for req in list(self.waiting):
             if not req.grammar_ready:
                 continue  # compiling off the loop: later requests may start meanwhile
+            if not self._adapter_fits(req):
+                continue  # its adapter would be one too many: later requests may start meanwhile
             if not self._may_start(req, step):
                 return
             if not self._start_grammar(req):
@@ -290,6 +294,15 @@ class Scheduler:
             if seq.grammar is None:
                 seq.grammar = start_state(req.grammar.result(), seq.output_ids)
         return True
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether ``req`` may run beside the running requests without more than ``max_loras``
+        adapters among them (the runner keeps that many on the device)."""
+        cap = self.config.max_loras
+        if not cap or req.adapter is None:
+            return True
+        active = {r.adapter for r in self.running if r.adapter is not None}
+        return req.adapter in active or len(active) < cap
 
     def _may_start(self, req: Request, step: StepBuilder) -> bool:
         return step.budget > 0 and self.num_running_seqs + req.seq_slots <= self.config.max_num_seqs
