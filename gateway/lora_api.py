@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pagedserve.gateway.generation import STATE, read_json
 from pagedserve.gateway.schemas import ApiError
+from pagedserve.gateway.worker_directory import Workers
 
 WAIT_S = 30.0  # for every worker to follow the registry (a heartbeat, and reading the adapter)
 POLL_S = 0.2
@@ -49,7 +50,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             await state.redis.hdel(errors, name)
             raise ApiError(400, error.decode(errors="replace"), "lora_path")
         infos = (await state.workers.workers(model)).infos
-        if infos and all(name in w.adapters for w in infos):
+        if infos and all(name in Workers((w,), 0.0).adapters for w in infos):
             return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
         if time.monotonic() > deadline:
             raise ApiError(504, f"the LoRA adapter {name!r} is not on every worker after {WAIT_S:.0f} s; it stays in "
@@ -66,7 +67,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     if not removed and not await state.serves_adapter(name):
         raise ApiError(404, f"no LoRA adapter named {name!r} is loaded", "lora_name", "model_not_found")
     deadline = time.monotonic() + WAIT_S
-    while any(name in w.adapters for w in (await state.workers.workers(model)).infos):
+    while name in (await state.workers.workers(model)).adapters:
         if time.monotonic() > deadline:
             return web.Response(status=202, text=f"Unloading LoRA adapter '{name}': requests still run under it; "
                                                  "each worker unloads it when they end.")

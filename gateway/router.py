@@ -47,6 +47,7 @@ class WorkerLoad:
     block_size: int  # the worker's, as it hashes its blocks
     rope_switch: int
     sent: int = 0  # routed here since the last report
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds, NAME@DIGEST
 
 
 @dataclass
@@ -60,8 +61,10 @@ class Router:
     _read_at: float | None = None  # when the directory read the loads in use
     _last_seen: dict[str, float] = field(default_factory=dict)
 
-    async def route(self, prompt_ids: list[int], tenant: str | None) -> str | None:
-        """The stream for this prompt: the chosen worker's own, or None (the model's shared stream)."""
+    async def route(self, prompt_ids: list[int], tenant: str | None, adapter: str | None = None) -> str | None:
+        """The stream for this prompt: the chosen worker's own, or None (the model's shared stream).
+        ``adapter``: a LoRA adapter's NAME@DIGEST: only workers holding it, its blocks salted with it
+        as the worker salts them (``Engine.add_encoded``)."""
         if self.policy.mode != "prefix" or len(prompt_ids) < 2:
             return None
         await self._refresh_loads()
@@ -70,9 +73,11 @@ class Router:
         least = min(held.values(), default=0.0)
         hashes_by_layout: dict[tuple[int, int], list[int]] = {}
         for worker, load in self.loads.items():
+            if adapter is not None and adapter not in load.adapters:
+                continue
             layout = (load.block_size, load.rope_switch)
             if layout not in hashes_by_layout:
-                salt = cache_salt(tenant, len(prompt_ids), load.rope_switch)
+                salt = cache_salt(tenant if adapter is None else (adapter, tenant), len(prompt_ids), load.rope_switch)
                 hashes_by_layout[layout] = prefix_hashes(prompt_ids, load.block_size, salt)
             match = self.index.matched(worker, hashes_by_layout[layout])
             blocks = match.device + self.policy.lower_tier_weight * match.below
@@ -96,7 +101,8 @@ class Router:
         if live.read_at == self._read_at:
             return
         self._read_at = now = live.read_at
-        self.loads = {w.name: WorkerLoad(w.running, w.waiting, max(1, w.max_num_seqs), w.block_size, w.rope_switch)
+        self.loads = {w.name: WorkerLoad(w.running, w.waiting, max(1, w.max_num_seqs), w.block_size, w.rope_switch,
+                                         adapters=w.adapters)
                       for w in live.infos if not w.draining}
         self._last_seen.update(dict.fromkeys(self.loads, now))
         for gone in [w for w in self.index.blocks if now - self._last_seen.setdefault(w, now) > FORGET_AFTER_S]:

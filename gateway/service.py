@@ -198,9 +198,12 @@ class GatewayService:
 
     async def routes(self, requests: list[WireRequest]) -> list[str | None]:
         """The stream each request goes to: a worker's own (prefix routing), or None (the model's)."""
-        # An adapter's blocks are salted with its bytes, which the KV index does not know: the shared stream.
-        routes = [None if r.adapter is not None else await self.router.route(list(r.prompt_token_ids), r.tenant)
-                  for r in requests]
+        workers = await self.workers.workers(self.settings.served_model_name)
+        routes = []
+        for r in requests:  # an adapter's blocks are salted with its NAME@DIGEST: without one agreed, the shared stream
+            key = None if r.adapter is None else workers.adapter_key(r.adapter)
+            routes.append(None if r.adapter is not None and key is None
+                          else await self.router.route(list(r.prompt_token_ids), r.tenant, key))
         for stream in routes:
             self.metrics.routed.labels(self.settings.served_model_name, "prefix" if stream else "shared").inc()
         return routes

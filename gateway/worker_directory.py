@@ -39,8 +39,14 @@ class Workers:
 
     @property
     def adapters(self) -> list[str]:
-        """The LoRA adapters some live worker holds (``--lora-modules``), by name."""
-        return sorted({name for w in self.infos for name in w.adapters})
+        """The LoRA adapters some live worker holds, by name."""
+        return sorted({key.rsplit("@", 1)[0] for w in self.infos for key in w.adapters})
+
+    def adapter_key(self, name: str) -> str | None:
+        """Adapter ``name``'s NAME@DIGEST (its prefix-cache salt) where every worker holding it holds
+        the same bytes; None otherwise (a reload half done: no prefix routing for it meanwhile)."""
+        keys = {key for w in self.infos for key in w.adapters if key.rsplit("@", 1)[0] == name}
+        return keys.pop() if len(keys) == 1 else None
 
     @property
     def vocab_size(self) -> int | None:

@@ -28,7 +28,7 @@ class WorkerInfo:
     running: int = 0
     waiting: int = 0  # requests read (or taken from its own stream) but not running yet
     draining: bool = False  # stopping: it takes nothing new
-    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds (--lora-modules): request them by name as the model
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it holds, as NAME@DIGEST (their prefix-cache salt): request one by NAME as the model
 
     def encode(self) -> bytes:
         return pack({"v": WORKER_INFO_VERSION, **asdict(self)})

@@ -250,7 +250,7 @@ def test_a_draining_worker_gives_back_only_what_it_never_read(redis_server):
 
 
 async def routed(url: str, infos: list, held: dict[str, list[int]], prompt: list[int], tenant: str | None = None,
-                 times: int = 1, then=None, below: dict[str, list[int]] | None = None) -> list:
+                 times: int = 1, then=None, below: dict[str, list[int]] | None = None, adapter: str | None = None) -> list:
     """What a router over these workers' infos (written into real Redis as heartbeats write them)
     and prefix caches (as their KV events say: ``held`` on the device, ``below`` on a lower tier)
     does with ``prompt`` ``times`` in a row (the loads read once); then what ``await then(router)``
@@ -268,17 +268,18 @@ async def routed(url: str, infos: list, held: dict[str, list[int]], prompt: list
             router.index.apply(KvEvent(name, hashes))
         for name, hashes in (below or {}).items():
             router.index.apply(KvEvent(name, lowered=hashes))
-        routes = [await router.route(prompt, tenant) for _ in range(times)]
+        routes = [await router.route(prompt, tenant, adapter) for _ in range(times)]
         return routes if then is None else await then(router)
     finally:
         await r.aclose()
 
 
 def worker_info(name: str, running: int = 0, waiting: int = 0, max_num_seqs: int = 64, block_size: int = 16,
-                rope_switch: int = 0):
+                rope_switch: int = 0, adapters: tuple[str, ...] = ()):
     from pagedserve.shared.worker_info import WorkerInfo
 
-    return WorkerInfo(name, MODEL_NAME, 4096, 512, block_size, rope_switch, max_num_seqs, running=running, waiting=waiting)
+    return WorkerInfo(name, MODEL_NAME, 4096, 512, block_size, rope_switch, max_num_seqs, running=running, waiting=waiting,
+                      adapters=adapters)
 
 
 def test_a_prefix_below_a_workers_device_counts_for_less_than_one_on_it(redis_url):
@@ -373,3 +374,25 @@ def test_the_router_hashes_as_each_worker_does_and_forgets_the_gone(redis_url, m
         return kept
 
     assert asyncio.run(routed(redis_url, [worker_info("w1")], {"gone": by16}, prompt, then=forgetting)) == [True, False]
+
+
+def test_an_adapter_request_goes_by_its_salted_prefix_to_a_worker_holding_the_adapter(redis_url):
+    """Workers list their LoRA adapters as NAME@DIGEST, the salt their blocks carry: the router
+    hashes an adapter request's prompt the same way and considers only the workers holding it."""
+    from pagedserve.gateway.worker_directory import Workers
+
+    prompt = [40 + i for i in range(80)]
+    key = "sql@0123456789abcdef"
+    salted, plain = prefix_hashes(prompt, 16, cache_salt((key, None), len(prompt))), prefix_hashes(prompt, 16)
+    infos = [worker_info("w1", adapters=(key,)), worker_info("w2")]
+
+    def route(held: dict[str, list[int]], adapter: str | None) -> str | None:
+        return asyncio.run(routed(redis_url, infos, held, prompt, adapter=adapter))[0]
+
+    assert route({"w1": salted}, key) == KEYS.routed(MODEL_NAME, "w1")
+    assert route({"w1": plain}, key) is None  # the base model's blocks are not the adapter's
+    assert route({"w2": salted}, key) is None  # w2 does not hold the adapter: never chosen
+    assert route({"w1": salted}, None) is None  # nor does a base request match the adapter's blocks
+    both = Workers((infos[0], worker_info("w3", adapters=("sql@fedcba9876543210",))), 0.0)
+    assert Workers(tuple(infos), 0.0).adapter_key("sql") == key and both.adapter_key("sql") is None  # mid-reload
+    assert both.adapters == ["sql"]

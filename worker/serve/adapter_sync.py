@@ -28,7 +28,7 @@ class AdapterSync:
                  stopping: asyncio.Event) -> None:
         self.redis, self.engine, self.engine_loop, self.stopping = redis, engine, engine_loop, stopping
         self.registry, self.errors = keys.adapters(model), keys.adapter_errors(model)
-        self.held: tuple[str, ...] = tuple(sorted(engine.adapters.loaded)) if engine.adapters is not None else ()
+        self.held: tuple[str, ...] = engine.limits()["adapters"]  # NAME@DIGEST, as WorkerInfo says them
         self._synced: dict[str, str] | None = None  # the registry as this engine last matched it
 
     async def publish_startup(self, modules: tuple[str, ...]) -> None:
@@ -44,7 +44,7 @@ class AdapterSync:
         wanted = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self.registry)).items()}
         if wanted == self._synced:
             return
-        held = await self._on_engine(lambda: {n: str(a.path) for n, a in self.engine.adapters.loaded.items()})
+        held = {name: path for name, (path, _) in (await self._on_engine(self._loaded)).items()}
         for name, path in wanted.items():
             if held.get(name) != str(Path(path)):
                 try:
@@ -59,9 +59,13 @@ class AdapterSync:
                 log.info("lora adapter unloaded", name=name)
             except LoraError:
                 pass  # a request runs under it: the next heartbeat tries again
-        loaded = await self._on_engine(lambda: {n: str(a.path) for n, a in self.engine.adapters.loaded.items()})
-        self.held = tuple(sorted(loaded))
-        self._synced = wanted if loaded == {n: str(Path(p)) for n, p in wanted.items()} else None
+        loaded = await self._on_engine(self._loaded)
+        self.held = tuple(sorted(key for _, key in loaded.values()))
+        self._synced = wanted if {n: path for n, (path, _) in loaded.items()} == {n: str(Path(p)) for n, p in wanted.items()} else None
+
+    def _loaded(self) -> dict[str, tuple[str, str]]:
+        """Name -> (path, NAME@DIGEST) of what the engine holds (on the engine thread)."""
+        return {name: (str(a.path), a.key) for name, a in self.engine.adapters.loaded.items()}
 
     async def _on_engine(self, fn):
         return await asyncio.wait_for(asyncio.wrap_future(self.engine_loop.call(fn)), ENGINE_CALL_S)
