@@ -12,7 +12,7 @@ from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.shared.keys import Keys
 from tests.gateway_stack import running_stack
 from tests.lora_helpers import ALL_TARGETS, make_adapter
-from tests.service_helpers import MODEL_NAME
+from tests.service_helpers import MODEL_NAME, poll
 
 PROMPT = [21, 40, 7, 300, 11, 90, 5, 77, 64, 12]
 
@@ -96,3 +96,20 @@ def test_adapters_load_and_unload_at_run_time_on_every_worker(lora_stack, zoo, t
         client.completions.create(model="chat", prompt=PROMPT, max_tokens=2)
     status, text = post(lora_stack.url, "/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert status == 404 and "no LoRA adapter named 'chat'" in text
+
+
+def test_an_adapter_in_use_is_unloaded_when_its_requests_end(lora_stack, monkeypatch):
+    """Unloading waits for the requests running under the adapter: past the wait the answer is a 202,
+    and the worker unloads it at a heartbeat after they end. (Last here: it takes "sql" away.)"""
+    from pagedserve.gateway import lora_api
+
+    monkeypatch.setattr(lora_api, "WAIT_S", 0.5)
+    client = openai.OpenAI(base_url=lora_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.completions.create(model="sql", prompt=PROMPT, max_tokens=300, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    first = next(iter(stream))  # running under the adapter now
+    status, text = post(lora_stack.url, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert (status, first.model) == (202, "sql") and "requests still run under it" in text
+    assert "sql" in {m.id for m in client.models.list().data}
+    assert sum(1 for chunk in stream if chunk.choices) > 0  # the running request finishes under it
+    poll(lambda: "sql" not in {m.id for m in client.models.list().data}, 15, "the worker to unload the adapter")
