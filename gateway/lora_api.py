@@ -15,7 +15,6 @@ from aiohttp import web
 
 from pagedserve.gateway.generation import STATE, read_json
 from pagedserve.gateway.schemas import ApiError
-from pagedserve.gateway.worker_directory import Workers
 
 WAIT_S = 30.0  # for every worker to follow the registry (a heartbeat, and reading the adapter)
 POLL_S = 0.2
@@ -50,7 +49,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             await state.redis.hdel(errors, name)
             raise ApiError(400, error.decode(errors="replace"), "lora_path")
         infos = (await state.workers.workers(model)).infos
-        if infos and all(name in Workers((w,), 0.0).adapters for w in infos):
+        if infos and all(w.holds_adapter(name) for w in infos):
             return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
         if time.monotonic() > deadline:
             raise ApiError(504, f"the LoRA adapter {name!r} is not on every worker after {WAIT_S:.0f} s; it stays in "

@@ -17,7 +17,7 @@ import structlog
 
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import ProtocolError
-from pagedserve.shared.worker_info import WorkerInfo
+from pagedserve.shared.worker_info import WorkerInfo, adapter_name
 
 log = structlog.get_logger("pagedserve.gateway")
 TTL_S = 0.5
@@ -40,12 +40,12 @@ class Workers:
     @property
     def adapters(self) -> list[str]:
         """The LoRA adapters some live worker holds, by name."""
-        return sorted({key.rsplit("@", 1)[0] for w in self.infos for key in w.adapters})
+        return sorted({adapter_name(key) for w in self.infos for key in w.adapters})
 
     def adapter_key(self, name: str) -> str | None:
         """Adapter ``name``'s NAME@DIGEST (its prefix-cache salt) where every worker holding it holds
         the same bytes; None otherwise (a reload half done: no prefix routing for it meanwhile)."""
-        keys = {key for w in self.infos for key in w.adapters if key.rsplit("@", 1)[0] == name}
+        keys = {key for w in self.infos for key in w.adapters if adapter_name(key) == name}
         return keys.pop() if len(keys) == 1 else None
 
     @property

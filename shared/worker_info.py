@@ -30,6 +30,9 @@ class WorkerInfo:
     draining: bool = False  # stopping: it takes nothing new
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds, as NAME@DIGEST (their prefix-cache salt): request one by NAME as the model
 
+    def holds_adapter(self, name: str) -> bool:
+        return any(adapter_name(key) == name for key in self.adapters)
+
     def encode(self) -> bytes:
         return pack({"v": WORKER_INFO_VERSION, **asdict(self)})
 
@@ -49,3 +52,8 @@ class WorkerInfo:
                 raise ProtocolError(f"worker info {f.name} must be a {f.type}", f.name)
             values[f.name] = tuple(value) if kind is list else value
         return cls(**values)
+
+
+def adapter_name(key: str) -> str:
+    """The adapter name of one of ``WorkerInfo.adapters`` (``NAME@DIGEST``; the digest has no ``@``)."""
+    return key.rsplit("@", 1)[0]

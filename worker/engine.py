@@ -43,7 +43,7 @@ from pagedserve.worker.core.speculative import prices_guesses
 from pagedserve.worker.core.step_cost import StepCost
 from pagedserve.worker.engine_config import EngineConfig, available_ram
 from pagedserve.worker.lora.adapters import Adapters
-from pagedserve.worker.lora.peft_adapter import LoraError
+from pagedserve.worker.lora.peft_adapter import AdapterBusy, LoraError
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.grammar import GrammarCompiler
@@ -138,8 +138,7 @@ class Engine:
         if not config.enable_lora:
             return None
         adapters = Adapters(model, config.max_loras, config.max_lora_rank, device, self.info.dtype)
-        for module in config.lora_modules:
-            name, path = module.split("=", 1)
+        for name, path in config.lora_adapters.items():
             adapters.load(name, path)
         return adapters
 
@@ -260,7 +259,7 @@ class Engine:
             raise LoraError("LoRA adapters are off (start with --enable-lora)")
         busy = sum(r.adapter == name for r in self.scheduler.requests.values())
         if busy:
-            raise LoraError(f"adapter {name!r} is in use by {busy} request(s); {change} it when they are done")
+            raise AdapterBusy(f"adapter {name!r} is in use by {busy} request(s); {change} it when they are done")
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)

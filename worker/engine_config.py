@@ -126,13 +126,19 @@ class EngineConfig:
         if isinstance(self.lora_modules, (list, str)):  # LLM(lora_modules=[...]) or one item
             object.__setattr__(self, "lora_modules", (self.lora_modules,) if isinstance(self.lora_modules, str) else tuple(self.lora_modules))
         for module in self.lora_modules:
-            if not isinstance(module, str) or "=" not in module or not module.split("=", 1)[0] or not module.split("=", 1)[1]:
+            name, _, path = module.partition("=") if isinstance(module, str) else ("", "", "")
+            if not (name and path):
                 raise ValueError(f"lora_modules takes NAME=PATH items, got {module!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         spec = SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
         if spec is not None and spec.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got {spec.quantization!r}")
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """``--lora-modules`` as name -> path."""
+        return dict(module.split("=", 1) for module in self.lora_modules)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

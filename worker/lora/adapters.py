@@ -3,7 +3,9 @@ model's linear layers (``lora_linear.py``), and on the device for the steps whos
 
 Every adapter read stays in host memory (float32, a few MiB at rank 16); at most ``max_loras`` are
 on the device at once at the model's dtype, least recently used first out, never one the current
-step needs (a step with more adapters than that holds them all for the step, and says so). The C
+step needs, plus one copy of the current step's adapters stacked for the batched products (the
+scheduler keeps a step to ``max_loras`` adapters; one that needs more still gets them, with a
+warning). The C
 decode stack (``native_stack.py``) adds the same updates after its matrices, so a decode step with
 adapter rows stays on it.
 """

@@ -23,6 +23,10 @@ class LoraError(ValueError):
     """An adapter that cannot be served as given (the message says why)."""
 
 
+class AdapterBusy(LoraError):
+    """An adapter that cannot be replaced or unloaded now: requests run under it."""
+
+
 @dataclass(frozen=True)
 class PeftAdapter:
     name: str

@@ -14,7 +14,7 @@ import structlog
 
 from pagedserve.shared.keys import Keys
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.lora.peft_adapter import LoraError
+from pagedserve.worker.lora.peft_adapter import AdapterBusy, LoraError
 from pagedserve.worker.serve.loop import EngineLoop
 
 log = structlog.get_logger("pagedserve.worker")
@@ -31,10 +31,9 @@ class AdapterSync:
         self.held: tuple[str, ...] = engine.limits()["adapters"]  # NAME@DIGEST, as WorkerInfo says them
         self._synced: dict[str, str] | None = None  # the registry as this engine last matched it
 
-    async def publish_startup(self, modules: tuple[str, ...]) -> None:
-        """``--lora-modules`` into the registry, where it does not name them yet."""
-        for module in modules:
-            name, path = module.split("=", 1)
+    async def publish_startup(self, adapters: dict[str, str]) -> None:
+        """``--lora-modules`` (name -> path) into the registry, where it does not name them yet."""
+        for name, path in adapters.items():
             await self.redis.hsetnx(self.registry, name, str(Path(path)))
 
     async def sync(self) -> None:
@@ -44,24 +43,26 @@ class AdapterSync:
         wanted = {k.decode(): v.decode() for k, v in (await self.redis.hgetall(self.registry)).items()}
         if wanted == self._synced:
             return
+        wanted_paths = {name: str(Path(path)) for name, path in wanted.items()}
         held = {name: path for name, (path, _) in (await self._on_engine(self._loaded)).items()}
         for name, path in wanted.items():
-            if held.get(name) != str(Path(path)):
+            if held.get(name) != wanted_paths[name]:
                 try:
                     await self._on_engine(lambda: self.engine.load_adapter(name, path))
+                except AdapterBusy:
+                    pass  # a changed path under requests still running: the next heartbeat tries again
                 except LoraError as err:
-                    if held.get(name) is None or "in use" not in str(err):
-                        log.warning("lora adapter not loaded", name=name, path=path, error=str(err))
-                        await self.redis.hsetnx(self.errors, name, str(err))
+                    log.warning("lora adapter not loaded", name=name, path=path, error=str(err))
+                    await self.redis.hsetnx(self.errors, name, str(err))
         for name in set(held) - set(wanted):
             try:
                 await self._on_engine(lambda: self.engine.unload_adapter(name))
                 log.info("lora adapter unloaded", name=name)
-            except LoraError:
+            except AdapterBusy:
                 pass  # a request runs under it: the next heartbeat tries again
         loaded = await self._on_engine(self._loaded)
         self.held = tuple(sorted(key for _, key in loaded.values()))
-        self._synced = wanted if {n: path for n, (path, _) in loaded.items()} == {n: str(Path(p)) for n, p in wanted.items()} else None
+        self._synced = wanted if {name: path for name, (path, _) in loaded.items()} == wanted_paths else None
 
     def _loaded(self) -> dict[str, tuple[str, str]]:
         """Name -> (path, NAME@DIGEST) of what the engine holds (on the engine thread)."""

@@ -116,7 +116,7 @@ class WorkerService:
         self._loop = self.kv.loop = self.dashboard.loop = asyncio.get_running_loop()
         try:
             await self._retrying("create group", self.bridge.ensure_group)
-            await self._retrying("publish adapters", lambda: self.adapters.publish_startup(self.engine.config.lora_modules))
+            await self._retrying("publish adapters", lambda: self.adapters.publish_startup(self.engine.config.lora_adapters))
             # Names are stable (a restarted worker takes its pending entries back): two live workers
             # must not share one; a crashed predecessor's key expires within three heartbeats.
             ttl = self.settings.liveness_s
