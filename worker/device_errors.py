@@ -23,6 +23,8 @@ class DeviceFailure(RuntimeError):
 def is_device_failure(err: BaseException) -> bool:
     if isinstance(err, torch.OutOfMemoryError):
         return False
+    if isinstance(err, DeviceFailure):  # a tensor-parallel rank gone (worker/parallel/group.py)
+        return True
     if type(err).__name__ == "AcceleratorError":  # torch's own type for CUDA errors
         return True
     return isinstance(err, RuntimeError) and any(marker in str(err) for marker in STICKY)

@@ -11,6 +11,7 @@ read the outputs.
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,6 @@ import structlog
 import torch
 from tqdm.auto import tqdm
 
-from pagedserve.kernels.kv_format import kv_format
-from pagedserve.kernels.ops import select_ops
 from pagedserve.runtime.env import cache_dir
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.prompts import check_token_ids
@@ -44,18 +43,17 @@ from pagedserve.worker.core.step_cost import StepCost
 from pagedserve.worker.engine_config import EngineConfig, available_ram
 from pagedserve.worker.lora.adapters import Adapters
 from pagedserve.worker.lora.peft_adapter import AdapterBusy, LoraError
-from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.grammar import GrammarCompiler
-from pagedserve.worker.runner.key_turns import calibrate, calibration_text
+from pagedserve.worker.runner.key_turns import calibration_text
 from pagedserve.worker.runner.kv_tiers import TierCopier, tier_fingerprint
 from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.loader import inspect_model, load_weights
-from pagedserve.worker.runner.memory_profile import peak_step_bytes, reserved_beside_pool
-from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
+from pagedserve.worker.runner_build import RunnerBuild
+from pagedserve.worker.parallel.ranks import Ranks
+from pagedserve.worker.parallel.shard import Shard
 from pagedserve.worker.runner.models.layers import CausalLM, release_window
 from pagedserve.worker.runner.models.rope import rope_switch
-from pagedserve.worker.runner.sampler import Sampler
 from pagedserve.worker.runner.simulated import SimulatedRunner
 
 log = structlog.get_logger("pagedserve.engine")
@@ -83,32 +81,13 @@ class Engine:
                         asked=config.max_model_len, max_model_len=max_len)
         eos = frozenset(info.eos_token_ids | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()))
         self.adapters: Adapters | None = None  # LoRA (--enable-lora)
+        self.ranks: Ranks | None = None  # the other tensor-parallel ranks (--tensor-parallel-size)
         if config.simulate:  # no weights: the pool is bookkeeping only
             block_bytes, num_gpu, num_cpu = 0, config.num_gpu_blocks or 4096, config.num_cpu_blocks or 0
             self.runner = SimulatedRunner(StepCost.parse(config.simulate), info.config.vocab_size, eos)
         else:
             with device_guard(device):  # --device cuda:N: loading, profiling and capture on N
-                kv = kv_format(config.kv_cache_dtype)
-                ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", kv)
-                model = load_weights(info, ops, device, config.quantization)
-                self.adapters = self._adapters(model, device)
-                draft = self._draft_model(ops, device)
-                block_bytes = sum(kv_block_bytes(m, config.block_size, info.dtype, kv) for m in (model, draft) if m is not None)
-
-                def make_runner(num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
-                    return ModelRunner(model, ops, device, info.dtype, kv, config.block_size, num_gpu, num_cpu,
-                                       Sampler(eos, seed=config.seed, device=device), BeamSearcher(eos),
-                                       None if self.adapters is not None else graphs, draft, self.adapters)
-
-                if kv.quantized:  # before the pool is sized: its runner comes and goes first
-                    self._calibrate_keys(make_runner, max_len)
-
-                graphs = not config.enforce_eager and ops.backend == "triton"  # captured only then (model_runner.py)
-                num_gpu = self._pool_blocks(make_runner, block_bytes, device, max_len, graphs)
-                num_cpu = config.cpu_blocks(block_bytes)
-                self.runner = make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
-                if device.type == "cuda" and ops.backend == "triton":
-                    self.runner.warm_decode(max_len)
+                block_bytes, num_gpu, num_cpu = self._build_runner(eos, max_len)
         tiers = None if config.simulate else self._kv_tiers(block_bytes)
         self.kv_bytes_per_token = block_bytes // config.block_size
         self.last_forward: StepTiming | None = None
@@ -131,6 +110,40 @@ class Engine:
             kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
+
+    def _build_runner(self, eos: frozenset[int], max_len: int) -> tuple[int, int, int]:
+        """Load the model, size the pool and make the runner (on every rank, under tensor parallel:
+        ``worker/parallel/ranks.py`` starts the others and each call below is announced to them).
+        The bytes of one block on this rank, and the pool's device and CPU blocks."""
+        config, device = self.config, self.device
+        if config.tensor_parallel_size > 1:
+            Shard(0, config.tensor_parallel_size).check(self.info.config)  # a model that cannot be split: before any rank starts
+            self.ranks = Ranks.start(config, device)
+            weakref.finalize(self, self.ranks.close)  # an engine dropped unclosed (the offline LLM) stops them too
+        try:
+            return self._build_on_ranks(eos, max_len)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+
+    def _build_on_ranks(self, eos: frozenset[int], max_len: int) -> tuple[int, int, int]:
+        config, device = self.config, self.device
+        build = RunnerBuild(config, self.info, device, eos, self.ranks.group if self.ranks else None)
+        every_rank = build if self.ranks is None else self.ranks.mirror(build)
+        build.adapters = self.adapters = self._adapters(build.model, device)
+        build.draft = self._draft_model(build.ops, device)
+        if build.kv.quantized:  # before the pool is sized: its runner comes and goes first
+            every_rank.calibrate(self.tokenizer.encode(calibration_text(), add_special_tokens=False)[:max_len])
+        graphs = not config.enforce_eager and build.ops.backend == "triton"  # captured only then (model_runner.py)
+        num_gpu = every_rank.pool_blocks(max_len, graphs)
+        num_cpu = config.cpu_blocks(build.block_bytes)
+        self.runner = every_rank.make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
+        if self.ranks is not None:
+            self.runner.announce = self.ranks.announce_step
+        if device.type == "cuda" and build.ops.backend == "triton":
+            (self.runner if self.ranks is None else self.ranks.mirror(self.runner)).warm_decode(max_len)
+        return build.block_bytes * config.tensor_parallel_size, num_gpu, num_cpu  # a block's bytes over all ranks
 
     def _adapters(self, model: CausalLM, device: torch.device) -> Adapters | None:
         """LoRA adapters over ``model`` (``--enable-lora``), those of ``--lora-modules`` read now."""
@@ -176,34 +189,6 @@ class Engine:
                  disk_dir=None if disk is None else str(disk.root), disk_blocks_found=0 if disk is None else len(disk),
                  disk_bytes=config.kv_offload_disk_bytes if disk is not None else 0)
         return KvTiers(HostTier(num_host) if num_host else None, disk)
-
-    def _calibrate_keys(self, make_runner, max_len: int) -> None:
-        """A quantized cache's key turns, fitted on the shipped calibration text (worker/runner/key_turns.py)
-        with a runner of its own whose pool holds just that text, and dropped after."""
-        started = time.perf_counter()
-        ids = self.tokenizer.encode(calibration_text(), add_special_tokens=False)[:max_len]
-        with tqdm(total=1, desc="calibrating the KV cache's key turns", unit="pass", leave=False, disable=None):
-            calibrate(make_runner(-(-len(ids) // self.config.block_size)), ids)
-        log.info("kv cache key turns calibrated", tokens=len(ids), seconds=round(time.perf_counter() - started, 2))
-
-    def _pool_blocks(self, make_runner, block_bytes: int, device: torch.device, max_len: int, graphs: bool) -> int:
-        """KV blocks for the pool; on CUDA what is left after the weights, one worst-case step and
-        the decode graphs' pool (``memory_profile.reserved_beside_pool``)."""
-        config, model_config = self.config, self.info.config
-        if device.type != "cuda":
-            return config.gpu_blocks(block_bytes, available_ram(), False)
-        reserved = 0
-        if config.sizes_pool_from_memory:
-            peak = peak_step_bytes(make_runner, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
-                                   max_len, model_config.vocab_size, device)
-            dtype_bytes = torch.empty((), dtype=self.info.dtype, device="meta").element_size()
-            reserved = reserved_beside_pool(peak, model_config, config.max_num_seqs, max_len, dtype_bytes, graphs)
-        free, total = torch.cuda.mem_get_info(device)
-        blocks = config.gpu_blocks(block_bytes, free, True, total, reserved)
-        log.info("gpu memory", total_gib=round(total / 2**30, 2), in_use_gib=round((total - free) / 2**30, 2),
-                 reserved_beside_pool_gib=round(reserved / 2**30, 3), utilization=config.gpu_memory_utilization,
-                 kv_gib=round(blocks * block_bytes / 2**30, 2))
-        return blocks
 
     def encode(self, prompt: str | Seq[int]) -> list[int]:
         """Token ids of a prompt: text encoded, ids checked against the model's vocabulary (the one
@@ -313,7 +298,10 @@ class Engine:
     def close(self) -> None:
         """Write every cached block the disk tier lacks (from the device and the host tier) and
         stop its threads, so an engine started later on the directory finds this one's whole
-        prefix cache; the engine serves nothing after. On the engine thread, once it is idle."""
+        prefix cache, and stop the other tensor-parallel ranks; the engine serves nothing after. On
+        the engine thread, once it is idle."""
+        if self.ranks is not None:
+            self.ranks.close()
         tiers, blocks = self.runner.tiers, self.scheduler.blocks
         if tiers is None or tiers.disk is None:
             return
@@ -324,6 +312,8 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        if self.ranks is not None and self.ranks.lost:  # the group is broken: nothing more can run
+            raise DeviceFailure(self.ranks.lost)
         plan = self.scheduler.schedule()
         if plan.is_empty and (compiling := self.scheduler.compiling()):
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built

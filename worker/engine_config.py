@@ -90,6 +90,9 @@ class EngineConfig:
     max_loras: int = flag(4, "adapters on the device at once (more are kept in host memory, least recently used "
                           "out)", kind=positive(int))
     max_lora_rank: int = flag(16, "the highest adapter rank accepted", kind=positive(int))
+    tensor_parallel_size: int = flag(1, "processes the model is split across, one per GPU on CUDA (gloo between "
+                                     "processes on a CPU): heads, MLP widths and vocabulary divided between them",
+                                     kind=positive(int))
     max_num_seqs: int = flag(256, "sequences in one running batch at most", kind=positive(int))
     max_num_batched_tokens: int = flag(2048, "tokens in one engine step at most (prefill chunks and decodes)",
                                        kind=positive(int))
@@ -131,9 +134,28 @@ class EngineConfig:
                 raise ValueError(f"lora_modules takes NAME=PATH items, got {module!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        self._check_tensor_parallel()
         spec = SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
         if spec is not None and spec.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got {spec.quantization!r}")
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallel does not combine with yet: a clear error at start."""
+        if self.tensor_parallel_size == 1:
+            return
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        refused = {"enable_lora (LoRA adapters)": self.enable_lora,
+                   "a speculative draft model (ngram speculation works)": spec is not None and spec.model is not None,
+                   "the host and disk KV tiers (kv_offload_host_bytes, kv_offload_dir)":
+                       bool(self.kv_offload_host_bytes or self.num_host_blocks or self.kv_offload_dir),
+                   "simulate": self.simulate is not None}
+        named = [name for name, on in refused.items() if on]
+        if named:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not combine with "
+                             f"{', '.join(named)} yet")
 
     @property
     def lora_adapters(self) -> dict[str, str]:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.gguf_file import open_gguf
 from pagedserve.worker.model_source import max_model_len, model_or_default, resolve_model_dir
+from pagedserve.worker.parallel.shard import Shard
 from pagedserve.worker.runner.gguf_weights import gguf_tensors
 from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
 from pagedserve.worker.runner.models.layers import CausalLM, fuse_projections, use_layer_kernels
@@ -90,21 +91,27 @@ def _eos_ids(path: Path, config) -> frozenset[int]:
     return frozenset([ids] if isinstance(ids, int) else ids)
 
 
-def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quantization: str = "none") -> CausalLM:
+def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quantization: str = "none",
+                 shard: Shard | None = None) -> CausalLM:
     """Build the model without initialising it, then fill every parameter from the checkpoint;
-    ``quantization`` (``worker/runner/quantized_linear.py``): its linear layers' weights then int8 or int4.
+    ``quantization`` (``worker/runner/quantized_linear.py``): its linear layers' weights then int8 or int4;
+    ``shard``: only this tensor-parallel rank's slice of each (``worker/parallel/shard.py``), read alone
+    from safetensors.
 
     Each decoder layer takes its final form (projections fused, quantized or laid out for the CPU
     kernels) as soon as its last tensor arrives, and its checkpoint-precision weights go: at most one
     unit is held twice, never the whole model (SmolLM2-135M int8: a load peak of 1,527 -> 606-640 MiB,
     docs/engine.md)."""
     family = info.family
+    if shard is not None:
+        shard.check(info.config)
     with torch.device("meta"):
-        model = family.model(info.config, family.arch, ops, family.feed_forward)
+        model = family.model(info.config if shard is None else shard.rank_config(info.config), family.arch, ops,
+                             family.feed_forward)
+        full_shapes = _shapes(model if shard is None else family.model(info.config, family.arch, ops, family.feed_forward))
     if quantization != "none" and device.type != "cpu":
         quantize_linears(model, quantization, device)  # the clear error, before any weight is read
-    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
-    expected = set(shapes) - ({"lm_head.weight"} if model.tie_word_embeddings else set())
+    expected = set(full_shapes) - ({"lm_head.weight"} if model.tie_word_embeddings else set())
     finish = partial(_finish_layers, ops=ops, device=device, dtype=info.dtype, quantization=quantization)
     layers = _LayerTracker(model, expected, finish)
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -114,14 +121,16 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
             target = family.rename(name)
             if isinstance(target, tuple):  # one expert's matrix: stacked below
                 prefix, expert, part = target
-                experts.setdefault((prefix, part), {})[expert] = load()
+                experts.setdefault((prefix, part), {})[expert] = load() if shard is None else shard.expert_piece(part, load())
             elif isinstance(target, Fused):  # several parameters in one tensor: split by their sizes
-                pieces = load().split([shapes[t][0] for t in target.targets], dim=0)
+                pieces = load().split([full_shapes[t][0] for t in target.targets], dim=0)
                 for part, piece in zip(target.targets, pieces):
+                    piece = piece if shard is None else shard.piece(part, partial(_same, piece), info.config)
                     layers.put(part, piece.to(device=device, dtype=info.dtype))
                     bar.update(1)
             elif target in expected:
-                layers.put(target, load().to(device=device, dtype=info.dtype))
+                tensor = load() if shard is None else shard.piece(target, load, info.config)
+                layers.put(target, tensor.to(device=device, dtype=info.dtype))
                 bar.update(1)
         for name, tensor in _stack_experts(experts, device, info.dtype).items():
             layers.put(name, tensor)
@@ -131,7 +140,8 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
         raise ValueError(f"checkpoint {info.path} lacks {len(missing)} weights, e.g. {missing[:3]}")
     model.rotary = type(model.rotary)(info.config, model.head_dim).to(device)  # buffers were on meta
     quantized, form = layers.finish_all()
-    model.native_stack = NativeStack.of(model, ops.layer, ops.kv_format.quantized)  # last: it holds the modules
+    if shard is None:  # the C stack runs whole layers: a rank's need a sum across ranks inside each
+        model.native_stack = NativeStack.of(model, ops.layer, ops.kv_format.quantized)  # last: it holds the modules
     structlog.get_logger("pagedserve.loader").info(
         "linear layers", form=form, quantization=quantization, quantized_layers=quantized,
         decode_stack=model.native_stack is not None)
@@ -227,12 +237,34 @@ def checkpoint_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Ten
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, partial(f.get_tensor, name)
+                    yield name, _SafetensorsTensor(f, name)
         return
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) != 1:
         raise FileNotFoundError(f"no *.safetensors weights (nor one *.gguf file) in {path}")
     yield from gguf_tensors(open_gguf(ggufs[0]))
+
+
+class _SafetensorsTensor:
+    """Reads one tensor of an open safetensors file: whole when called, or only a range of rows
+    along one dimension (``narrow``: a tensor-parallel rank's slice)."""
+
+    def __init__(self, file, name: str) -> None:
+        self.file, self.name = file, name
+
+    def __call__(self) -> torch.Tensor:
+        return self.file.get_tensor(self.name)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self.file.get_slice(self.name)[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+def _shapes(model: nn.Module) -> dict[str, torch.Size]:
+    return {name: tensor.shape for name, tensor in model.state_dict().items()}
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _stack_experts(parts: dict[tuple[str, str], dict[int, torch.Tensor]], device: torch.device,

@@ -14,6 +14,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -75,6 +76,7 @@ class ModelRunner:
         # speculative decoding's draft model, its KV on the same block ids (drafter.py)
         self.drafter = Drafter(draft, ops, device, self.dtype, kv, block_size, num_gpu_blocks) if draft is not None else None
         self.tiers: TierCopier | None = None  # the host and disk tiers' bytes, when the engine has them
+        self.announce: Callable[[StepPlan], None] | None = None  # tensor parallel: the plan told to the other ranks
         self.graphs = None
         if graph_limits is not None and device.type == "cuda" and ops.backend == "triton":
             self.graphs = DecodeGraphs(model, self.kv_caches, device, block_size, graph_limits)
@@ -135,6 +137,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan; the sampled tokens of every sampling row and the beam steps it completes."""
+        if self.announce is not None:
+            self.announce(plan)  # the other ranks run the same forward (worker/parallel/follower.py)
         self.beams.forget(plan.finished_request_ids)
         step = self.forward(plan)
         beam_rows = [i for i, item in enumerate(step.items) if item.params.use_beam_search]

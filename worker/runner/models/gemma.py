@@ -50,11 +50,11 @@ class Gemma2ForCausalLM(CausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings times ``sqrt(hidden)`` rounded to the model's dtype, as transformers scales
         them; a Python number, so nothing crosses from the host inside a CUDA graph."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embedding_rows(input_ids)
         return x * rounded_to(self.config.hidden_size**0.5, x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = self.head(hidden)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.kernels.ops import AttentionOps
+from pagedserve.worker.parallel.vocab import VocabSlice
 from pagedserve.worker.runner.attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.runner.models.rope import Rotaries, RotaryEmbedding
 
@@ -37,6 +38,12 @@ class Arch:
 
 
 FeedForward = Callable[[object, int, AttentionOps], nn.Module]  # (config, layer index, ops) -> its MLP or MoE block
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # a rank's partial sum -> the sum over the ranks
+
+
+def summed(x: torch.Tensor, reduce: Reduce | None) -> torch.Tensor:
+    """``x`` summed over the tensor-parallel ranks (as it is without them)."""
+    return x if reduce is None else reduce(x)
 
 
 class RMSNorm(nn.Module):
@@ -111,6 +118,7 @@ class Attention(nn.Module):
         softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.attn = PagedAttention(ops, (scalar or self.head_dim) ** -0.5, window, softcap)
         self.kernels: NativeLayerOps | None = None  # set by use_layer_kernels where q, k and v need nothing but the rotary
+        self.reduce: Reduce | None = None  # tensor parallel: the sum of the ranks' partial outputs (worker/parallel/)
 
     @property
     def plain(self) -> bool:
@@ -137,7 +145,7 @@ class Attention(nn.Module):
         else:
             q, k = RotaryEmbedding.apply(q, k, cos_sin)
             out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return summed(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), self.reduce)
 
     @property
     def fused(self) -> bool:
@@ -159,15 +167,19 @@ class MLP(nn.Module):
         self.act = activation(config)
         self.gate_up_proj: nn.Linear | None = None  # gate and up in one matrix, once fuse_projections has run
         self.kernels: NativeLayerOps | None = None  # set by use_layer_kernels where the activation is SiLU
+        self.reduce: Reduce | None = None  # tensor parallel, as Attention's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return summed(self.down_proj(self._hidden(x)), self.reduce)
+
+    def _hidden(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
-            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.act(self.gate_proj(x)) * self.up_proj(x)
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and (hidden := self.kernels.silu_mul(gate_up)) is not None:
-            return self.down_proj(hidden)
+            return hidden
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.act(gate) * up
 
     @property
     def fused(self) -> bool:
@@ -265,6 +277,7 @@ class CausalLM(nn.Module):
         first = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.rotary = Rotaries(config, self.head_dim)
+        self.vocab: VocabSlice | None = None  # tensor parallel: this rank's rows of the embedding and head
         # A decode step's layers as direct C calls (worker/runner/native_stack.py), where the loader
         # finds every layer the kernels': (x, tables, meta, kv_caches) -> hidden states, or None.
         self.native_stack: Callable | None = None
@@ -287,7 +300,18 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.embedding_rows(input_ids)
+
+    def embedding_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows for ``input_ids`` (across the ranks' slices, under tensor parallel)."""
+        if self.vocab is None:
+            return self.model.embed_tokens(input_ids)
+        return self.vocab.embed(self.model.embed_tokens, input_ids)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits, in the model's dtype, over the whole vocabulary."""
+        logits = self.lm_head(hidden)
+        return logits if self.vocab is None else self.vocab.gather(logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.head(hidden).float()

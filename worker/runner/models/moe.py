@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.runner.models.layers import MLP
+from pagedserve.worker.runner.models.layers import MLP, Reduce, summed
 
 
 class Experts(nn.Module):
@@ -46,6 +46,7 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(config, shared_intermediate)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.has_shared = bool(shared_intermediate)
+        self.reduce: Reduce | None = None  # tensor parallel: the experts' and the shared expert's partial sums, summed once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -55,7 +56,7 @@ class SparseMoE(nn.Module):
         out = self.experts(x, top_index, top_weight.to(x.dtype))
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return summed(out, self.reduce)
 
 
 def mixtral(config, index: int, ops: AttentionOps) -> nn.Module:

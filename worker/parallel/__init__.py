@@ -1,0 +1,1 @@
+"""Tensor parallelism (``--tensor-parallel-size``): one process per rank on torch.distributed."""

@@ -1,0 +1,84 @@
+"""A tensor-parallel rank other than 0: ``python -m pagedserve.worker.parallel.follower RANK SIZE
+HOST PORT DEVICE``, started by rank 0 (``ranks.py``). It joins the group, takes the engine's config,
+loads its slice of the model and then does what rank 0 announces, one call at a time: the calls
+that build the runner (``RunnerBuild``'s), the decode kernels' warm-up, each step's forward, stop.
+It never samples and holds no scheduler: its KV blocks are rank 0's block ids, its slice of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+import structlog
+import torch
+from torch import distributed as dist
+
+from pagedserve.worker.core.plan import StepPlan
+from pagedserve.worker.device_errors import device_guard
+from pagedserve.worker.parallel.group import TIMEOUT, RankFailure, RankGroup
+from pagedserve.worker.runner.loader import inspect_model
+from pagedserve.worker.runner.model_runner import ModelRunner
+from pagedserve.worker.runner_build import RunnerBuild
+
+log = structlog.get_logger("pagedserve.parallel")
+
+PR_SET_PDEATHSIG = 1
+
+
+class Follower:
+    def __init__(self, build: RunnerBuild) -> None:
+        self.build = build
+        self.runner: ModelRunner | None = None
+
+    def calibrate(self, ids: list[int]) -> None:
+        self.build.calibrate(ids)
+
+    def pool_blocks(self, max_len: int, graphs: bool) -> int:
+        return self.build.pool_blocks(max_len, graphs)
+
+    def make_runner(self, *args) -> None:
+        self.runner = None  # the old pool goes before the new one is allocated
+        self.runner = self.build.make_runner(*args)
+
+    def warm_decode(self, max_len: int) -> None:
+        self.runner.warm_decode(max_len)
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> None:
+        self.runner.forward(plan)
+
+
+def serve(group: RankGroup) -> None:
+    """Take the config, build, then follow rank 0's calls until it says stop."""
+    config = group.broadcast()
+    with device_guard(group.device):
+        follower = Follower(RunnerBuild(config, inspect_model(config.model, config.dtype), group.device, group=group))
+        while True:
+            name, args = group.broadcast()
+            if name == "stop":
+                return
+            getattr(follower, name)(*args)
+
+
+def main(argv: list[str]) -> int:
+    rank, size, host, port, device = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), torch.device(argv[4])
+    try:  # ends with rank 0 even if it is SIGKILLed (Linux)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    group = RankGroup(rank, size, dist.TCPStore(host, port, size, False, timeout=TIMEOUT), device)
+    try:
+        serve(group)
+    except RankFailure as err:
+        log.error("tensor parallel rank 0 is gone: this rank ends", rank=rank, error=str(err))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,90 @@
+"""What makes the engine's ``ModelRunner``: the model loaded with its ops and KV format, the key
+turns of a quantized cache calibrated, the pool sized, the runner made. Under tensor parallel every
+rank holds one of these over its slice of the model (``worker/parallel/``) and makes the same calls
+in the same order (rank 0 announces each), so the collectives inside them meet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+from tqdm.auto import tqdm
+
+from pagedserve.kernels.kv_format import kv_format
+from pagedserve.kernels.ops import select_ops
+from pagedserve.runtime.env import cache_dir
+from pagedserve.worker.engine_config import EngineConfig, available_ram
+from pagedserve.worker.lora.adapters import Adapters
+from pagedserve.worker.parallel.group import RankGroup
+from pagedserve.worker.parallel.parallelize import parallelize
+from pagedserve.worker.parallel.shard import Shard
+from pagedserve.worker.runner.beam_search import BeamSearcher
+from pagedserve.worker.runner.cuda_graphs import GraphLimits
+from pagedserve.worker.runner.key_turns import calibrate
+from pagedserve.worker.runner.loader import ModelInfo, load_weights
+from pagedserve.worker.runner.memory_profile import peak_step_bytes, reserved_beside_pool
+from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
+from pagedserve.worker.runner.models.layers import CausalLM
+from pagedserve.worker.runner.sampler import Sampler
+
+log = structlog.get_logger("pagedserve.engine")
+
+
+class RunnerBuild:
+    def __init__(self, config: EngineConfig, info: ModelInfo, device: torch.device, eos: frozenset[int] = frozenset(),
+                 group: RankGroup | None = None) -> None:
+        self.config, self.info, self.device, self.eos, self.group = config, info, device, eos, group
+        self.kv = kv_format(config.kv_cache_dtype)
+        self.ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", self.kv)
+        shard = None if group is None else Shard(group.rank, group.size)
+        self.model = load_weights(info, self.ops, device, config.quantization, shard)
+        if group is not None:
+            parallelize(self.model, group, info.config.vocab_size)
+        self.draft: CausalLM | None = None  # speculative decoding's draft model (rank 0 alone: refused under TP)
+        self.adapters: Adapters | None = None  # LoRA (rank 0 alone: refused under TP)
+
+    @property
+    def block_bytes(self) -> int:
+        """One block's K/V bytes on this rank, the draft model's included."""
+        return sum(kv_block_bytes(m, self.config.block_size, self.info.dtype, self.kv)
+                   for m in (self.model, self.draft) if m is not None)
+
+    def make_runner(self, num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
+        config = self.config
+        graphs = None if self.adapters is not None or self.group is not None else graphs
+        return ModelRunner(self.model, self.ops, self.device, self.info.dtype, self.kv, config.block_size, num_gpu,
+                           num_cpu, Sampler(self.eos, seed=config.seed, device=self.device), BeamSearcher(self.eos),
+                           graphs, self.draft, self.adapters)
+
+    def calibrate(self, ids: list[int]) -> None:
+        """A quantized cache's key turns, fitted on the shipped calibration text (worker/runner/key_turns.py)
+        with a runner of its own whose pool holds just that text, and dropped after."""
+        started = time.perf_counter()
+        with tqdm(total=1, desc="calibrating the KV cache's key turns", unit="pass", leave=False, disable=None):
+            calibrate(self.make_runner(-(-len(ids) // self.config.block_size)), ids)
+        log.info("kv cache key turns calibrated", tokens=len(ids), seconds=round(time.perf_counter() - started, 2))
+
+    def pool_blocks(self, max_len: int, graphs: bool) -> int:
+        """KV blocks for the pool (the fewest any rank can hold); on CUDA what is left after the
+        weights, one worst-case step and the decode graphs' pool (``memory_profile.reserved_beside_pool``)."""
+        blocks = self._local_pool_blocks(max_len, graphs)
+        return blocks if self.group is None else self.group.min_int(blocks)
+
+    def _local_pool_blocks(self, max_len: int, graphs: bool) -> int:
+        config, model_config, device = self.config, self.info.config, self.device
+        if device.type != "cuda":
+            return config.gpu_blocks(self.block_bytes, available_ram(), False)
+        reserved = 0
+        if config.sizes_pool_from_memory:
+            peak = peak_step_bytes(self.make_runner, config.block_size, config.max_num_batched_tokens,
+                                   config.max_num_seqs, max_len, model_config.vocab_size, device)
+            dtype_bytes = torch.empty((), dtype=self.info.dtype, device="meta").element_size()
+            reserved = reserved_beside_pool(peak, model_config, config.max_num_seqs, max_len, dtype_bytes, graphs)
+        free, total = torch.cuda.mem_get_info(device)
+        blocks = config.gpu_blocks(self.block_bytes, free, True, total, reserved)
+        log.info("gpu memory", total_gib=round(total / 2**30, 2), in_use_gib=round((total - free) / 2**30, 2),
+                 reserved_beside_pool_gib=round(reserved / 2**30, 3), utilization=config.gpu_memory_utilization,
+                 kv_gib=round(blocks * self.block_bytes / 2**30, 2))
+        return blocks
