@@ -50,6 +50,7 @@ from pagedserve.worker.runner.kv_tiers import TierCopier, tier_fingerprint
 from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.loader import inspect_model, load_weights
 from pagedserve.worker.runner_build import RunnerBuild
+from pagedserve.worker.parallel.group import RankFailure
 from pagedserve.worker.parallel.ranks import Ranks
 from pagedserve.worker.parallel.shard import Shard
 from pagedserve.worker.runner.models.layers import CausalLM, release_window
@@ -311,9 +312,14 @@ class Engine:
         log.info("kv disk tier written back", blocks=len(spills), files=len(tiers.disk), dir=str(tiers.disk.root))
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
-        if self.ranks is not None and self.ranks.lost:  # the group is broken: nothing more can run
+    def check_ranks(self) -> None:
+        """A ``DeviceFailure`` when a tensor-parallel rank is gone: nothing more can run (the serve
+        layer asks between steps and while idle, so the worker ends promptly either way)."""
+        if self.ranks is not None and self.ranks.lost:
             raise DeviceFailure(self.ranks.lost)
+
+    def step(self) -> list[RequestOutput]:
+        self.check_ranks()
         plan = self.scheduler.schedule()
         if plan.is_empty and (compiling := self.scheduler.compiling()):
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built
@@ -324,6 +330,8 @@ class Engine:
             with device_guard(self.device):
                 result = self.runner.execute(plan)
         except Exception as err:  # a bad kernel launch, out of memory, a bug: fail those requests, not the engine
+            if isinstance(err, RankFailure) and self.ranks is not None:  # say which rank went, not gloo's words
+                raise DeviceFailure(self.ranks.explain(err)) from err
             if is_device_failure(err):  # ... unless the device itself is broken: then nothing is failed, the worker ends
                 log.error("device failed: stopping for a restart", requests=len(plan.seqs), error=str(err))
                 raise DeviceFailure(f"the device failed: {type(err).__name__}: {err}") from err

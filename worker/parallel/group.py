@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ class RankGroup:
     def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device) -> None:
         """Join the group whose ranks meet at ``store`` (every rank blocks here until all have)."""
         self.rank, self.size, self.device, self.store = rank, size, device, store
+        self.seconds: dict[str, float] = dict.fromkeys(("all_reduce", "all_gather", "broadcast", "min"), 0.0)  # waited in each
         if device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(store, rank, size)
         else:
@@ -37,14 +39,14 @@ class RankGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` summed over the ranks, in place (returned)."""
-        self._wait(self.group.allreduce([x]))
+        self._run("all_reduce", lambda: self.group.allreduce([x]))
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' ``x`` side by side along the last dimension (every rank gets the whole)."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._wait(self.group.allgather([parts], [x]))
+        self._run("all_gather", lambda: self.group.allgather([parts], [x]))
         return torch.cat(parts, dim=-1)
 
     def min_int(self, value: int) -> int:
@@ -52,22 +54,25 @@ class RankGroup:
         x = torch.tensor([value], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        self._wait(self.group.allreduce([x], options))
+        self._run("min", lambda: self.group.allreduce([x], options))
         return int(x.item())
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (pickled: step plans and commands are plain dataclasses)."""
         payload = pickle.dumps(obj) if self.rank == 0 else b""
         length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
-        self._wait(self.group.broadcast(length, 0))
+        self._run("broadcast", lambda: self.group.broadcast(length, 0))
         data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == 0
                 else torch.empty(int(length.item()), dtype=torch.uint8))
         data = data.to(self.device)
-        self._wait(self.group.broadcast(data, 0))
+        self._run("broadcast", lambda: self.group.broadcast(data, 0))
         return obj if self.rank == 0 else pickle.loads(data.cpu().numpy().tobytes())
 
-    def _wait(self, work) -> None:
+    def _run(self, kind: str, issue) -> None:
+        """Issue a collective and wait for it (its time counted under ``kind``: ``bench/tensor_parallel.py``)."""
+        started = time.perf_counter()
         try:
-            work.wait()
+            issue().wait()
+            self.seconds[kind] += time.perf_counter() - started
         except RuntimeError as err:
             raise RankFailure(f"rank {self.rank} of {self.size}: a collective failed (another rank is gone?): {err}") from err

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -84,6 +85,14 @@ class Ranks:
     def mirror(self, target: object) -> object:
         """``target`` whose method calls are first announced to the followers under the same name."""
         return _Mirrored(self, target)
+
+    def explain(self, err: Exception, wait: float = 2.0) -> str:
+        """Why a collective failed: which follower exited and how (waiting up to ``wait`` seconds
+        for its exit to be seen), else the error itself."""
+        deadline = time.monotonic() + wait
+        while self.lost is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.lost or str(err)
 
     def close(self, timeout: float = 30.0) -> None:
         """Tell the followers to stop and wait for them (killed after ``timeout`` seconds)."""

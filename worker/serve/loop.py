@@ -92,6 +92,7 @@ class EngineLoop:
             if not work and not self.engine.has_unfinished():
                 if self._finish.is_set():
                     return
+                self.engine.check_ranks()  # a tensor-parallel rank lost while idle ends the worker too
                 self._ready.wait(0.5)
                 self._ready.clear()
                 continue
