@@ -44,14 +44,15 @@ def run(llm: LLM, batch: int, args, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llama-90m")
+    ap.add_argument("--model-dir", type=Path, default=None, help="a model directory instead of the preset's")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="runs per row; the best is reported")
     args = ap.parse_args(argv)
-    model_dir = Path.home() / ".cache" / "pagedserve" / f"bench-{args.preset}"
-    if not (model_dir / "config.json").exists():
+    model_dir = args.model_dir or Path.home() / ".cache" / "pagedserve" / f"bench-{args.preset}"
+    if args.model_dir is None and not (model_dir / "config.json").exists():
         build_model(model_dir, "llama", **PRESETS[args.preset], seed=0, dtype=args.dtype)
     rows = []
     for name, tp, stack in (("TP=1", 1, True), ("TP=1, no C decode stack", 1, False), ("TP=2", 2, False)):
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         base = next(r for r in rows if r["batch"] == row["batch"])
         row["vs_tp1"] = round(row["tok_s"] / base["tok_s"], 2)
-    print(json.dumps({"bench": "tensor_parallel", "preset": args.preset, "dtype": args.dtype, "prompt_len": args.prompt_len,
+    print(json.dumps({"bench": "tensor_parallel", "preset": None if args.model_dir else args.preset, "dtype": args.dtype, "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "results": rows}))
     columns = ("config", "batch", "tokens", "seconds", "tok_s", "vs_tp1", "collective_share", "all_reduce_share",
                "all_gather_share", "broadcast_share")

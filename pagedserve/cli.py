@@ -25,6 +25,7 @@
     pagedserve bench kv-decode [args]            decode attention over an 8-bit cache vs the model-dtype one
     pagedserve bench kv-tiers [args]             multi-turn chats: TTFT with host and disk KV tiers vs recompute
     pagedserve bench prefill-attention [args]    CPU prefill attention: the C kernel, the reference, flash
+    pagedserve bench tensor-parallel [args]      TP=1 vs TP=2 tokens/s and the share spent in collectives
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ BENCHES = {
     "prefill-attention": "pagedserve.bench.prefill_attention",
     "load-memory": "pagedserve.bench.load_memory",
     "lora": "pagedserve.bench.lora",
+    "tensor-parallel": "pagedserve.bench.tensor_parallel",
 }
 
 
