@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:  # a missing model, bad engine settings, no memory for the KV pool
         print(f"pagedserve worker: cannot start: {err}", file=sys.stderr)
         return 2
+    except DeviceFailure as err:  # a tensor-parallel rank that failed to start (out of memory, a broken device)
+        print(f"pagedserve worker: cannot start: {err}; exiting for a restart", file=sys.stderr)
+        return 3
 
     try:
         return serve_on_main_thread(WorkerService(settings, engine))

@@ -123,6 +123,10 @@ class Engine:
             weakref.finalize(self, self.ranks.close)  # an engine dropped unclosed (the offline LLM) stops them too
         try:
             return self._build_on_ranks(eos, max_len)
+        except RankFailure as err:
+            why = self.ranks.explain(err)
+            self.ranks.close()
+            raise RankFailure(f"a tensor-parallel rank failed while the engine started: {why} (its log says why)") from err
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()

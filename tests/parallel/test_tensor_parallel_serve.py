@@ -98,7 +98,8 @@ def test_rank_1_sigkilled_mid_stream_ends_its_worker_and_every_stream_completes_
 
 
 def test_a_sigkilled_tp_worker_leaves_no_rank_behind(redis_server, zoo):
-    """Rank 0 killed outright runs no cleanup: its followers end by the parent-death signal."""
+    """Rank 0 killed outright runs no cleanup: its followers end by their collective failing or by
+    their parent changing."""
     async def main():
         r = aioredis.from_url(redis_server.url)
         worker = start_worker_process(redis_server.url, zoo.path("llama-gqa"), "tp", "--tensor-parallel-size", "2")

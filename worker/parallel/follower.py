@@ -7,10 +7,10 @@ It never samples and holds no scheduler: its KV blocks are rank 0's block ids, i
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
+import threading
+import time
 
 import structlog
 import torch
@@ -25,7 +25,7 @@ from pagedserve.worker.runner_build import RunnerBuild
 
 log = structlog.get_logger("pagedserve.parallel")
 
-PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
 
 
 class Follower:
@@ -65,10 +65,7 @@ def serve(group: RankGroup) -> None:
 
 def main(argv: list[str]) -> int:
     rank, size, host, port, device = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), torch.device(argv[4])
-    try:  # ends with rank 0 even if it is SIGKILLed (Linux)
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     group = RankGroup(rank, size, dist.TCPStore(host, port, size, False, timeout=TIMEOUT), device)
@@ -78,6 +75,16 @@ def main(argv: list[str]) -> int:
         log.error("tensor parallel rank 0 is gone: this rank ends", rank=rank, error=str(err))
         return 1
     return 0
+
+
+def _end_with_parent(parent: int) -> None:
+    """Exit as soon as rank 0 is gone, even while this rank loads or computes (a killed rank 0 runs
+    no cleanup, and a rank with no collective pending would not notice): this process is handed to
+    another parent then."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    log.error("tensor parallel rank 0 exited: this rank ends", parent=parent)
+    os._exit(1)
 
 
 if __name__ == "__main__":

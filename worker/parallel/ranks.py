@@ -5,8 +5,8 @@ config, then each call that runs on every rank (``mirror``) and each step's plan
 Supervision: a thread waits on every follower; one that exits while the engine runs is logged and
 recorded (``lost``), and the collective rank 0 is in or next enters fails (``RankFailure``, a
 ``DeviceFailure``), so the worker ends and is restarted as after a broken device. Followers end when
-rank 0 does: told to stop (``close``), by the group failing, or, if rank 0 is killed, by the
-parent-death signal they set.
+rank 0 does: told to stop (``close``), by the group failing, or, if rank 0 is killed, by
+seeing their parent change.
 """
 
 from __future__ import annotations
