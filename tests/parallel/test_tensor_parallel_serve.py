@@ -1,7 +1,7 @@
 """Tensor parallel as a service: a TP=2 worker answers through the gateway as the offline TP=1
 engine does (plain and streamed), and when its rank 1 is SIGKILLed mid-stream the worker exits
 (code 3, as after a broken device, for its supervisor to restart) and every stream it held ends
-on the other worker with all its tokens, in order."""
+on the other worker with all its tokens, in order; restarted, it starts new ranks and serves."""
 
 from __future__ import annotations
 
@@ -81,16 +81,24 @@ def test_rank_1_sigkilled_mid_stream_ends_its_worker_and_every_stream_completes_
                 os.kill(followers[0], signal.SIGKILL)
                 code = await asyncio.get_running_loop().run_in_executor(None, workers["tp"].wait, 30)
                 results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
-            await apoll(lambda: stream_is_clean(r), 10, "the dead worker's entries to be acknowledged")
-            return code, results, "".join(workers["tp"].log)
+                await apoll(lambda: stream_is_clean(r), 10, "the dead worker's entries to be acknowledged")
+                log = "".join(workers["tp"].log)
+                # restarted, as its supervisor would: new ranks, and it serves (the other worker stopped first)
+                workers["plain"].kill()
+                workers["tp"] = start_worker_process(redis_server.url, path, "tp", "--tensor-parallel-size", "2")
+                await wait_alive(r, "tp")
+                assert len(children(workers["tp"].pid)) == 1
+                again = await collect(await client.submit(MODEL_NAME, prompt_token_ids=prompts[0], params=params), timeout=120)
+            return code, results, log, again
         finally:
             for proc in workers.values():
                 proc.kill()
                 proc.wait()
             await r.aclose()
 
-    code, results, log = asyncio.run(main())
+    code, results, log, again = asyncio.run(main())
     assert code == 3, log[-2000:]
+    assert again.tokens() == expected[0]
     assert "tensor-parallel rank 1" in log and "exiting for a restart" in log, log[-2000:]
     for got, want in zip(results, expected):
         assert [e.seq for e in got.events] == list(range(len(got.events)))
