@@ -62,7 +62,7 @@ if ! step preflight 30 "$py" -m pagedserve.bench.gpu_preflight; then
 fi
 grep '^{"bench": "gpu_preflight"' "$log" | tail -n 1 > "$work/preflight.json"
 status=0
-step gpu_tests 240 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py tests/parallel/test_world_size_one.py \
+step gpu_tests 240 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py tests/kernels/test_lora_kernel.py tests/parallel/test_world_size_one.py \
     -p no:cacheprovider -v -o addopts= --timeout 120 \
     --junitxml="$out/gpu_tests.xml" || status=1
 step kernel_bench 45 "$py" -m pagedserve.bench.kernel_bench --out "$work/kernel_bench.json" || status=1

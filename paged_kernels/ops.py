@@ -40,6 +40,7 @@ class AttentionOps:
     backend: str = "torch"  # "triton" kernels can be captured in CUDA graphs; the reference cannot
     kv_format: KVFormat = AUTO  # how store_kv writes the cache and the attention ops read it
     layer: NativeLayerOps | None = None  # a layer's norms, rotary + K/V store and SiLU in C (CPU), else torch
+    lora: Callable | None = None  # (y, x, A, B, slots) -> y: LoRA updates per row (Triton); None: worker/lora's grouped products
 
 
 def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path | None = None,
@@ -94,10 +95,11 @@ def triton_ops(kv_format: KVFormat = AUTO) -> AttentionOps:
     """The Triton kernels, imported here: triton is absent on many CPU machines."""
     from pagedserve.kernels.copy_blocks import copy_blocks, swap_blocks
     from pagedserve.kernels.fused_moe import fused_moe
+    from pagedserve.kernels.lora_update import lora_update
     from pagedserve.kernels.paged_attention import paged_attention_decode
     from pagedserve.kernels.prefill_attention import prefill_attention
     from pagedserve.kernels.store_kv import store_kv
 
     return AttentionOps(partial(store_kv, kv_format=kv_format), partial(paged_attention_decode, kv_format=kv_format),
                         partial(prefill_attention, kv_format=kv_format), copy_blocks, swap_blocks, fused_moe, "triton",
-                        kv_format)
+                        kv_format, lora=lora_update)

@@ -136,7 +136,7 @@ class Engine:
         config, device = self.config, self.device
         build = RunnerBuild(config, self.info, device, eos, self.ranks.group if self.ranks else None)
         every_rank = build if self.ranks is None else self.ranks.mirror(build)
-        build.adapters = self.adapters = self._adapters(build.model, device)
+        build.adapters = self.adapters = self._adapters(build.model, device, build.ops.lora)
         build.draft = self._draft_model(build.ops, device)
         if build.kv.quantized:  # before the pool is sized: its runner comes and goes first
             every_rank.calibrate(self.tokenizer.encode(calibration_text(), add_special_tokens=False)[:max_len])
@@ -150,12 +150,12 @@ class Engine:
             (self.runner if self.ranks is None else self.ranks.mirror(self.runner)).warm_decode(max_len)
         return build.block_bytes * config.tensor_parallel_size, num_gpu, num_cpu  # a block's bytes over all ranks
 
-    def _adapters(self, model: CausalLM, device: torch.device) -> Adapters | None:
+    def _adapters(self, model: CausalLM, device: torch.device, kernel=None) -> Adapters | None:
         """LoRA adapters over ``model`` (``--enable-lora``), those of ``--lora-modules`` read now."""
         config = self.config
         if not config.enable_lora:
             return None
-        adapters = Adapters(model, config.max_loras, config.max_lora_rank, device, self.info.dtype)
+        adapters = Adapters(model, config.max_loras, config.max_lora_rank, device, self.info.dtype, kernel)
         for name, path in config.lora_adapters.items():
             adapters.load(name, path)
         return adapters

@@ -1,4 +1,4 @@
-"""The attention kernels compiled for Hopper (sm_90) on the CPU, at the head shapes of real models:
+"""The attention and LoRA kernels compiled for Hopper (sm_90) on the CPU, at the head shapes of real models:
 no register spills (a spill is local-memory traffic on every tile, invisible to a CPU test that
 only checks results). Triton compiles for a ``GPUTarget`` without a device; the cubin's resource
 usage is read with the ``cuobjdump`` Triton bundles. The compiling runs in one child process
@@ -20,7 +20,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from pagedserve.kernels import paged_attention, prefill_attention  # noqa: E402
+from pagedserve.kernels import lora_update, paged_attention, prefill_attention  # noqa: E402
 from pagedserve.kernels.kv_format import kv_format  # noqa: E402
 from pagedserve.kernels.paged_tiles import code_constants, dot_pad  # noqa: E402
 
@@ -29,7 +29,7 @@ MODELS = {  # (query heads per KV head, head_dim)
     "Llama-3-8B": (4, 128), "Llama-3-70B": (8, 128), "Qwen2.5-7B": (7, 128), "Gemma-2-9B": (2, 256),
     "Gemma-3-1B": (4, 256), "SmolLM2-135M": (3, 64), "Mistral-7B": (4, 128),
 }
-POINTERS = {"tables_ptr": "*i32", "lens_ptr": "*i32", "starts_ptr": "*i32"}
+POINTERS = {"tables_ptr": "*i32", "lens_ptr": "*i32", "starts_ptr": "*i32", "slot_ptr": "*i32"}
 
 
 def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int) -> dict[str, int]:
@@ -73,6 +73,11 @@ def cases() -> dict[str, tuple]:
                 prefill_attention._prefill_kernel, "bf16" if cache == "auto" else "u8",
                 dict(GROUP=group, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n, **constants),
                 prefill_attention.NUM_WARPS)
+    for rank in (16, 64):  # LoRA updates (paged_kernels/lora_update.py) at the default and a large --max-lora-rank
+        out[f"lora-shrink-r{rank}"] = (lora_update._shrink, "bf16", dict(BLOCK_R=rank, BLOCK_K=lora_update.shrink_block_k(rank)),
+                                       lora_update.NUM_WARPS)
+        out[f"lora-expand-r{rank}"] = (lora_update._expand, "bf16", dict(BLOCK_R=rank, BLOCK_N=lora_update.BLOCK_N),
+                                       lora_update.NUM_WARPS)
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
+from typing import Callable
 
 import structlog
 import torch
@@ -29,9 +30,11 @@ Layout = dict[tuple[int, str], tuple[str, int]]
 
 
 class Adapters:
-    def __init__(self, model: CausalLM, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
+                 kernel: Callable | None = None) -> None:
+        """``kernel``: the kernel ops' LoRA update (Triton on CUDA); None: the grouped batched products."""
         self.model, self.max_loras, self.max_rank, self.device, self.dtype = model, max_loras, max_rank, device, dtype
-        self.step = LoraStep()
+        self.step = LoraStep(kernel=kernel)
         self.layout, self.shapes, self.widths = wrap_layers(model, self.step)
         if model.native_stack is not None:
             model.native_stack.adapt(self.step)
@@ -79,17 +82,25 @@ class Adapters:
             self.clear()
             return
         names = tuple(sorted(rows))
-        width = max(len(r) for r in rows.values())
-        gather = [i for name in names for i in rows[name] + rows[name][:1] * (width - len(rows[name]))]
-        valid = [n * width + j for n, name in enumerate(names) for j in range(len(rows[name]))]
-        as_index = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
         step = self.step
-        step.gather, step.rows, step.adapters, step.width = as_index(gather), as_index([i for n in names for i in rows[n]]), len(names), width
-        step.valid = None if len(valid) == len(gather) else as_index(valid)
+        step.adapters = len(names)
+        if step.kernel is not None:  # each token's place in the stack: one kernel call per layer
+            slots = [-1] * at
+            for n, name in enumerate(names):
+                for i in rows[name]:
+                    slots[i] = n
+            step.slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        else:  # one block of rows per adapter, padded to the longest: two batched products per layer
+            width = max(len(r) for r in rows.values())
+            gather = [i for name in names for i in rows[name] + rows[name][:1] * (width - len(rows[name]))]
+            valid = [n * width + j for n, name in enumerate(names) for j in range(len(rows[name]))]
+            as_index = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+            step.gather, step.rows, step.width = as_index(gather), as_index([i for n in names for i in rows[n]]), width
+            step.valid = None if len(valid) == len(gather) else as_index(valid)
         step.weights = self._weights(names)
 
     def clear(self) -> None:
-        self.step.gather = self.step.valid = self.step.rows = None
+        self.step.gather = self.step.valid = self.step.rows = self.step.slots = None
         self.step.weights = {}
 
     def _weights(self, names: tuple[str, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -12,6 +12,7 @@ adds nothing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -23,7 +24,9 @@ class LoraStep:
     block (``adapters`` blocks of ``width`` rows, a block's padding repeating its first row),
     ``valid`` the positions in that order that are real rows and ``rows`` those rows' tokens;
     ``weights`` per layer key A ``[adapters, rank, in]`` and B ``[adapters, out, rank]``. None:
-    every row is the base model's."""
+    every row is the base model's. With a ``kernel`` (the Triton update on CUDA,
+    ``paged_kernels/lora_update.py``) the rows are not grouped: ``slots`` gives each token's adapter
+    in the stack (-1: the base model's) and one kernel call per layer does the rest."""
 
     gather: torch.Tensor | None = None
     valid: torch.Tensor | None = None  # None: no padding (every gathered row is real)
@@ -31,15 +34,19 @@ class LoraStep:
     adapters: int = 0
     width: int = 0
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    slots: torch.Tensor | None = None  # int32 [tokens], with a kernel
+    kernel: Callable | None = None  # (y, x, A, B, slots) -> y, in place
 
 
 def add_updates(y: torch.Tensor, x: torch.Tensor, key: str, step: LoraStep) -> torch.Tensor:
     """``y`` (the base layer's output for inputs ``x``) plus, on each adapter's rows, its update
     for the layer ``key``; in place."""
-    pair = step.weights.get(key) if step.gather is not None else None
+    pair = step.weights.get(key)  # none while every row is the base model's (cleared)
     if pair is None:
         return y
     a, b = pair
+    if step.kernel is not None:
+        return step.kernel(y, x, a, b, step.slots)
     blocks = x.index_select(0, step.gather).view(step.adapters, step.width, -1)
     delta = torch.bmm(torch.bmm(blocks, a.transpose(1, 2)), b.transpose(1, 2)).view(step.adapters * step.width, -1)
     return y.index_add_(0, step.rows, delta if step.valid is None else delta.index_select(0, step.valid))
