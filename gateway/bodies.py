@@ -274,4 +274,19 @@ class EmbeddingsRequest(BaseModel):
     priority: Optional[integer(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])] = None
 
 
-BODIES = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest, EmbeddingsRequest)
+AdapterName = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[^=]+$")]  # NAME=PATH splits at its '='
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    model_config = OPEN
+    lora_name: AdapterName
+    lora_path: Annotated[str, Field(min_length=1)]  # a PEFT adapter directory every worker of the model can read
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    model_config = OPEN  # vLLM's clients also send lora_int_id: taken and not used
+    lora_name: AdapterName
+
+
+BODIES = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest, EmbeddingsRequest, LoadLoraAdapterRequest,
+          UnloadLoraAdapterRequest)

@@ -1,7 +1,8 @@
 """``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (vLLM's run-time adapter
 API). The model's adapter registry in Redis (``Keys.adapters``: name -> path) is changed, and every
 worker of the model follows it at its next heartbeat (``worker/serve/adapter_sync.py``); the answer
-comes once every live worker holds the adapter (or none does), as their ``WorkerInfo`` says. A worker
+comes once every live worker with LoRA on holds the adapter (or none does), as their ``WorkerInfo``
+says; where no worker has LoRA on, a load is a 400 at once. A worker
 that cannot read the adapter writes why (``Keys.adapter_errors``): the registry entry is taken back
 and the answer is a 400 with that reason. Unloading waits for requests running under the adapter:
 past ``WAIT_S`` the answer is a 202 (each worker unloads it when they end)."""
@@ -13,6 +14,8 @@ import time
 
 from aiohttp import web
 
+from pagedserve.gateway.bodies import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from pagedserve.gateway.body_errors import validated
 from pagedserve.gateway.generation import STATE, read_json
 from pagedserve.gateway.schemas import ApiError
 
@@ -20,23 +23,18 @@ WAIT_S = 30.0  # for every worker to follow the registry (a heartbeat, and readi
 POLL_S = 0.2
 
 
-def _name(body, field: str) -> str:
-    value = body.get(field) if isinstance(body, dict) else None
-    if not isinstance(value, str) or not value or (field == "lora_name" and ("=" in value or len(value) > 200)):
-        raise ApiError(400, f"{field} must be a non-empty string" + (" without '='" if field == "lora_name" else ""), field)
-    return value
-
-
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """``{"lora_name", "lora_path"}``: every worker of the model reads the PEFT adapter at ``lora_path``."""
     state = request.app[STATE]
-    body = await read_json(request)
-    name, path = _name(body, "lora_name"), _name(body, "lora_path")
+    body = validated(LoadLoraAdapterRequest, await read_json(request))
+    name, path = body.lora_name, body.lora_path
     model = state.settings.served_model_name
     registry, errors = state.keys.adapters(model), state.keys.adapter_errors(model)
     if not await state.serving():
         raise ApiError(503, f"no worker is serving {model!r} right now", None, "no_worker", "service_unavailable",
                        {"Retry-After": "5"})
+    if not any(w.max_loras for w in (await state.workers.workers(model)).infos):
+        raise ApiError(400, f"no worker of {model!r} serves LoRA adapters (start them with --enable-lora)", "lora_name")
     if name == model or await state.redis.hexists(registry, name) or await state.serves_adapter(name):
         raise ApiError(400, f"the LoRA adapter {name!r} is already loaded (unload it first)", "lora_name")
     await state.redis.hdel(errors, name)
@@ -48,7 +46,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             await state.redis.hdel(registry, name)
             await state.redis.hdel(errors, name)
             raise ApiError(400, error.decode(errors="replace"), "lora_path")
-        infos = (await state.workers.workers(model)).infos
+        infos = [w for w in (await state.workers.workers(model)).infos if w.max_loras]  # the rest never load one
         if infos and all(w.holds_adapter(name) for w in infos):
             return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
         if time.monotonic() > deadline:
@@ -60,7 +58,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     """``{"lora_name"}``: every worker of the model forgets the adapter."""
     state = request.app[STATE]
-    name = _name(await read_json(request), "lora_name")
+    name = validated(UnloadLoraAdapterRequest, await read_json(request)).lora_name
     model = state.settings.served_model_name
     removed = await state.redis.hdel(state.keys.adapters(model), name)
     if not removed and not await state.serves_adapter(name):

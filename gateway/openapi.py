@@ -38,9 +38,15 @@ def _ok(schema: str | None, streams: bool = False) -> dict:
     return {"200": {"description": "ok", "content": content}}
 
 
-def _post(summary: str, schema: str, response: str, streams: bool = False, errors: dict = _ERRORS) -> dict:
+def _post(summary: str, schema: str, response: str | None, streams: bool = False, errors: dict = _ERRORS) -> dict:
+    """``response`` None: the answer is a line of text (vLLM's adapter endpoints answer so)."""
+    answer = _ok(response, streams) if response is not None else {"200": {"description": "ok", "content": _TEXT},
+                                                                   "202": {"description": "accepted", "content": _TEXT}}
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}, "responses": {**_ok(response, streams), **errors}}}
+        "schema": {"$ref": f"#/components/schemas/{schema}"}}}}, "responses": {**answer, **errors}}}
+
+
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}
 
 
 def _by_id(method: str, summary: str, response: str) -> dict:
@@ -109,6 +115,10 @@ def openapi_spec(vocab_size: int = MAX_TOKEN_ID, limits: Limits = Limits(), serv
             "/tokenize": _post("Token ids of a prompt or chat, as a generation request would send them", "TokenizeRequest",
                                "TokenizeResponse"),
             "/detokenize": _post("Text of token ids", "DetokenizeRequest", "DetokenizeResponse"),
+            "/v1/load_lora_adapter": _post("Load a LoRA adapter on every worker of the model (vLLM's run-time API); "
+                                           "200 once each holds it", "LoadLoraAdapterRequest", None),
+            "/v1/unload_lora_adapter": _post("Unload a LoRA adapter from every worker of the model; 202 while requests "
+                                             "still run under it", "UnloadLoraAdapterRequest", None),
         },
         "components": {"schemas": {
             **body_schemas(vocab_size, limits, served_model),

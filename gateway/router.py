@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.gateway.kv_index import KvIndex
-from pagedserve.gateway.worker_directory import WorkerDirectory
+from pagedserve.gateway.worker_directory import WorkerDirectory, Workers
 from pagedserve.shared.block_hash import cache_salt, prefix_hashes
 from pagedserve.shared.keys import Keys
+from pagedserve.shared.worker_info import adapter_name
 
 FORGET_AFTER_S = 60.0  # a worker that has not beaten for this long leaves the index
 
@@ -92,6 +93,33 @@ class Router:
             return None
         self.loads[best].sent += 1
         return self.keys.routed(self.model, best)
+
+    async def route_request(self, workers: Workers, prompt_ids: list[int], tenant: str | None,
+                            adapter: str | None = None) -> str | None:
+        """``route`` for a request, by its LoRA ``adapter``'s name where it has one: its blocks are
+        salted with the adapter's NAME@DIGEST, so prefix routing only where the workers agree on it,
+        and never the shared stream while some worker lacks the adapter (one whose load failed, one
+        starting): the least loaded holder's stream then."""
+        if adapter is None:
+            return await self.route(prompt_ids, tenant)
+        key = workers.adapter_key(adapter)
+        stream = await self.route(prompt_ids, tenant, key) if key is not None else None
+        if stream is None and not workers.everyone_holds(adapter):
+            stream = await self.holder(adapter)
+        return stream
+
+    async def holder(self, adapter: str) -> str | None:
+        """The own stream of the least loaded live worker holding LoRA adapter ``adapter`` (by name,
+        any bytes), whatever the policy: where only some workers hold it, the shared stream could hand
+        its request to one that does not. None when none holds it."""
+        await self._refresh_loads()
+        holders = [(load.running + load.waiting + load.sent, worker) for worker, load in self.loads.items()
+                   if any(adapter_name(key) == adapter for key in load.adapters)]
+        if not holders:
+            return None
+        worker = min(holders)[1]
+        self.loads[worker].sent += 1
+        return self.keys.routed(self.model, worker)
 
     async def _refresh_loads(self) -> None:
         """The live workers' loads, as new as the directory's read (between two reads, what was sent

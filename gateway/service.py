@@ -200,10 +200,8 @@ class GatewayService:
         """The stream each request goes to: a worker's own (prefix routing), or None (the model's)."""
         workers = await self.workers.workers(self.settings.served_model_name)
         routes = []
-        for r in requests:  # an adapter's blocks are salted with its NAME@DIGEST: without one agreed, the shared stream
-            key = None if r.adapter is None else workers.adapter_key(r.adapter)
-            routes.append(None if r.adapter is not None and key is None
-                          else await self.router.route(list(r.prompt_token_ids), r.tenant, key))
+        for r in requests:
+            routes.append(await self.router.route_request(workers, list(r.prompt_token_ids), r.tenant, r.adapter))
         for stream in routes:
             self.metrics.routed.labels(self.settings.served_model_name, "prefix" if stream else "shared").inc()
         return routes

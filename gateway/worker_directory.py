@@ -42,6 +42,10 @@ class Workers:
         """The LoRA adapters some live worker holds, by name."""
         return sorted({adapter_name(key) for w in self.infos for key in w.adapters})
 
+    def everyone_holds(self, name: str) -> bool:
+        """Whether every live worker holds adapter ``name`` (any bytes): the shared stream may take its requests."""
+        return all(any(adapter_name(key) == name for key in w.adapters) for w in self.infos)
+
     def adapter_key(self, name: str) -> str | None:
         """Adapter ``name``'s NAME@DIGEST (its prefix-cache salt) where every worker holding it holds
         the same bytes; None otherwise (a reload half done: no prefix routing for it meanwhile)."""

@@ -29,6 +29,7 @@ class WorkerInfo:
     waiting: int = 0  # requests read (or taken from its own stream) but not running yet
     draining: bool = False  # stopping: it takes nothing new
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds, as NAME@DIGEST (their prefix-cache salt): request one by NAME as the model
+    max_loras: int = 0  # adapters on its device at once; 0: LoRA is off there (it never loads one)
 
     def holds_adapter(self, name: str) -> bool:
         return any(adapter_name(key) == name for key in self.adapters)

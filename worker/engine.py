@@ -273,7 +273,8 @@ class Engine:
         return {"max_model_len": config.max_model_len, "vocab_size": self.info.config.vocab_size,
                 "block_size": config.block_size, "rope_switch": config.rope_switch, "max_num_seqs": config.max_num_seqs,
                 "kv_cache_dtype": self.config.kv_cache_dtype, "kv_bytes_per_token": self.kv_bytes_per_token,
-                "adapters": tuple(sorted(a.key for a in self.adapters.loaded.values())) if self.adapters is not None else ()}
+                "adapters": tuple(sorted(a.key for a in self.adapters.loaded.values())) if self.adapters is not None else (),
+                "max_loras": self.adapters.max_loras if self.adapters is not None else 0}
 
     def kv_snapshot(self) -> dict:
         """What the KV dashboard shows of this engine (``worker/core/kv_snapshot.py``), with how its

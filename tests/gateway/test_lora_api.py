@@ -4,6 +4,9 @@ an adapter as its ``model`` runs under it, as the offline engine does."""
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import openai
 import pytest
 import redis
@@ -86,8 +89,15 @@ def test_adapters_load_and_unload_at_run_time_on_every_worker(lora_stack, zoo, t
     r = redis.Redis.from_url(lora_stack.redis.url)
     assert sorted(r.hkeys(Keys().adapters(MODEL_NAME))) == [b"chat", b"sql"]  # "bad" taken back
     assert r.hlen(Keys().adapter_errors(MODEL_NAME)) == 0  # the reason went to the caller, and was taken back
-    status, text = post(lora_stack.url, "/v1/load_lora_adapter", {"lora_name": "", "lora_path": "x"})
-    assert status == 400 and "lora_name must be a non-empty string" in text
+    for bad in ({"lora_name": "", "lora_path": "x"}, {"lora_name": "a=b", "lora_path": "x"}, {"lora_path": "x"},
+                {"lora_name": 3, "lora_path": "x"}, {"lora_name": "c", "lora_path": ""}, []):
+        status, text = post(lora_stack.url, "/v1/load_lora_adapter", bad)
+        assert status == 400 and ("lora_" in text or "the body" in text), (bad, text)
+    spec = httpx.get(lora_stack.url + "/openapi.json", timeout=10).json()
+    assert spec["paths"]["/v1/load_lora_adapter"]["post"]["requestBody"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/LoadLoraAdapterRequest"}
+    assert set(spec["components"]["schemas"]["LoadLoraAdapterRequest"]["required"]) == {"lora_name", "lora_path"}
+    assert "/v1/unload_lora_adapter" in spec["paths"]
 
     assert post(lora_stack.url, "/v1/unload_lora_adapter", {"lora_name": "chat"}) == \
         (200, "Success: LoRA adapter 'chat' removed successfully.")
@@ -113,3 +123,12 @@ def test_an_adapter_in_use_is_unloaded_when_its_requests_end(lora_stack, monkeyp
     assert "sql" in {m.id for m in client.models.list().data}
     assert sum(1 for chunk in stream if chunk.choices) > 0  # the running request finishes under it
     poll(lambda: "sql" not in {m.id for m in client.models.list().data}, 15, "the worker to unload the adapter")
+
+
+def test_loading_an_adapter_where_no_worker_has_lora_on_is_a_400_at_once(stack):
+    """Found by schemathesis: the registry was written, no worker ever loaded it, and the answer was a
+    504 after 30 s with the entry left behind."""
+    started = time.monotonic()
+    status, text = post(stack.url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"})
+    assert status == 400 and "--enable-lora" in text and time.monotonic() - started < 5
+    assert redis.Redis.from_url(stack.redis.url).hlen(Keys().adapters(MODEL_NAME)) == 0

@@ -396,3 +396,29 @@ def test_an_adapter_request_goes_by_its_salted_prefix_to_a_worker_holding_the_ad
     both = Workers((infos[0], worker_info("w3", adapters=("sql@fedcba9876543210",))), 0.0)
     assert Workers(tuple(infos), 0.0).adapter_key("sql") == key and both.adapter_key("sql") is None  # mid-reload
     assert both.adapters == ["sql"]
+
+
+def test_an_adapter_request_never_takes_the_shared_stream_while_a_worker_lacks_the_adapter(redis_url):
+    """A worker whose load failed (or one starting) does not list the adapter: with no prefix to
+    route by, the request goes to the least loaded holder's own stream, not to the shared one that
+    worker also reads; where every worker holds it, the shared stream is fine."""
+    from pagedserve.gateway.worker_directory import Workers
+
+    prompt = [40 + i for i in range(80)]
+    key = "sql@0123456789abcdef"
+
+    def route(infos) -> list:
+        async def both(router):
+            workers = Workers(tuple(infos), 0.0)
+            return [await router.route_request(workers, prompt, None, "sql"),
+                    await router.route_request(workers, prompt, None, "sql"), await router.route_request(workers, prompt, None)]
+        return asyncio.run(routed(redis_url, infos, {}, prompt, then=both))
+
+    busy_holder, idle_holder = worker_info("w1", running=5, adapters=(key,)), worker_info("w2", running=1, adapters=(key,))
+    lacking = worker_info("w3")
+    # the idle holder, then (its routed request counted as waiting) still the less loaded of the two; base: shared
+    assert route([busy_holder, idle_holder, lacking]) == [KEYS.routed(MODEL_NAME, "w2")] * 2 + [None]
+    assert route([busy_holder, idle_holder]) == [None, None, None]  # everyone holds it: the shared stream
+    mid_reload = [worker_info("w1", adapters=("sql@fedcba9876543210",)), idle_holder, lacking]
+    assert route(mid_reload)[0] in (KEYS.routed(MODEL_NAME, "w1"), KEYS.routed(MODEL_NAME, "w2"))  # either bytes, a holder
+    assert route([lacking]) == [None, None, None]  # nobody holds it (the gateway answered 404 before this)
