@@ -6,7 +6,6 @@ on the other worker with all its tokens, in order; restarted, it starts new rank
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
 import signal
 
@@ -19,6 +18,7 @@ from pagedserve.runtime.client import QueueClient
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.sampling import SamplingParams
 from tests.gateway_stack import running_stack
+from tests.pagedserve.test_up import alive, descendants
 from tests.serve.test_worker_recovery import start_worker_process, stream_is_clean, wait_alive
 from tests.service_helpers import MODEL_NAME, apoll, collect
 
@@ -28,11 +28,7 @@ PROMPT = "The tensor-parallel worker says"
 
 def children(pid: int) -> list[int]:
     """The processes ``pid`` started (its followers)."""
-    found = []
-    for path in glob.glob(f"/proc/{pid}/task/*/children"):
-        with open(path) as f:
-            found += [int(c) for c in f.read().split()]
-    return found
+    return sorted(descendants(pid))
 
 
 def test_a_tp2_worker_answers_through_the_gateway_as_the_offline_engine(tmp_path_factory, zoo):
@@ -125,14 +121,6 @@ def test_a_sigkilled_tp_worker_leaves_no_rank_behind(redis_server, zoo):
 
     assert len(asyncio.run(main())) == 1
 
-
-def alive(pid: int) -> bool:
-    """``pid`` runs (an exited process waiting to be reaped counts as ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_an_idle_tp_worker_whose_rank_dies_exits_for_a_restart(redis_server, zoo):
