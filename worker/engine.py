@@ -19,9 +19,7 @@ from typing import Hashable, Sequence as Seq
 
 import structlog
 import torch
-from tqdm.auto import tqdm
 
-from pagedserve.runtime.env import cache_dir
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.prompts import check_token_ids
 from pagedserve.shared.sampling import SamplingParams
@@ -40,7 +38,7 @@ from pagedserve.worker.core.request import Request
 from pagedserve.worker.core.scheduler import Scheduler
 from pagedserve.worker.core.speculative import prices_guesses
 from pagedserve.worker.core.step_cost import StepCost
-from pagedserve.worker.engine_config import EngineConfig, available_ram
+from pagedserve.worker.engine_config import EngineConfig
 from pagedserve.worker.lora.adapters import Adapters
 from pagedserve.worker.lora.peft_adapter import AdapterBusy, LoraError
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
@@ -48,12 +46,12 @@ from pagedserve.worker.runner.grammar import GrammarCompiler
 from pagedserve.worker.runner.key_turns import calibration_text
 from pagedserve.worker.runner.kv_tiers import TierCopier, tier_fingerprint
 from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
-from pagedserve.worker.runner.loader import inspect_model, load_weights
+from pagedserve.worker.runner.loader import inspect_model
 from pagedserve.worker.runner_build import RunnerBuild
 from pagedserve.worker.parallel.group import RankFailure
 from pagedserve.worker.parallel.ranks import Ranks
 from pagedserve.worker.parallel.shard import Shard
-from pagedserve.worker.runner.models.layers import CausalLM, release_window
+from pagedserve.worker.runner.models.layers import release_window
 from pagedserve.worker.runner.models.rope import rope_switch
 from pagedserve.worker.runner.simulated import SimulatedRunner
 
@@ -136,8 +134,8 @@ class Engine:
         config, device = self.config, self.device
         build = RunnerBuild(config, self.info, device, eos, self.ranks.group if self.ranks else None)
         every_rank = build if self.ranks is None else self.ranks.mirror(build)
-        build.adapters = self.adapters = self._adapters(build.model, device, build.ops.lora)
-        build.draft = self._draft_model(build.ops, device)
+        self.adapters = build.load_adapters()
+        build.load_draft()
         if build.kv.quantized:  # before the pool is sized: its runner comes and goes first
             every_rank.calibrate(self.tokenizer.encode(calibration_text(), add_special_tokens=False)[:max_len])
         graphs = not config.enforce_eager and build.ops.backend == "triton"  # captured only then (model_runner.py)
@@ -149,32 +147,6 @@ class Engine:
         if device.type == "cuda" and build.ops.backend == "triton":
             (self.runner if self.ranks is None else self.ranks.mirror(self.runner)).warm_decode(max_len)
         return build.block_bytes * config.tensor_parallel_size, num_gpu, num_cpu  # a block's bytes over all ranks
-
-    def _adapters(self, model: CausalLM, device: torch.device, kernel=None) -> Adapters | None:
-        """LoRA adapters over ``model`` (``--enable-lora``), those of ``--lora-modules`` read now."""
-        config = self.config
-        if not config.enable_lora:
-            return None
-        adapters = Adapters(model, config.max_loras, config.max_lora_rank, device, self.info.dtype, kernel)
-        for name, path in config.lora_adapters.items():
-            adapters.load(name, path)
-        return adapters
-
-    def _draft_model(self, ops, device: torch.device) -> CausalLM | None:
-        """Speculative decoding's draft model (``{"model": ...}``), at the target's dtype, with its
-        own weight quantization; None without one. Its vocabulary must be the target's."""
-        spec = self.config.speculative
-        if spec is None or spec.model is None:
-            return None
-        try:
-            draft_info = inspect_model(spec.model, self.info.dtype)
-        except ValueError as err:  # not found, not a model, an unsupported family: say it is the draft
-            raise type(err)(f"the speculative draft model: {err}") from err
-        if draft_info.config.vocab_size != self.info.config.vocab_size:
-            raise ValueError(f"the speculative draft model {spec.model} has a vocabulary of {draft_info.config.vocab_size} "
-                             f"tokens; the model's has {self.info.config.vocab_size}: a draft must share its tokenizer")
-        with tqdm(total=1, desc="loading the draft model", unit="model", leave=False, disable=None):
-            return load_weights(draft_info, ops, device, spec.quantization)
 
     def _kv_tiers(self, block_bytes: int) -> KvTiers | None:
         """The host and disk tiers under the prefix cache (``--kv-offload-*``), their bytes on the

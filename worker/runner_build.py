@@ -23,7 +23,7 @@ from pagedserve.worker.parallel.shard import Shard
 from pagedserve.worker.runner.beam_search import BeamSearcher
 from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.key_turns import calibrate
-from pagedserve.worker.runner.loader import ModelInfo, load_weights
+from pagedserve.worker.runner.loader import ModelInfo, inspect_model, load_weights
 from pagedserve.worker.runner.memory_profile import peak_step_bytes, reserved_beside_pool
 from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
 from pagedserve.worker.runner.models.layers import CausalLM
@@ -42,8 +42,38 @@ class RunnerBuild:
         self.model = load_weights(info, self.ops, device, config.quantization, shard)
         if group is not None:
             parallelize(self.model, group, info.config.vocab_size)
-        self.draft: CausalLM | None = None  # speculative decoding's draft model (rank 0 alone: refused under TP)
-        self.adapters: Adapters | None = None  # LoRA (rank 0 alone: refused under TP)
+        self.draft: CausalLM | None = None  # speculative decoding's draft model (load_draft; refused under TP)
+        self.adapters: Adapters | None = None  # LoRA (load_adapters; refused under TP)
+
+    def load_adapters(self) -> Adapters | None:
+        """LoRA adapters over the model (``--enable-lora``), those of ``--lora-modules`` read now; kept
+        for the runner (None without LoRA)."""
+        config = self.config
+        if config.enable_lora:
+            self.adapters = Adapters(self.model, config.max_loras, config.max_lora_rank, self.device, self.info.dtype,
+                                     self.ops.lora)
+            for name, path in config.lora_adapters.items():
+                self.adapters.load(name, path)
+        return self.adapters
+
+    def load_draft(self) -> CausalLM | None:
+        """Speculative decoding's draft model (``{"model": ...}``), at the target's dtype, with its
+        own weight quantization; kept for the runner (None without one). Its vocabulary must be the
+        target's."""
+        spec = self.config.speculative
+        if spec is None or spec.model is None:
+            return None
+        try:
+            draft_info = inspect_model(spec.model, self.info.dtype)
+        except ValueError as err:  # not found, not a model, an unsupported family: say it is the draft
+            raise type(err)(f"the speculative draft model: {err}") from err
+        vocab = self.info.config.vocab_size
+        if draft_info.config.vocab_size != vocab:
+            raise ValueError(f"the speculative draft model {spec.model} has a vocabulary of {draft_info.config.vocab_size} "
+                             f"tokens; the model's has {vocab}: a draft must share its tokenizer")
+        with tqdm(total=1, desc="loading the draft model", unit="model", leave=False, disable=None):
+            self.draft = load_weights(draft_info, self.ops, self.device, spec.quantization)
+        return self.draft
 
     @property
     def block_bytes(self) -> int:

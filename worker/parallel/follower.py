@@ -68,6 +68,8 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_end_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    else:
+        torch.cuda.set_device(device)  # before NCCL makes its communicator: it binds to the current device
     group = RankGroup(rank, size, dist.TCPStore(host, port, size, False, timeout=TIMEOUT), device)
     try:
         serve(group)
