@@ -41,16 +41,14 @@ from pagedserve.worker.core.step_cost import StepCost
 from pagedserve.worker.engine_config import EngineConfig
 from pagedserve.worker.lora.adapters import Adapters
 from pagedserve.worker.lora.peft_adapter import AdapterBusy, LoraError
-from pagedserve.worker.runner.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.grammar import GrammarCompiler
 from pagedserve.worker.runner.key_turns import calibration_text
 from pagedserve.worker.runner.kv_tiers import TierCopier, tier_fingerprint
 from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.loader import inspect_model
-from pagedserve.worker.runner_build import RunnerBuild
+from pagedserve.worker.runner_build import build_runner
 from pagedserve.worker.parallel.group import RankFailure
 from pagedserve.worker.parallel.ranks import Ranks
-from pagedserve.worker.parallel.shard import Shard
 from pagedserve.worker.runner.models.layers import release_window
 from pagedserve.worker.runner.models.rope import rope_switch
 from pagedserve.worker.runner.simulated import SimulatedRunner
@@ -86,7 +84,11 @@ class Engine:
             self.runner = SimulatedRunner(StepCost.parse(config.simulate), info.config.vocab_size, eos)
         else:
             with device_guard(device):  # --device cuda:N: loading, profiling and capture on N
-                block_bytes, num_gpu, num_cpu = self._build_runner(eos, max_len)
+                built = build_runner(config, info, device, eos, max_len, self._calibration_ids)
+            self.runner, self.ranks, self.adapters = built.runner, built.ranks, built.adapters
+            block_bytes, num_gpu, num_cpu = built.block_bytes, built.num_gpu, built.num_cpu
+            if self.ranks is not None:
+                weakref.finalize(self, self.ranks.close)  # an engine dropped unclosed (the offline LLM) stops them too
         tiers = None if config.simulate else self._kv_tiers(block_bytes)
         self.kv_bytes_per_token = block_bytes // config.block_size
         self.last_forward: StepTiming | None = None
@@ -110,43 +112,9 @@ class Engine:
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
 
-    def _build_runner(self, eos: frozenset[int], max_len: int) -> tuple[int, int, int]:
-        """Load the model, size the pool and make the runner (on every rank, under tensor parallel:
-        ``worker/parallel/ranks.py`` starts the others and each call below is announced to them).
-        The bytes of one block on this rank, and the pool's device and CPU blocks."""
-        config, device = self.config, self.device
-        if config.tensor_parallel_size > 1:
-            Shard(0, config.tensor_parallel_size).check(self.info.config)  # a model that cannot be split: before any rank starts
-            self.ranks = Ranks.start(config, device)
-            weakref.finalize(self, self.ranks.close)  # an engine dropped unclosed (the offline LLM) stops them too
-        try:
-            return self._build_on_ranks(eos, max_len)
-        except RankFailure as err:
-            why = self.ranks.explain(err)
-            self.ranks.close()
-            raise RankFailure(f"a tensor-parallel rank failed while the engine started: {why} (its log says why)") from err
-        except BaseException:
-            if self.ranks is not None:
-                self.ranks.close()
-            raise
-
-    def _build_on_ranks(self, eos: frozenset[int], max_len: int) -> tuple[int, int, int]:
-        config, device = self.config, self.device
-        build = RunnerBuild(config, self.info, device, eos, self.ranks.group if self.ranks else None)
-        every_rank = build if self.ranks is None else self.ranks.mirror(build)
-        self.adapters = build.load_adapters()
-        build.load_draft()
-        if build.kv.quantized:  # before the pool is sized: its runner comes and goes first
-            every_rank.calibrate(self.tokenizer.encode(calibration_text(), add_special_tokens=False)[:max_len])
-        graphs = not config.enforce_eager and build.ops.backend == "triton"  # captured only then (model_runner.py)
-        num_gpu = every_rank.pool_blocks(max_len, graphs)
-        num_cpu = config.cpu_blocks(build.block_bytes)
-        self.runner = every_rank.make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
-        if self.ranks is not None:
-            self.runner.announce = self.ranks.announce_step
-        if device.type == "cuda" and build.ops.backend == "triton":
-            (self.runner if self.ranks is None else self.ranks.mirror(self.runner)).warm_decode(max_len)
-        return build.block_bytes * config.tensor_parallel_size, num_gpu, num_cpu  # a block's bytes over all ranks
+    def _calibration_ids(self, max_len: int) -> list[int]:
+        """The shipped calibration text's token ids (a quantized cache's key turns), up to ``max_len``."""
+        return self.tokenizer.encode(calibration_text(), add_special_tokens=False)[:max_len]
 
     def _kv_tiers(self, block_bytes: int) -> KvTiers | None:
         """The host and disk tiers under the prefix cache (``--kv-offload-*``), their bytes on the

@@ -1,12 +1,14 @@
 """What makes the engine's ``ModelRunner``: the model loaded with its ops and KV format, the key
 turns of a quantized cache calibrated, the pool sized, the runner made. Under tensor parallel every
-rank holds one of these over its slice of the model (``worker/parallel/``) and makes the same calls
-in the same order (rank 0 announces each), so the collectives inside them meet.
+rank holds a ``RunnerBuild`` over its slice of the model (``worker/parallel/``) and makes the same
+calls in the same order (rank 0 announces each, ``build_runner``), so the collectives inside meet.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import structlog
 import torch
@@ -17,7 +19,8 @@ from pagedserve.kernels.ops import select_ops
 from pagedserve.runtime.env import cache_dir
 from pagedserve.worker.engine_config import EngineConfig, available_ram
 from pagedserve.worker.lora.adapters import Adapters
-from pagedserve.worker.parallel.group import RankGroup
+from pagedserve.worker.parallel.group import RankFailure, RankGroup
+from pagedserve.worker.parallel.ranks import Ranks
 from pagedserve.worker.parallel.parallelize import parallelize
 from pagedserve.worker.parallel.shard import Shard
 from pagedserve.worker.runner.beam_search import BeamSearcher
@@ -30,6 +33,56 @@ from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampler import Sampler
 
 log = structlog.get_logger("pagedserve.engine")
+
+
+@dataclass(frozen=True)
+class BuiltRunner:
+    runner: ModelRunner
+    ranks: Ranks | None  # the other tensor-parallel ranks, started
+    adapters: Adapters | None
+    block_bytes: int  # one block's K/V bytes over all ranks
+    num_gpu: int  # the pool's blocks
+    num_cpu: int  # the swap pool's
+
+
+def build_runner(config: EngineConfig, info: ModelInfo, device: torch.device, eos: frozenset[int], max_len: int,
+                 calibration_ids: Callable[[int], list[int]]) -> BuiltRunner:
+    """Load the model, size the pool and make the runner; under tensor parallel the other ranks are
+    started first (a model that cannot be split is refused before) and every call is announced to
+    them. ``calibration_ids(max_len)``: the calibration text's ids (a quantized cache's key turns)."""
+    ranks = None
+    if config.tensor_parallel_size > 1:
+        Shard(0, config.tensor_parallel_size).check(info.config)
+        ranks = Ranks.start(config, device)
+    try:
+        return _build_on_ranks(config, info, device, eos, max_len, calibration_ids, ranks)
+    except RankFailure as err:
+        why = ranks.explain(err)
+        ranks.close()
+        raise RankFailure(f"a tensor-parallel rank failed while the engine started: {why} (its log says why)") from err
+    except BaseException:
+        if ranks is not None:
+            ranks.close()
+        raise
+
+
+def _build_on_ranks(config: EngineConfig, info: ModelInfo, device: torch.device, eos: frozenset[int], max_len: int,
+                    calibration_ids: Callable[[int], list[int]], ranks: Ranks | None) -> BuiltRunner:
+    build = RunnerBuild(config, info, device, eos, ranks.group if ranks else None)
+    every_rank = build if ranks is None else ranks.mirror(build)
+    adapters = build.load_adapters()
+    build.load_draft()
+    if build.kv.quantized:  # before the pool is sized: its runner comes and goes first
+        every_rank.calibrate(calibration_ids(max_len))
+    graphs = not config.enforce_eager and build.ops.backend == "triton"  # captured only then (model_runner.py)
+    num_gpu = every_rank.pool_blocks(max_len, graphs)
+    num_cpu = config.cpu_blocks(build.block_bytes)
+    runner = every_rank.make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
+    if ranks is not None:
+        runner.announce = ranks.announce_step
+    if device.type == "cuda" and build.ops.backend == "triton":
+        (runner if ranks is None else ranks.mirror(runner)).warm_decode(max_len)
+    return BuiltRunner(runner, ranks, adapters, build.block_bytes * config.tensor_parallel_size, num_gpu, num_cpu)
 
 
 class RunnerBuild:

@@ -30,7 +30,8 @@ from pagedserve.worker.model_source import max_model_len, model_or_default, reso
 from pagedserve.worker.parallel.shard import Shard
 from pagedserve.worker.runner.gguf_weights import gguf_tensors
 from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
-from pagedserve.worker.runner.models.layers import CausalLM, fuse_projections, use_layer_kernels
+from pagedserve.worker.runner.models.layer_forms import fuse_projections, use_layer_kernels
+from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.native_stack import NativeStack
 from pagedserve.worker.runner.prepack import fast_cpu_linears
 from pagedserve.worker.runner.quantized_linear import quantize_linears

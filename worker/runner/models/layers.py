@@ -200,29 +200,6 @@ def concatenated(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-def fuse_projections(model: nn.Module) -> int:
-    """Give every attention block one q/k/v matrix and every dense feed-forward one gate/up matrix
-    (those not fused already): fewer, wider matrix calls per layer (on the CPU a call's fixed cost is
-    a tenth of a small layer's time). How many blocks were fused."""
-    blocks = [m for m in model.modules() if isinstance(m, (Attention, MLP)) and not m.fused]
-    for block in blocks:
-        block.fuse_projections()
-    return len(blocks)
-
-
-def use_layer_kernels(model: nn.Module, kernels: NativeLayerOps | None) -> int:
-    """Hand the C layer kernels (``AttentionOps.layer``; None: nothing to hand) to every plain
-    RMSNorm, SiLU-gated MLP and attention block whose q, k and v need only the rotary (after
-    ``fuse_projections``): a layer's small operations one C call each. How many modules took them."""
-    if kernels is None:
-        return 0
-    taking = [m for m in model.modules() if type(m) is RMSNorm or (type(m) is MLP and m.act is F.silu)
-              or (isinstance(m, Attention) and m.plain)]
-    for module in taking:
-        module.kernels = kernels
-    return len(taking)
-
-
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
