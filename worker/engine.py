@@ -178,11 +178,15 @@ class Engine:
         served); replacing a loaded one is refused while a request runs under it."""
         self._idle_adapter(name, "replace")
         self.adapters.load(name, path)
+        if self.ranks is not None:  # read and checked here first: the other ranks read their parts
+            self.ranks.announce("load_adapter", name, path)
 
     def unload_adapter(self, name: str) -> None:
         """Forget adapter ``name``; refused while a request runs under it."""
         self._idle_adapter(name, "unload")
         self.adapters.unload(name)
+        if self.ranks is not None:
+            self.ranks.announce("unload_adapter", name)
 
     def _idle_adapter(self, name: str, change: str) -> None:
         if self.adapters is None:

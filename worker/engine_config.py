@@ -147,8 +147,7 @@ class EngineConfig:
         if self.tensor_parallel_size == 1:
             return
         spec = SpeculativeConfig.parse(self.speculative_config)
-        refused = {"enable_lora (LoRA adapters)": self.enable_lora,
-                   "a speculative draft model (ngram speculation works)": spec is not None and spec.model is not None,
+        refused = {"a speculative draft model (ngram speculation works)": spec is not None and spec.model is not None,
                    "the host and disk KV tiers (kv_offload_host_bytes, kv_offload_dir)":
                        bool(self.kv_offload_host_bytes or self.num_host_blocks or self.kv_offload_dir),
                    "simulate": self.simulate is not None}

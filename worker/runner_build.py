@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import structlog
@@ -70,7 +71,7 @@ def _build_on_ranks(config: EngineConfig, info: ModelInfo, device: torch.device,
                     calibration_ids: Callable[[int], list[int]], ranks: Ranks | None) -> BuiltRunner:
     build = RunnerBuild(config, info, device, eos, ranks.group if ranks else None)
     every_rank = build if ranks is None else ranks.mirror(build)
-    adapters = build.load_adapters()
+    adapters = every_rank.load_adapters()
     build.load_draft()
     if build.kv.quantized:  # before the pool is sized: its runner comes and goes first
         every_rank.calibrate(calibration_ids(max_len))
@@ -96,15 +97,17 @@ class RunnerBuild:
         if group is not None:
             parallelize(self.model, group, info.config.vocab_size)
         self.draft: CausalLM | None = None  # speculative decoding's draft model (load_draft; refused under TP)
-        self.adapters: Adapters | None = None  # LoRA (load_adapters; refused under TP)
+        self.adapters: Adapters | None = None  # LoRA (load_adapters)
 
     def load_adapters(self) -> Adapters | None:
-        """LoRA adapters over the model (``--enable-lora``), those of ``--lora-modules`` read now; kept
-        for the runner (None without LoRA)."""
+        """LoRA adapters over the model (``--enable-lora``), those of ``--lora-modules`` read now (a
+        rank's part of each under tensor parallel); kept for the runner (None without LoRA)."""
         config = self.config
         if config.enable_lora:
+            cut = None if self.group is None else partial(Shard(self.group.rank, self.group.size).lora_piece,
+                                                           config=self.info.config)
             self.adapters = Adapters(self.model, config.max_loras, config.max_lora_rank, self.device, self.info.dtype,
-                                     self.ops.lora)
+                                     self.ops.lora, cut)
             for name, path in config.lora_adapters.items():
                 self.adapters.load(name, path)
         return self.adapters

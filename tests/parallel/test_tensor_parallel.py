@@ -16,7 +16,9 @@ from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.device_errors import DeviceFailure
 from pagedserve.worker.parallel.shard import ShardError
+from pagedserve import LoRARequest
 from tests.conftest import random_prompts
+from tests.lora_helpers import ALL_TARGETS, make_adapter
 from tests.engine.test_parity import VOCAB, run_checked
 
 SYSTEM = [11 + (i * 7) % 400 for i in range(40)]  # a shared prefix: 2 full blocks of 16 reused
@@ -69,8 +71,8 @@ def test_heads_that_do_not_divide_are_a_clear_error_before_any_rank_starts(zoo):
         LLM(zoo.path("llama-gqa"), device="cpu", tensor_parallel_size=3)
 
 
-@pytest.mark.parametrize("kwargs, named", [(dict(enable_lora=True), "enable_lora"),
-                                           (dict(kv_offload_host_bytes=1 << 20), "KV tiers")])
+@pytest.mark.parametrize("kwargs, named", [(dict(kv_offload_host_bytes=1 << 20), "KV tiers"),
+                                           (dict(speculative_config={"model": "x", "num_speculative_tokens": 2}), "draft model")])
 def test_what_tp_does_not_combine_with_is_refused(zoo, kwargs, named):
     with pytest.raises(ValueError, match=f"does not combine with.*{named}"):
         LLM(zoo.path("llama-gqa"), device="cpu", tensor_parallel_size=2, **kwargs)
@@ -90,3 +92,36 @@ def test_a_rank_killed_mid_run_fails_the_next_step_as_a_device_failure(zoo):
                 engine.step()
     finally:
         engine.close()
+
+
+def test_lora_adapters_under_tp2_give_the_tp1_tokens_mixed_preempted_and_loaded_at_run_time(zoo, tmp_path):
+    """Each rank holds its part of every adapter (a column-parallel layer's B by rows, a row-parallel
+    one's A by columns); two adapters and the base model in one batch under preemption, then a third
+    adapter loaded at run time (read by rank 0, then by the others) and one unloaded."""
+    specs = {"all8": (8, ALL_TARGETS), "some16": (16, ["q_proj", "v_proj", "o_proj", "down_proj"]),
+             "late4": (4, ["k_proj", "up_proj", "down_proj"])}
+    for seed, (name, (rank, targets)) in enumerate(specs.items()):
+        make_adapter(zoo, "llama-gqa", tmp_path / name, rank, targets, seed=seed)
+    prompts = [[10 + i, 20 + 3 * i, 7, 300 + i] * (3 + i % 4) for i in range(9)]
+    names = [None, "all8", "some16"] * 3
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def outputs(tp: int) -> tuple[list, list, list]:
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=10, enable_lora=True,
+                  max_loras=2, tensor_parallel_size=tp, lora_modules=(f"all8={tmp_path / 'all8'}",))
+        try:
+            requests = [None if n is None else LoRARequest(n, 1, str(tmp_path / n)) for n in names]
+            mixed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=requests, use_tqdm=False)]
+            assert llm.engine.stats()["num_preemptions_total"] > 0
+            llm.engine.load_adapter("late4", str(tmp_path / "late4"))
+            llm.engine.unload_adapter("some16")
+            late = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, lora_request=LoRARequest(
+                "late4", 2, str(tmp_path / "late4")), use_tqdm=False)]
+            base = [o.outputs[0].token_ids for o in llm.generate(prompts[:3], params, use_tqdm=False)]
+        finally:
+            llm.engine.close()
+        return mixed, late, base
+
+    one, two = outputs(1), outputs(2)
+    assert two == one
+    assert len({tuple(t) for t in one[0][:3]}) == 3 and one[1] != one[2]  # the adapters change the answers

@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from pagedserve.worker.lora.lora_linear import LoraLinear, LoraStep, layer_keys
-from pagedserve.worker.lora.peft_adapter import LoraError, PeftAdapter, read_adapter
+from pagedserve.worker.lora.peft_adapter import Cut, LoraError, PeftAdapter, read_adapter
 from pagedserve.worker.runner.models.layers import MLP, Attention, CausalLM
 
 log = structlog.get_logger("pagedserve.lora")
@@ -31,8 +31,10 @@ Layout = dict[tuple[int, str], tuple[str, int]]
 
 class Adapters:
     def __init__(self, model: CausalLM, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 kernel: Callable | None = None) -> None:
-        """``kernel``: the kernel ops' LoRA update (Triton on CUDA); None: the grouped batched products."""
+                 kernel: Callable | None = None, cut: Cut | None = None) -> None:
+        """``kernel``: the kernel ops' LoRA update (Triton on CUDA); None: the grouped batched products.
+        ``cut``: a tensor-parallel rank's part of each adapter matrix (``Shard.lora_piece``)."""
+        self.cut = cut
         self.model, self.max_loras, self.max_rank, self.device, self.dtype = model, max_loras, max_rank, device, dtype
         self.step = LoraStep(kernel=kernel)
         self.layout, self.shapes, self.widths = wrap_layers(model, self.step)
@@ -47,7 +49,7 @@ class Adapters:
         served); loading a name again replaces it (its blocks carry the new bytes' salt)."""
         if not name or "=" in name:
             raise LoraError(f"an adapter name must be non-empty and hold no '=', got {name!r}")
-        adapter = read_adapter(name, path, self.max_rank, self.shapes)
+        adapter = read_adapter(name, path, self.max_rank, self.shapes, self.cut)
         self.loaded[name] = adapter
         self._forget(name)
         log.info("lora adapter loaded", name=name, path=str(adapter.path), rank=adapter.rank, modules=len(adapter.weights))

@@ -12,11 +12,15 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+Cut = Callable[[int, str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class LoraError(ValueError):
@@ -41,8 +45,10 @@ class PeftAdapter:
         return f"{self.name}@{self.fingerprint}"
 
 
-def read_adapter(name: str, path: str | Path, max_rank: int, shapes: dict[tuple[int, str], tuple[int, int]]) -> PeftAdapter:
-    """The adapter at ``path``; ``shapes``: the base model's (in, out) of every (layer, target)."""
+def read_adapter(name: str, path: str | Path, max_rank: int, shapes: dict[tuple[int, str], tuple[int, int]],
+                 cut: Cut | None = None) -> PeftAdapter:
+    """The adapter at ``path``; ``shapes``: the base model's (in, out) of every (layer, target);
+    ``cut``: a tensor-parallel rank's part of each (layer, target, A, B) (``Shard.lora_piece``)."""
     root = Path(path)
     config = _config(root)
     if config.get("use_dora"):
@@ -67,6 +73,8 @@ def read_adapter(name: str, path: str | Path, max_rank: int, shapes: dict[tuple[
         a, b = pair["A"], pair["B"]
         if (layer, target) not in shapes:
             raise LoraError(f"adapter {name!r}: the base model has no layer {layer} {target}")
+        if cut is not None and a.dim() == 2 and b.dim() == 2:
+            a, b = cut(layer, target, a, b)
         width, outs = shapes[(layer, target)]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != width or b.shape != (outs, r):

@@ -1,7 +1,8 @@
 """A tensor-parallel rank other than 0: ``python -m pagedserve.worker.parallel.follower RANK SIZE
 HOST PORT DEVICE``, started by rank 0 (``ranks.py``). It joins the group, takes the engine's config,
 loads its slice of the model and then does what rank 0 announces, one call at a time: the calls
-that build the runner (``RunnerBuild``'s), the decode kernels' warm-up, each step's forward, stop.
+that build the runner (``RunnerBuild``'s), the decode kernels' warm-up, LoRA adapters loaded and
+unloaded, each step's forward, stop.
 It never samples and holds no scheduler: its KV blocks are rank 0's block ids, its slice of them.
 """
 
@@ -32,6 +33,15 @@ class Follower:
     def __init__(self, build: RunnerBuild) -> None:
         self.build = build
         self.runner: ModelRunner | None = None
+
+    def load_adapters(self) -> None:
+        self.build.load_adapters()
+
+    def load_adapter(self, name: str, path: str) -> None:
+        self.build.adapters.load(name, path)  # rank 0 read it first: a failure here (the files changed) ends this rank
+
+    def unload_adapter(self, name: str) -> None:
+        self.build.adapters.unload(name)
 
     def calibrate(self, ids: list[int]) -> None:
         self.build.calibrate(ids)

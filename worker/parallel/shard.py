@@ -98,6 +98,16 @@ class Shard:
             return _rank_zero_bias(load(), self.rank) if kind == "bias" else _cut(load, 1, self._even(config_width(config, name)), 1)
         return load()
 
+    def lora_piece(self, layer: int, target: str, a: torch.Tensor, b: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA adapter's ``A`` ``[r, in]`` and ``B`` ``[out, r]`` for ``target``
+        of ``layer``: a column-parallel layer's B cut by rows as its weight is, a row-parallel one's A
+        by columns (its update then joins the layer's partial sum); the other matrix whole."""
+        where = "self_attn" if target in COLUMN_HEADS + COLUMN_KV + ROW_HEADS else "mlp"
+        name = f"model.layers.{layer}.{where}.{target}.weight"
+        if target in ROW_HEADS + ROW_INTERMEDIATE:
+            return self.piece(name, lambda: a, config), b
+        return a, self.piece(name, lambda: b, config)
+
     def expert_piece(self, part: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of one expert's ``gate``, ``up`` (rows) or ``down`` (columns) matrix."""
         dim = 1 if part == "down" else 0
