@@ -146,9 +146,7 @@ class EngineConfig:
         """What tensor parallel does not combine with yet: a clear error at start."""
         if self.tensor_parallel_size == 1:
             return
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        refused = {"a speculative draft model (ngram speculation works)": spec is not None and spec.model is not None,
-                   "the host and disk KV tiers (kv_offload_host_bytes, kv_offload_dir)":
+        refused = {"the host and disk KV tiers (kv_offload_host_bytes, kv_offload_dir)":
                        bool(self.kv_offload_host_bytes or self.num_host_blocks or self.kv_offload_dir),
                    "simulate": self.simulate is not None}
         named = [name for name, on in refused.items() if on]

@@ -72,7 +72,7 @@ def test_heads_that_do_not_divide_are_a_clear_error_before_any_rank_starts(zoo):
 
 
 @pytest.mark.parametrize("kwargs, named", [(dict(kv_offload_host_bytes=1 << 20), "KV tiers"),
-                                           (dict(speculative_config={"model": "x", "num_speculative_tokens": 2}), "draft model")])
+                                           (dict(simulate="0,0,0"), "simulate")])
 def test_what_tp_does_not_combine_with_is_refused(zoo, kwargs, named):
     with pytest.raises(ValueError, match=f"does not combine with.*{named}"):
         LLM(zoo.path("llama-gqa"), device="cpu", tensor_parallel_size=2, **kwargs)
@@ -125,3 +125,24 @@ def test_lora_adapters_under_tp2_give_the_tp1_tokens_mixed_preempted_and_loaded_
     one, two = outputs(1), outputs(2)
     assert two == one
     assert len({tuple(t) for t in one[0][:3]}) == 3 and one[1] != one[2]  # the adapters change the answers
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_under_tp2_keeps_the_plain_tokens(zoo, method):
+    """Guesses from the prompt (the scheduler's) or from a draft model (rank 0 alone runs it, and the
+    plan goes out with its guesses in): the greedy tokens are the engine's without speculation."""
+    path = zoo.path("llama-gqa")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1} \
+        if method == "ngram" else {"model": str(path), "num_speculative_tokens": 3}
+    prompts = [[10 + i % 7 for i in range(40)] * 2, [30, 31, 32, 33] * 10, list(range(50, 90))]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = LLM(path, device="cpu", dtype="float32", num_gpu_blocks=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, device="cpu", dtype="float32", num_gpu_blocks=64, tensor_parallel_size=2, speculative_config=spec)
+    try:
+        got = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]  # one stream guesses freely
+        accepted = sum(llm.engine.spec_counts())
+    finally:
+        llm.engine.close()
+    assert got == want
+    assert accepted > 0  # guesses were made and kept (else nothing was tested)

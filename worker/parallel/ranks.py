@@ -39,8 +39,10 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 def follower_plan(plan: StepPlan) -> StepPlan:
     """What another rank needs of a step's plan: its forward's inputs (no grammar state, no
-    token history for penalties: only rank 0 samples)."""
-    seqs = tuple(replace(s, grammar=None, draft_grammars=(), prompt_ids=(), output_ids=()) for s in plan.seqs)
+    token history for penalties: only rank 0 samples; no draft context: only rank 0 holds the
+    draft model, and the plan comes with its guesses in)."""
+    seqs = tuple(replace(s, grammar=None, draft_grammars=(), prompt_ids=(), output_ids=(), draft_context=None)
+                 for s in plan.seqs)
     return replace(plan, seqs=seqs)
 
 

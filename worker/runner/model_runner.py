@@ -137,8 +137,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan; the sampled tokens of every sampling row and the beam steps it completes."""
-        if self.announce is not None:
-            self.announce(plan)  # the other ranks run the same forward (worker/parallel/follower.py)
         self.beams.forget(plan.finished_request_ids)
         step = self.forward(plan)
         beam_rows = [i for i, item in enumerate(step.items) if item.params.use_beam_search]
@@ -166,6 +164,8 @@ class ModelRunner:
             started = time.perf_counter()
             seqs, draft_rounds = self.drafter.draft(plan.seqs)  # its rounds read their picks: the time is spent
             plan, draft_seconds = replace(plan, seqs=seqs), time.perf_counter() - started
+        if self.announce is not None:  # the other ranks run the same forward, the draft model's guesses in it
+            self.announce(plan)
         # Single-token work (decodes, and one-token chunks) goes first, prefill chunks after.
         items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
         if not items:
