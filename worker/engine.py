@@ -130,6 +130,8 @@ class Engine:
             disk = DiskTier(Path(config.kv_offload_dir), fingerprint, config.kv_offload_disk_bytes,
                             TierCopier.payload_bytes(pool))
         self.runner.tiers = TierCopier(pool, num_host, disk)
+        if self.ranks is not None:  # each rank keeps its part of every host slot (moves go by slot and block id)
+            self.ranks.announce("host_tier", num_host)
         log.info("kv tiers under the prefix cache", host_blocks=num_host, host_bytes=num_host * block_bytes,
                  disk_dir=None if disk is None else str(disk.root), disk_blocks_found=0 if disk is None else len(disk),
                  disk_bytes=config.kv_offload_disk_bytes if disk is not None else 0)

@@ -146,8 +146,7 @@ class EngineConfig:
         """What tensor parallel does not combine with yet: a clear error at start."""
         if self.tensor_parallel_size == 1:
             return
-        refused = {"the host and disk KV tiers (kv_offload_host_bytes, kv_offload_dir)":
-                       bool(self.kv_offload_host_bytes or self.num_host_blocks or self.kv_offload_dir),
+        refused = {"the disk KV tier (kv_offload_dir)": self.kv_offload_dir is not None,
                    "simulate": self.simulate is not None}
         named = [name for name, on in refused.items() if on]
         if named:

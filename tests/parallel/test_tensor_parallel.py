@@ -71,7 +71,7 @@ def test_heads_that_do_not_divide_are_a_clear_error_before_any_rank_starts(zoo):
         LLM(zoo.path("llama-gqa"), device="cpu", tensor_parallel_size=3)
 
 
-@pytest.mark.parametrize("kwargs, named", [(dict(kv_offload_host_bytes=1 << 20), "KV tiers"),
+@pytest.mark.parametrize("kwargs, named", [(dict(kv_offload_dir="/tmp/kv"), "disk KV tier"),
                                            (dict(simulate="0,0,0"), "simulate")])
 def test_what_tp_does_not_combine_with_is_refused(zoo, kwargs, named):
     with pytest.raises(ValueError, match=f"does not combine with.*{named}"):
@@ -146,3 +146,23 @@ def test_speculation_under_tp2_keeps_the_plain_tokens(zoo, method):
         llm.engine.close()
     assert got == want
     assert accepted > 0  # guesses were made and kept (else nothing was tested)
+
+
+def test_prefixes_evicted_to_the_host_tier_come_back_under_tp2(zoo):
+    """Each rank keeps its part of every host slot; the moves go by slot and block id, so a prefix
+    the pool evicted comes back from the host tier on every rank and the tokens are TP=1's."""
+    from tests.engine.test_kv_tiers_engine import GREEDY, prompts
+
+    def run(tp: int) -> tuple[list, dict]:
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=12, block_size=16,
+                  num_host_blocks=32, tensor_parallel_size=tp)
+        try:
+            batch = prompts()
+            tokens = [run_checked(llm, [p], [GREEDY])[0].outputs[0].token_ids for p in batch + batch]
+            return tokens, llm.engine.stats()
+        finally:
+            llm.engine.close()
+
+    (one, _), (two, stats) = run(1), run(2)
+    assert two == one
+    assert stats["kv_tier_hit_tokens_total"] >= 4 * 4 * 16  # the second round: four full blocks of each prompt from the host

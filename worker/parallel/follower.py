@@ -1,8 +1,8 @@
 """A tensor-parallel rank other than 0: ``python -m pagedserve.worker.parallel.follower RANK SIZE
 HOST PORT DEVICE``, started by rank 0 (``ranks.py``). It joins the group, takes the engine's config,
 loads its slice of the model and then does what rank 0 announces, one call at a time: the calls
-that build the runner (``RunnerBuild``'s), the decode kernels' warm-up, LoRA adapters loaded and
-unloaded, each step's forward, stop.
+that build the runner (``RunnerBuild``'s), the host KV tier, the decode kernels' warm-up, LoRA
+adapters loaded and unloaded, each step's forward, stop.
 It never samples and holds no scheduler: its KV blocks are rank 0's block ids, its slice of them.
 """
 
@@ -21,6 +21,7 @@ from pagedserve.worker.core.plan import StepPlan
 from pagedserve.worker.device_errors import device_guard
 from pagedserve.worker.parallel.group import TIMEOUT, RankFailure, RankGroup
 from pagedserve.worker.runner.loader import inspect_model
+from pagedserve.worker.runner.kv_tiers import TierCopier
 from pagedserve.worker.runner.model_runner import ModelRunner
 from pagedserve.worker.runner_build import RunnerBuild
 
@@ -52,6 +53,10 @@ class Follower:
     def make_runner(self, *args) -> None:
         self.runner = None  # the old pool goes before the new one is allocated
         self.runner = self.build.make_runner(*args)
+
+    def host_tier(self, num_host: int) -> None:
+        """The host tier's slots for this rank's part of each block (the disk tier is refused under TP)."""
+        self.runner.tiers = TierCopier(self.runner.kv_pool, num_host, None)
 
     def warm_decode(self, max_len: int) -> None:
         self.runner.warm_decode(max_len)
