@@ -21,7 +21,7 @@ def decode_row(seq_id: int, table: tuple[int, ...], start: int, seq_len: int = 0
 def test_padding_rows_read_block_zero_after_a_larger_step():
     graphs = DecodeGraphs(None, None, CPU, 4, GraphLimits(max_model_len=64, max_num_seqs=4))
     bucket = _Bucket(4, graphs.contexts[-1], graphs.block_size, CPU)
-    released = -1  # worker/core/block_manager.NO_BLOCK: a sliding-window row's first blocks, released
+    released = -1  # worker/core/block_tables.NO_BLOCK: a sliding-window row's first blocks, released
     graphs._load(bucket, [decode_row(i, (released, 5 + i, 9 + i), start=10) for i in range(3)])
     assert bucket.tables[:3, 0].tolist() == [released] * 3
     graphs._load(bucket, [decode_row(7, (3,), start=2)])

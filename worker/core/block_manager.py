@@ -30,12 +30,12 @@ from typing import Hashable, Sequence
 
 from pagedserve.shared.block_hash import block_hash
 from pagedserve.worker.core.block_pool import BlockPool
+from pagedserve.worker.core.block_tables import NO_BLOCK, count_unique, live_blocks, move_tables
 from pagedserve.worker.core.config import BLOCK_SIZE
 from pagedserve.worker.core.kv_events import KvEvents
 from pagedserve.worker.core.kv_tiers import PENDING, KvTiers, LowerHit
 from pagedserve.worker.core.plan import NO_TIER_MOVES, TierMoves
 
-NO_BLOCK = -1  # a table entry whose block was released: wholly outside every layer's sliding window
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ class BlockManager:
         if self.has_seq(child_id):
             raise ValueError(f"sequence {child_id} already has blocks")
         table = self._tables[parent_id]
-        for block in _live(table):
+        for block in live_blocks(table):
             self.gpu.incref(block)
         self._tables[child_id] = list(table)
         self._hashes[child_id] = list(self._hashes[parent_id])
@@ -305,52 +305,31 @@ class BlockManager:
         """Release the seq's blocks on whichever device they are. Unknown ids are ignored."""
         for pool, tables in ((self.gpu, self._tables), (self.cpu, self._cpu_tables)):
             # Release from the end so the prefix's head blocks are the last to be evicted.
-            for block in reversed(_live(tables.pop(seq_id, []))):
+            for block in reversed(live_blocks(tables.pop(seq_id, []))):
                 pool.decref(block)
         self._num_slots.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         self._released.pop(seq_id, None)
 
     # ------------------------------------------------------------------ swap
-    @staticmethod
-    def _count_unique(tables: dict[int, list[int]], seq_ids: Sequence[int]) -> int:
-        return len({b for s in seq_ids for b in _live(tables[s])})
-
     def swap_out_cost(self, seq_ids: Sequence[int]) -> int:
         """CPU blocks needed to swap these seqs out (shared blocks counted once)."""
-        return self._count_unique(self._tables, seq_ids)
+        return count_unique(self._tables, seq_ids)
 
     def swap_in_cost(self, seq_ids: Sequence[int]) -> int:
         """GPU blocks needed to swap these seqs back in."""
-        return self._count_unique(self._cpu_tables, seq_ids)
+        return count_unique(self._cpu_tables, seq_ids)
 
     def is_swapped(self, seq_id: int) -> bool:
         return seq_id in self._cpu_tables
 
     def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Move the seqs' blocks to the CPU pool. Returns ``(gpu, cpu)`` copies."""
-        return self._move(seq_ids, self._tables, self._cpu_tables, self.gpu, self.cpu)
+        return move_tables(seq_ids, self._tables, self._cpu_tables, self.gpu, self.cpu)
 
     def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Move the seqs' blocks back to the GPU pool. Returns ``(cpu, gpu)`` copies."""
-        return self._move(seq_ids, self._cpu_tables, self._tables, self.cpu, self.gpu)
-
-    def _move(self, seq_ids, src_tables, dst_tables, src_pool: BlockPool, dst_pool: BlockPool):
-        if self._count_unique(src_tables, seq_ids) > dst_pool.num_free:
-            raise ValueError(f"not enough free {dst_pool.name} blocks to move {list(seq_ids)}")
-        mapping: dict[int, int] = {}  # a block shared inside the group is copied once
-        old_tables = [src_tables.pop(seq_id) for seq_id in seq_ids]
-        for seq_id, old in zip(seq_ids, old_tables):
-            for block in _live(old):
-                if block in mapping:
-                    dst_pool.incref(mapping[block])
-                else:
-                    mapping[block] = dst_pool.allocate()
-            dst_tables[seq_id] = [mapping.get(block, NO_BLOCK) for block in old]  # released entries stay released
-        for old in old_tables:
-            for block in _live(old):
-                src_pool.decref(block)
-        return list(mapping.items())
+        return move_tables(seq_ids, self._cpu_tables, self._tables, self.cpu, self.gpu)
 
     # ------------------------------------------------------------------ reports and checks
     def usage(self) -> BlockUsage:
@@ -384,8 +363,8 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any table, refcount, free list or hash entry disagrees."""
-        self.gpu.check_invariants(Counter(b for t in self._tables.values() for b in _live(t)))
-        self.cpu.check_invariants(Counter(b for t in self._cpu_tables.values() for b in _live(t)))
+        self.gpu.check_invariants(Counter(b for t in self._tables.values() for b in live_blocks(t)))
+        self.cpu.check_invariants(Counter(b for t in self._cpu_tables.values() for b in live_blocks(t)))
         if self.tiers is not None:
             self.tiers.check_invariants()
         both = self._tables.keys() & self._cpu_tables.keys()
@@ -401,7 +380,3 @@ class BlockManager:
             if any(b == NO_BLOCK for b in table[released:]) or any(b != NO_BLOCK for b in table[:released]):
                 raise AssertionError(f"seq {seq_id}: released entries are not the leading {released}: {table}")
 
-
-def _live(table: list[int]) -> list[int]:
-    """The table's blocks that are held (released entries left out)."""
-    return [b for b in table if b != NO_BLOCK]
