@@ -33,7 +33,9 @@ class RankGroup:
         self.rank, self.size, self.device, self.store = rank, size, device, store
         self.seconds: dict[str, float] = dict.fromkeys(("all_reduce", "all_gather", "broadcast", "min"), 0.0)  # waited in each
         if device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(store, rank, size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = TIMEOUT  # the constructor takes its options positionally, the timeout in them
+            self.group = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             self.group = dist.ProcessGroupGloo(store, rank, size, TIMEOUT)
 
