@@ -166,3 +166,25 @@ def test_prefixes_evicted_to_the_host_tier_come_back_under_tp2(zoo):
     (one, _), (two, stats) = run(1), run(2)
     assert two == one
     assert stats["kv_tier_hit_tokens_total"] >= 4 * 4 * 16  # the second round: four full blocks of each prompt from the host
+
+
+def test_beam_search_prompt_logprobs_and_seeded_samples_under_tp2_are_tp1s(zoo):
+    """What only rank 0 does with the gathered logits (beam steps, prompt logprobs, seeded draws)
+    gives TP=1's answers; logprobs equal up to the sums' order."""
+    prompts = [[20 + i for i in range(30)], [77, 78, 79, 80] * 6]
+    params = [SamplingParams(max_tokens=8, use_beam_search=True, beam_width=3, temperature=0.0),
+              SamplingParams(max_tokens=8, temperature=0.7, seed=5, n=2, prompt_logprobs=2, logprobs=1)]
+
+    def run(tp: int) -> list:
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64, tensor_parallel_size=tp)
+        try:
+            return llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.engine.close()
+
+    one, two = run(1), run(2)
+    for a, b in zip(one, two):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    prompt_one = [p.logprob for p in one[1].prompt_logprobs[1:]]
+    prompt_two = [p.logprob for p in two[1].prompt_logprobs[1:]]
+    assert len(prompt_one) == len(prompts[1]) - 1 and prompt_two == pytest.approx(prompt_one, abs=1e-4)
