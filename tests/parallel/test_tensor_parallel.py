@@ -188,3 +188,23 @@ def test_beam_search_prompt_logprobs_and_seeded_samples_under_tp2_are_tp1s(zoo):
     prompt_one = [p.logprob for p in one[1].prompt_logprobs[1:]]
     prompt_two = [p.logprob for p in two[1].prompt_logprobs[1:]]
     assert len(prompt_one) == len(prompts[1]) - 1 and prompt_two == pytest.approx(prompt_one, abs=1e-4)
+
+
+def test_structured_outputs_under_tp2_match_and_equal_tp1(zoo):
+    """The grammar lives on rank 0 (the plan goes out without it): the masked greedy tokens are TP=1's."""
+    import re
+
+    from pagedserve.shared.structured import StructuredOutputs
+
+    regex = r"[a-z]{3,8}-\d{2,4}"
+    params = SamplingParams(max_tokens=16, temperature=0.0, structured=StructuredOutputs(regex=regex))
+
+    def run(tp: int) -> list[str]:
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64, tensor_parallel_size=tp)
+        try:
+            return [o.outputs[0].text for o in llm.generate([[5, 6, 7], [40, 41]], params, use_tqdm=False)]
+        finally:
+            llm.engine.close()
+
+    one, two = run(1), run(2)
+    assert two == one and all(re.fullmatch(regex, text) for text in two), (one, two)
