@@ -25,7 +25,7 @@ from pagedserve.gateway.kv_index import KvIndex
 from pagedserve.gateway.worker_directory import WorkerDirectory, Workers
 from pagedserve.shared.block_hash import cache_salt, prefix_hashes
 from pagedserve.shared.keys import Keys
-from pagedserve.shared.worker_info import adapter_name
+from pagedserve.shared.worker_info import holds_adapter
 
 FORGET_AFTER_S = 60.0  # a worker that has not beaten for this long leaves the index
 
@@ -50,6 +50,11 @@ class WorkerLoad:
     sent: int = 0  # routed here since the last report
     adapters: tuple[str, ...] = ()  # the LoRA adapters it holds, NAME@DIGEST
 
+    @property
+    def held(self) -> float:
+        """Requests running, waiting, and routed here since the last report."""
+        return self.running + self.waiting + self.sent
+
 
 @dataclass
 class Router:
@@ -70,7 +75,7 @@ class Router:
             return None
         await self._refresh_loads()
         best, best_score = None, float("-inf")
-        held = {w: load.running + load.waiting + load.sent for w, load in self.loads.items()}
+        held = {w: load.held for w, load in self.loads.items()}
         least = min(held.values(), default=0.0)
         hashes_by_layout: dict[tuple[int, int], list[int]] = {}
         for worker, load in self.loads.items():
@@ -113,8 +118,7 @@ class Router:
         any bytes), whatever the policy: where only some workers hold it, the shared stream could hand
         its request to one that does not. None when none holds it."""
         await self._refresh_loads()
-        holders = [(load.running + load.waiting + load.sent, worker) for worker, load in self.loads.items()
-                   if any(adapter_name(key) == adapter for key in load.adapters)]
+        holders = [(load.held, worker) for worker, load in self.loads.items() if holds_adapter(load.adapters, adapter)]
         if not holders:
             return None
         worker = min(holders)[1]

@@ -44,7 +44,7 @@ class Workers:
 
     def everyone_holds(self, name: str) -> bool:
         """Whether every live worker holds adapter ``name`` (any bytes): the shared stream may take its requests."""
-        return all(any(adapter_name(key) == name for key in w.adapters) for w in self.infos)
+        return all(w.holds_adapter(name) for w in self.infos)
 
     def adapter_key(self, name: str) -> str | None:
         """Adapter ``name``'s NAME@DIGEST (its prefix-cache salt) where every worker holding it holds

@@ -32,7 +32,7 @@ class WorkerInfo:
     max_loras: int = 0  # adapters on its device at once; 0: LoRA is off there (it never loads one)
 
     def holds_adapter(self, name: str) -> bool:
-        return any(adapter_name(key) == name for key in self.adapters)
+        return holds_adapter(self.adapters, name)
 
     def encode(self) -> bytes:
         return pack({"v": WORKER_INFO_VERSION, **asdict(self)})
@@ -53,6 +53,11 @@ class WorkerInfo:
                 raise ProtocolError(f"worker info {f.name} must be a {f.type}", f.name)
             values[f.name] = tuple(value) if kind is list else value
         return cls(**values)
+
+
+def holds_adapter(keys: tuple[str, ...], name: str) -> bool:
+    """Whether adapter ``name`` (any bytes) is among ``keys`` (NAME@DIGEST each)."""
+    return any(adapter_name(key) == name for key in keys)
 
 
 def adapter_name(key: str) -> str:

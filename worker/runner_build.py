@@ -83,7 +83,9 @@ def _build_on_ranks(config: EngineConfig, info: ModelInfo, device: torch.device,
         runner.announce = ranks.announce_step
     if device.type == "cuda" and build.ops.backend == "triton":
         (runner if ranks is None else ranks.mirror(runner)).warm_decode(max_len)
-    return BuiltRunner(runner, ranks, adapters, build.block_bytes * config.tensor_parallel_size, num_gpu, num_cpu)
+    # over all ranks: every rank's part of the model's bytes, and the draft model's on rank 0 alone
+    block_bytes = build.block_bytes + (config.tensor_parallel_size - 1) * build.model_block_bytes
+    return BuiltRunner(runner, ranks, adapters, block_bytes, num_gpu, num_cpu)
 
 
 class RunnerBuild:
@@ -96,7 +98,7 @@ class RunnerBuild:
         self.model = load_weights(info, self.ops, device, config.quantization, shard)
         if group is not None:
             parallelize(self.model, group, info.config.vocab_size)
-        self.draft: CausalLM | None = None  # speculative decoding's draft model (load_draft; refused under TP)
+        self.draft: CausalLM | None = None  # speculative decoding's draft model (load_draft; rank 0's alone under TP)
         self.adapters: Adapters | None = None  # LoRA (load_adapters)
 
     def load_adapters(self) -> Adapters | None:
@@ -132,10 +134,15 @@ class RunnerBuild:
         return self.draft
 
     @property
+    def model_block_bytes(self) -> int:
+        """One block's K/V bytes of this rank's part of the model."""
+        return kv_block_bytes(self.model, self.config.block_size, self.info.dtype, self.kv)
+
+    @property
     def block_bytes(self) -> int:
         """One block's K/V bytes on this rank, the draft model's included."""
-        return sum(kv_block_bytes(m, self.config.block_size, self.info.dtype, self.kv)
-                   for m in (self.model, self.draft) if m is not None)
+        draft = 0 if self.draft is None else kv_block_bytes(self.draft, self.config.block_size, self.info.dtype, self.kv)
+        return self.model_block_bytes + draft
 
     def make_runner(self, num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
         config = self.config

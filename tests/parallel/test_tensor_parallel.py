@@ -142,6 +142,8 @@ def test_speculation_under_tp2_keeps_the_plain_tokens(zoo, method):
     try:
         got = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]  # one stream guesses freely
         accepted = sum(llm.engine.spec_counts())
+        # bytes per token over both ranks: each holds half the target's heads, rank 0 alone the draft (the target itself)
+        assert llm.engine.kv_bytes_per_token == (2 if method == "draft" else 1) * plain.engine.kv_bytes_per_token
     finally:
         llm.engine.close()
     assert got == want

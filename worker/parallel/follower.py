@@ -20,6 +20,7 @@ from torch import distributed as dist
 from pagedserve.worker.core.plan import StepPlan
 from pagedserve.worker.device_errors import device_guard
 from pagedserve.worker.parallel.group import TIMEOUT, RankFailure, RankGroup
+from pagedserve.worker.parallel.ranks import rank_threads
 from pagedserve.worker.runner.loader import inspect_model
 from pagedserve.worker.runner.kv_tiers import TierCopier
 from pagedserve.worker.runner.model_runner import ModelRunner
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
     rank, size, host, port, device = int(argv[0]), int(argv[1]), argv[2], int(argv[3]), torch.device(argv[4])
     threading.Thread(target=_end_with_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(rank_threads(size))
     else:
         torch.cuda.set_device(device)  # before NCCL makes its communicator: it binds to the current device
     group = RankGroup(rank, size, dist.TCPStore(host, port, size, False, timeout=TIMEOUT), device)

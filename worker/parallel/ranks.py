@@ -37,6 +37,11 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
 
 
+def rank_threads(size: int) -> int:
+    """A rank's compute threads on the CPU: the cores shared between the ranks."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
 def follower_plan(plan: StepPlan) -> StepPlan:
     """What another rank needs of a step's plan: its forward's inputs (no grammar state, no
     token history for penalties: only rank 0 samples; no draft context: only rank 0 holds the
@@ -61,7 +66,7 @@ class Ranks:
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs from {device}; "
                              f"this machine has {torch.cuda.device_count()}")
         if device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the cores shared between the ranks
+            torch.set_num_threads(rank_threads(size))
         store = dist.TCPStore(HOST, 0, size, True, timeout=TIMEOUT, wait_for_workers=False)
         processes = [subprocess.Popen([sys.executable, "-m", "pagedserve.worker.parallel.follower", str(rank),
                                        str(size), HOST, str(store.port), str(rank_device(device, rank))])

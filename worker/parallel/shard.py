@@ -60,7 +60,7 @@ class Shard:
         vocabulary rows (the model classes build from it unchanged)."""
         heads, kv_heads = _heads(config)
         out = copy.copy(config)
-        out.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        out.head_dim = _head_dim(config)
         out.num_attention_heads = heads // self.size
         out.num_key_value_heads = max(1, kv_heads // self.size)
         for name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
@@ -77,7 +77,7 @@ class Shard:
         """This rank's part of checkpoint tensor ``name`` (under the model's parameter name), read
         with ``load`` (only that part, where ``load`` can ``narrow``: a safetensors file)."""
         heads, kv_heads = _heads(config)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = _head_dim(config)
         module, kind = _module_and_kind(name)
         if name in VOCAB:
             rows = self.vocab_rows(config.vocab_size)
@@ -87,11 +87,11 @@ class Shard:
                 part = torch.cat([part, part.new_zeros((rows - len(part), *part.shape[1:]))])
             return part
         if module in COLUMN_HEADS:
-            return _cut(load, 0, self._head_range(heads), head_dim)
+            return _cut(load, 0, self._even(heads), head_dim)
         if module in COLUMN_KV:
             return _cut(load, 0, self._kv_range(kv_heads), head_dim)
         if module in ROW_HEADS:
-            return _rank_zero_bias(load(), self.rank) if kind == "bias" else _cut(load, 1, self._head_range(heads), head_dim)
+            return _rank_zero_bias(load(), self.rank) if kind == "bias" else _cut(load, 1, self._even(heads), head_dim)
         if module in COLUMN_INTERMEDIATE:
             return _cut(load, 0, self._even(config_width(config, name)), 1)
         if module in ROW_INTERMEDIATE:
@@ -113,9 +113,6 @@ class Shard:
         dim = 1 if part == "down" else 0
         return tensor.narrow(dim, *_span(self._even(tensor.shape[dim]), 1)).contiguous()
 
-    def _head_range(self, heads: int) -> tuple[int, int]:
-        return self._even(heads)
-
     def _kv_range(self, kv_heads: int) -> tuple[int, int]:
         if kv_heads >= self.size:
             return self._even(kv_heads)
@@ -130,6 +127,10 @@ class Shard:
 def _heads(config) -> tuple[int, int]:
     heads = config.num_attention_heads
     return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _module_and_kind(name: str) -> tuple[str, str]:
