@@ -52,7 +52,7 @@ def run(zoo, name: str, tp: int, **kwargs) -> tuple[list[list[list[int]]], dict]
 
 @pytest.mark.parametrize("name, tp, mode", [
     ("llama-gqa", 2, "recompute"), ("llama-mha", 2, "swap"), ("llama-tied", 2, "recompute"), ("qwen2", 2, "swap"),
-    ("qwen2-moe", 2, "recompute"), ("mixtral", 2, "swap"),
+    ("qwen2-moe", 2, "recompute"), ("mixtral", 2, "swap"), ("phi3", 2, "recompute"),  # phi3: fused checkpoint tensors
     ("llama-gqa", 4, "recompute"),  # 2 KV heads over 4 ranks: each replicated on the two ranks whose q heads read it
 ])
 def test_tp_greedy_equals_tp1_under_preemption_forks_and_prefix_hits(zoo, name, tp, mode):

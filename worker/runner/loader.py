@@ -113,6 +113,7 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     if quantization != "none" and device.type != "cpu":
         quantize_linears(model, quantization, device)  # the clear error, before any weight is read
     expected = set(full_shapes) - ({"lm_head.weight"} if model.tie_word_embeddings else set())
+    read = _whole if shard is None else partial(shard.piece, config=info.config)  # (name, load) -> this rank's tensor
     finish = partial(_finish_layers, ops=ops, device=device, dtype=info.dtype, quantization=quantization)
     layers = _LayerTracker(model, expected, finish)
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -126,12 +127,10 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
             elif isinstance(target, Fused):  # several parameters in one tensor: split by their sizes
                 pieces = load().split([full_shapes[t][0] for t in target.targets], dim=0)
                 for part, piece in zip(target.targets, pieces):
-                    piece = piece if shard is None else shard.piece(part, partial(_same, piece), info.config)
-                    layers.put(part, piece.to(device=device, dtype=info.dtype))
+                    layers.put(part, read(part, partial(_same, piece)).to(device=device, dtype=info.dtype))
                     bar.update(1)
             elif target in expected:
-                tensor = load() if shard is None else shard.piece(target, load, info.config)
-                layers.put(target, tensor.to(device=device, dtype=info.dtype))
+                layers.put(target, read(target, load).to(device=device, dtype=info.dtype))
                 bar.update(1)
         for name, tensor in _stack_experts(experts, device, info.dtype).items():
             layers.put(name, tensor)
@@ -266,6 +265,11 @@ def _shapes(model: nn.Module) -> dict[str, torch.Size]:
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _whole(name: str, load: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A checkpoint tensor read whole (no tensor parallel)."""
+    return load()
 
 
 def _stack_experts(parts: dict[tuple[str, str], dict[int, torch.Tensor]], device: torch.device,
