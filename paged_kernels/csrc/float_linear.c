@@ -31,7 +31,7 @@
 #endif
 
 #define PANEL 32       /* output channels side by side: one line per input */
-#define ROWS_AT_ONCE 8 /* the most rows of x a line serves before the next line is read (tiles of 8, 4, 1) */
+#define ROWS_AT_ONCE 8 /* the most rows of x a line serves before the next line is read (tiles of 1 to 8) */
 #define ROW_TILE 64    /* rows of x read against every panel before the next rows */
 #define PREFETCH 8     /* lines ahead asked of memory: one row alone streams at ~40 GB/s without, ~70 with */
 
@@ -88,7 +88,12 @@ static inline void store_rows(float *acc, const __m512 *a0, const __m512 *a1, in
     }
 #endif
 PANEL_ROWS(f32, float, 1)
+PANEL_ROWS(f32, float, 2)
+PANEL_ROWS(f32, float, 3)
 PANEL_ROWS(f32, float, 4)
+PANEL_ROWS(f32, float, 5)
+PANEL_ROWS(f32, float, 6)
+PANEL_ROWS(f32, float, 7)
 PANEL_ROWS(f32, float, 8) /* ROWS_AT_ONCE */
 
 /* bfloat16: the weights in pairs of inputs, [panels, ceil(in / 2), PANEL, 2] (a 128-byte line holds
@@ -171,25 +176,35 @@ static inline __m512 dpbf16(__m512 acc, __m512i w, __m512i x) {
     }
 #endif
 PAIR_ROWS(1)
+PAIR_ROWS(2)
+PAIR_ROWS(3)
 PAIR_ROWS(4)
+PAIR_ROWS(5)
+PAIR_ROWS(6)
+PAIR_ROWS(7)
 PAIR_ROWS(8)
 
-/* The panels' tiles of rows, for one panel: 8, 4 or 1 rows at a time (PANEL_ROWS, PAIR_ROWS), then
- * each output's sum plus its bias rounded to T. x: float32 rows of `in` (f32) or bfloat16 rows of
+/* The panels' tiles of rows, for one panel: up to 8 rows at a time, a tile of every size so that a
+ * step of 2-7 rows (a guess being checked, a short chunk) reads each line once (PANEL_ROWS, PAIR_ROWS),
+ * then each output's sum plus its bias rounded to T. x: float32 rows of `in` (f32) or bfloat16 rows of
  * 2 * `steps` (bf16, padded to whole pairs). */
 #define PANEL_TILES(W, T, STEP_FN, XT, XSTRIDE, LOAD, STORE)                               \
     static void tiles_##W(const T *panel, const XT *x, int64_t steps, const T *bias, T *out, int64_t first, \
                           int64_t last, int64_t n0, int64_t width, int64_t outs) {                     \
         float acc[ROWS_AT_ONCE * PANEL];                                                               \
         for (int64_t r = first; r < last;) {                                                           \
-            const int tile = last - r >= 8 ? 8 : (last - r >= 4 ? 4 : 1);                             \
+            const int tile = last - r >= ROWS_AT_ONCE ? ROWS_AT_ONCE : (int)(last - r);               \
             const XT *rows = x + r * (XSTRIDE);                                                        \
-            if (tile == 8)                                                                             \
-                STEP_FN##_8(panel, rows, steps, acc);                                                  \
-            else if (tile == 4)                                                                        \
-                STEP_FN##_4(panel, rows, steps, acc);                                                  \
-            else                                                                                       \
-                STEP_FN##_1(panel, rows, steps, acc);                                                  \
+            switch (tile) {                                                                            \
+            case 8: STEP_FN##_8(panel, rows, steps, acc); break;                                       \
+            case 7: STEP_FN##_7(panel, rows, steps, acc); break;                                       \
+            case 6: STEP_FN##_6(panel, rows, steps, acc); break;                                       \
+            case 5: STEP_FN##_5(panel, rows, steps, acc); break;                                       \
+            case 4: STEP_FN##_4(panel, rows, steps, acc); break;                                       \
+            case 3: STEP_FN##_3(panel, rows, steps, acc); break;                                       \
+            case 2: STEP_FN##_2(panel, rows, steps, acc); break;                                       \
+            default: STEP_FN##_1(panel, rows, steps, acc);                                             \
+            }                                                                                          \
             for (int i = 0; i < tile; i++)                                                             \
                 for (int lane = 0; lane < width; lane++) {                                             \
                     float v = acc[i * PANEL + lane];                                                   \

@@ -1,8 +1,9 @@
 """A decode step's decoder stack as direct C calls (``worker/runner/native_stack.py``): the same bits
 as the module path it replaces (the same kernels and matrices, in the same order), with int8
 matrices on the C kernel and any other form (prepacked float32, int4, bf16) through its module;
-taken only where every layer's small operations are the kernels' and the step is decodes only, and
-the real model's greedy text unchanged by it."""
+taken only where every layer's small operations are the kernels' and the step's rows are decodes or a
+few tokens each (a guess checked: each token then gets the bits of a decode step of its own), and the
+real model's greedy text unchanged by it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.runner.native_stack import NativeStack
+from pagedserve.worker.runner.native_stack import SHORT_ROW, NativeStack
+from tests.engine.test_speculative import prompts as guessing_prompts
 
 
 def _decode_steps(llm: LLM, prompts: list[list[int]], tokens: int = 3) -> list[tuple]:
@@ -63,14 +65,45 @@ def test_a_decode_step_through_the_stack_has_the_module_paths_bits(zoo, name, qu
     assert torch.equal(*_both_paths(model, one))
 
 
-def test_a_step_with_a_prefill_chunk_takes_the_module_path(zoo):
+def test_a_step_with_a_long_prefill_chunk_takes_the_module_path_and_short_rows_the_stack(zoo):
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", quantization="int8", block_size=8,
               num_gpu_blocks=64)
     model = llm.engine.runner.model
-    prefill = _decode_steps(llm, [[5, 6, 7]], tokens=1)[0]
-    ids, positions, meta, kv_caches = prefill
-    tables = model.rotary(positions, torch.float32)
-    assert not model.native_stack.takes(model.embed(ids), tables, meta, kv_caches)
+    for prompt, taken in ((list(range(5, 5 + SHORT_ROW + 1)), False), (list(range(5, 5 + SHORT_ROW)), True)):
+        ids, positions, meta, kv_caches = _decode_steps(llm, [prompt], tokens=1)[0]
+        tables = model.rotary(positions, torch.float32)
+        assert model.native_stack.takes(model.embed(ids), tables, meta, kv_caches) is taken
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_checked_guesses_get_the_bits_of_one_decode_step_a_token(zoo, quantization):
+    """Rows of a few tokens (speculative decoding's guesses, checked in one forward) run through the
+    stack, each token as a decode of its own: greedy tokens and logprobs with prompt lookup are, to the
+    bit, the engine's without it, with guesses kept, rows decoding beside them and rows that guess
+    more than one block's worth."""
+    batch = guessing_prompts(6)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+
+    def run(speculative):
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", quantization=quantization, block_size=4,
+                  num_gpu_blocks=256, seed=0, speculative_config=speculative)
+        llm.engine.scheduler.step_cost = None  # guess whatever a step costs
+        stack, short = llm.engine.runner.model.native_stack, []
+        takes = stack.takes
+
+        def spy(x, tables, meta, kv_caches):
+            taken = takes(x, tables, meta, kv_caches)
+            short.append(taken and meta.num_decodes < x.shape[0])
+            return taken
+
+        stack.takes = spy
+        outs = llm.generate(batch, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sum(short), llm
+
+    plain, _, _ = run(None)
+    guessed, short_steps, llm = run({"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3})
+    assert short_steps > 0 and llm.engine.scheduler.applier.spec_stats.accepted_tokens > 0
+    assert guessed == plain
 
 
 @pytest.mark.parametrize("options", [dict(quantization="int8", kv_cache_dtype="int8"),
@@ -97,7 +130,9 @@ def test_the_real_models_greedy_text_and_logprobs_are_the_module_paths(real_mode
 
     def run():
         llm.engine.forget_cached()
-        outs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts[:1], params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.forget_cached()  # a prefix hit's short tail would run as decodes: the stack's, not the modules' bits
+        outs += llm.generate(prompts[:1], params, use_tqdm=False)
         return [(o.outputs[0].token_ids, [lp for lp in o.outputs[0].logprobs]) for o in outs]
 
     stacked = run()

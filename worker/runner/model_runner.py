@@ -172,8 +172,7 @@ class ModelRunner:
             return StepLogits(torch.empty(0, 0, device=self.device), ())
         sampling = [i for i, s in enumerate(items) if s.num_samples]
         wants_prompt = any(s.prompt_targets or s.pool_from is not None for s in items)  # every position's state
-        drafted = any(s.num_draft for s in items)
-        if self.graphs is not None and not wants_prompt and not drafted and self.graphs.can_run(items):
+        if self.graphs is not None and not wants_prompt and not any(s.num_draft for s in items) and self.graphs.can_run(items):
             logits = self.graphs.run(items)
             rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
             return StepLogits(logits[rows], tuple(items[i] for i in sampling))
@@ -185,9 +184,18 @@ class ModelRunner:
                   for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
         pooled = {s.seq_id: pooled for s, last in zip(items, last_index) if s.pool_from is not None
                   if (pooled := _pool(hidden, last - s.num_tokens + 1, s)) is not None} if wants_prompt else {}
-        drafts = self._draft_logits(hidden, items, last_index) if drafted else {}
-        return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, drafts,
-                          draft_rounds, draft_seconds, pooled)
+        spans = [(s.seq_id, last - s.num_draft, last) for s, last in zip(items, last_index) if s.num_draft]
+        if not spans:
+            return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, {},
+                              draft_rounds, draft_seconds, pooled)
+        # Speculative rows: the logits before each guess too (the positions ahead of a row's last), in the
+        # same head call (one read of the head's weights).
+        ahead = torch.tensor([i for _, lo, hi in spans for i in range(lo, hi)], dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[torch.cat([rows, ahead])])
+        starts = itertools.accumulate((hi - lo for _, lo, hi in spans), initial=len(sampling))
+        drafts = {seq_id: logits[at : at + hi - lo] for (seq_id, lo, hi), at in zip(spans, starts)}
+        return StepLogits(logits[: len(sampling)], tuple(items[i] for i in sampling), prompt, drafts, draft_rounds,
+                          draft_seconds, pooled)
 
     def _run_model(self, batch) -> torch.Tensor:
         """The model's hidden states for ``batch``, each row under its LoRA adapter where it has one."""
@@ -198,15 +206,6 @@ class ModelRunner:
             return self.model(batch.ids, batch.positions, batch.meta, self.kv_caches)
         finally:
             self.adapters.clear()
-
-    def _draft_logits(self, hidden: torch.Tensor, items: list[ScheduledSeq], last_index: list[int]) -> dict[int, torch.Tensor]:
-        """Speculative rows: the logits before each guess (the positions ahead of a row's last), for
-        every such row with one head call."""
-        spans = [(s.seq_id, last - s.num_draft, last) for s, last in zip(items, last_index) if s.num_draft]
-        index = torch.tensor([i for _, lo, hi in spans for i in range(lo, hi)], dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[index])
-        starts = itertools.accumulate((hi - lo for _, lo, hi in spans), initial=0)
-        return {seq_id: logits[at : at + hi - lo] for (seq_id, lo, hi), at in zip(spans, starts)}
 
     def _prompt_logprobs(self, hidden: torch.Tensor, first: int, item: ScheduledSeq) -> tuple[SampledToken, ...]:
         """Each chunk position's log-softmax at the prompt token after it, and the top-N, in slices

@@ -26,6 +26,7 @@ from torch import nn
 from pagedserve.kernels.checks import check_tables
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.worker.lora.lora_linear import LoraStep, add_updates, layer_keys
+from pagedserve.worker.core.speculative import MAX_SPECULATIVE_TOKENS
 from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.models.layers import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from pagedserve.worker.runner.prepack import PanelLinear
@@ -79,6 +80,7 @@ class _ModuleMatrix:
         return self.module.forward(source)
 
 
+SHORT_ROW = 1 + MAX_SPECULATIVE_TOKENS  # the longest row the stack takes: a token and the longest guess
 Matrix = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input rows, a buffer it may fill) -> output rows
 
 
@@ -108,6 +110,24 @@ class _Layer:
     scale: float
     window: int
     softcap: float
+
+
+def token_contexts(meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of the step's ``t`` tokens as a decode of its own: its row's block table and the positions
+    it sees (its own and the ones before it; the step's K/V are stored before any is read), so a short
+    row's tokens get, bit for bit, what one decode step each would give them."""
+    if meta.num_decodes == t:
+        return meta.decode_block_tables.contiguous(), meta.decode_seq_lens.contiguous()
+    starts = meta.prefill_query_start.long()
+    lengths = starts[1:] - starts[:-1]
+    row = torch.repeat_interleave(torch.arange(lengths.shape[0], device=starts.device), lengths,
+                                  output_size=t - meta.num_decodes)
+    offset = torch.arange(t - meta.num_decodes, device=starts.device) - starts[row]
+    seen = (meta.prefill_seq_lens.long() - lengths)[row] + offset + 1
+    width = max(meta.decode_block_tables.shape[1], meta.prefill_block_tables.shape[1])
+    pad = lambda tables: torch.nn.functional.pad(tables, (0, width - tables.shape[1]))  # noqa: E731
+    tables = torch.cat([pad(meta.decode_block_tables), pad(meta.prefill_block_tables)[row]])
+    return tables.contiguous(), torch.cat([meta.decode_seq_lens, seen.to(torch.int32)]).contiguous()
 
 
 def _matrix(linear: nn.Module, kernels: NativeLayerOps, dtype: torch.dtype) -> Matrix:
@@ -191,10 +211,11 @@ class NativeStack:
                        for i, layer in enumerate(self.layers)]
 
     def takes(self, x: torch.Tensor, tables: dict, meta: AttentionMetadata, kv_caches: list) -> bool:
-        """Whether this step is one the stack runs: decodes only, at the model's dtype, a whole-head
-        rotary, caches the kernels read."""
+        """Whether this step is one the stack runs: decodes, and rows of at most ``SHORT_ROW`` tokens
+        (a guess being checked), at the model's dtype, a whole-head rotary, caches the kernels read."""
         t = x.shape[0]
-        if t == 0 or meta.num_decodes != t or x.dtype != self.dtype or x.device.type != "cpu":
+        if (t == 0 or (meta.num_decodes != t and meta.prefill_max_query_len > SHORT_ROW) or x.dtype != self.dtype
+                or x.device.type != "cpu"):
             return False
         k_cache = kv_caches[0][0]
         _, block_size, kv_heads, dim = k_cache.shape
@@ -214,7 +235,7 @@ class NativeStack:
         if not self.takes(x, tables, meta, kv_caches):
             return None
         t, hidden, threads = x.shape[0], self.hidden, torch.get_num_threads()
-        block_tables, seq_lens = meta.decode_block_tables.contiguous(), meta.decode_seq_lens.contiguous()
+        block_tables, seq_lens = token_contexts(meta, t)
         check_tables(block_tables, seq_lens, t)
         block_size = kv_caches[0][0].shape[1]
         if int(seq_lens.max()) > block_tables.shape[1] * block_size:
