@@ -34,13 +34,24 @@ CODE = '''def total_price(items, tax):
 '''
 
 
-def copy_prompts(tokenizer, count: int) -> list[list[int]]:
-    """Chats whose answer quotes or edits text in the prompt (the shipped declaration's paragraphs)."""
+def quote_asks(count: int) -> list[str]:
+    """Requests to quote ``count`` of the shipped declaration's paragraphs word for word."""
     text = (Path(__file__).parent / "texts" / "declaration.txt").read_text()
     paragraphs = [p for p in text.split("\n\n")[1:] if len(p) > 200]
-    asks = [f"Repeat this paragraph word for word:\n\n{p[:600]}" for p in paragraphs[: max(1, count - 1)]]
+    return [f"Repeat this paragraph word for word:\n\n{p[:600]}" for p in paragraphs[:count]]
+
+
+def copy_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Chats whose answer quotes or edits text in the prompt (the shipped declaration's paragraphs)."""
+    asks = quote_asks(max(1, count - 1))
     asks.append(f"Rename the variable subtotal to net in this function and print the whole function:\n\n{CODE}")
     return [encode_chat(tokenizer, [{"role": "user", "content": ask}]) for ask in asks[:count]]
+
+
+def quote_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Chats whose whole answer quotes a paragraph of the prompt (the code edit is left out: a 135M model
+    answers it with prose or a loop, not the edited function; docs/benchmarks.md)."""
+    return [encode_chat(tokenizer, [{"role": "user", "content": ask}]) for ask in quote_asks(count)]
 
 
 def run(engine, prompts: list[list[int]], params: list[SamplingParams], at_once: bool) -> dict:
@@ -70,15 +81,18 @@ def run(engine, prompts: list[list[int]], params: list[SamplingParams], at_once:
 
 def workloads(tokenizer, vocab: int, count: int, max_tokens: int) -> list[tuple[str, list[list[int]], list[SamplingParams], bool]]:
     """(name, prompts, params, all at once): what speculation is for (text that copies, one stream
-    and 16 at once) and what it must not slow down (sampled text that does not repeat, one stream
+    and 16 at once; quotes that end with the answer's end of turn, where the copies run on past it) and what it must not slow down (sampled text that does not repeat, one stream
     and W64's 64 requests at once)."""
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     copies = copy_prompts(tokenizer, count)
     many = [copies[i % len(copies)] for i in range(16)]
     random_work = w64(vocab, count)
     batch = w64(vocab)
+    quotes = quote_prompts(tokenizer, count)
+    to_the_end = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # the answer ends at its end of turn
     return [
         ("copies, one stream", copies, [greedy] * len(copies), False),
+        ("quotes to the answer's end, one stream", quotes, [to_the_end] * len(quotes), False),
         ("W64 random greedy, one stream", [p for p, _ in random_work], [greedy] * len(random_work), False),
         ("W64 random sampled T=1, one stream", [p for p, _ in random_work],
          [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True) for i in range(len(random_work))], False),
@@ -97,7 +111,8 @@ def dump_workloads(args) -> None:
     model_dir = resolve_model_dir(model_or_default(args.model))
     tokenizer, vocab = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).vocab_size
     out = [{"workload": name, "at_once": at_once, "prompts": prompts,
-            "params": [{"temperature": p.temperature, "seed": p.seed, "max_tokens": p.max_tokens} for p in params]}
+            "params": [{"temperature": p.temperature, "seed": p.seed, "max_tokens": p.max_tokens, "ignore_eos": p.ignore_eos}
+                       for p in params]}
            for name, prompts, params, at_once in workloads(tokenizer, vocab, args.count, args.max_tokens)]
     args.dump_prompts.write_text(json.dumps(out))
     print(f"{len(out)} workloads written to {args.dump_prompts} (model directory {model_dir})")

