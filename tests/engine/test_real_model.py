@@ -92,6 +92,7 @@ def test_the_c_layer_kernels_carry_every_layer_of_every_step(llm, real_model, mo
         return out
     monkeypatch.setattr(model, "native_stack", stack_spy)
     prompt = real_model.chat_ids("Name three primary colors.")
+    llm.engine.forget_cached()  # a prefix hit's short tail would run through the stack, as decodes
     assert llm.generate([prompt], greedy(4), use_tqdm=False)[0].outputs[0].token_ids == real_model.hf_greedy(prompt, NEW)[:4]
     layers, decodes = 30, 3  # the prompt's forward through the modules, then three decodes through the stack
     assert calls == {("rms_norm", True): 2 * layers + 1 + decodes, ("rope_store", True): layers,
