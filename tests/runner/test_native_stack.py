@@ -75,8 +75,8 @@ def test_a_step_with_a_long_prefill_chunk_takes_the_module_path_and_short_rows_t
         assert model.native_stack.takes(model.embed(ids), tables, meta, kv_caches) is taken
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_checked_guesses_get_the_bits_of_one_decode_step_a_token(zoo, quantization):
+@pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("float32", "int8"), ("bfloat16", "none")])
+def test_checked_guesses_get_the_bits_of_one_decode_step_a_token(zoo, dtype, quantization):
     """Rows of a few tokens (speculative decoding's guesses, checked in one forward) run through the
     stack, each token as a decode of its own: greedy tokens and logprobs with prompt lookup are, to the
     bit, the engine's without it, with guesses kept, rows decoding beside them and rows that guess
@@ -85,7 +85,7 @@ def test_checked_guesses_get_the_bits_of_one_decode_step_a_token(zoo, quantizati
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
     def run(speculative):
-        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", quantization=quantization, block_size=4,
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype=dtype, quantization=quantization, block_size=4,
                   num_gpu_blocks=256, seed=0, speculative_config=speculative)
         llm.engine.scheduler.step_cost = None  # guess whatever a step costs
         stack, short = llm.engine.runner.model.native_stack, []
