@@ -118,9 +118,7 @@ def dump_workloads(args) -> None:
     print(f"{len(out)} workloads written to {args.dump_prompts} (model directory {model_dir})")
 
 
-def main() -> None:
-    from pagedserve import LLM
-
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model directory or .gguf (default: the packaged SmolLM2-135M-Instruct)")
     parser.add_argument("--count", type=int, default=4, help="prompts per one-stream workload")
@@ -139,11 +137,12 @@ def main() -> None:
     parser.add_argument("--no-ngram", action="store_true", help="time no prompt lookup (off and the draft only)")
     parser.add_argument("--dump-prompts", type=Path, help="write the workloads (token ids and sampling) as JSON for "
                         "bench/vllm_speculative.py and stop")
-    args = parser.parse_args()
-    if args.dump_prompts:
-        dump_workloads(args)
-        return
-    configs = [("off", None)]
+    return parser.parse_args()
+
+
+def configurations(args) -> list[tuple[str, dict | None]]:
+    """(label, speculative config): off first, then prompt lookup and the draft model as asked."""
+    configs: list[tuple[str, dict | None]] = [("off", None)]
     if not args.no_ngram:
         configs.append((f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k,
                                                "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}))
@@ -154,33 +153,56 @@ def main() -> None:
         k = args.draft_k or args.k
         configs.append((f"draft {args.draft_quantization} k={k}", {"model": path, "num_speculative_tokens": k,
                                                                          "quantization": args.draft_quantization}))
-    engines = [(label, LLM(args.model, dtype=args.dtype, speculative_config=speculative)) for label, speculative in configs]
+    return configs
+
+
+def paired_runs(engines, prompts, params, at_once: bool, repeats: int) -> dict[str, list[dict]]:
+    """Each configuration's runs of one workload, the configurations alternating (each repeat a pair
+    within a minute), with the guessed and kept tokens each run added."""
+    runs: dict[str, list[dict]] = {label: [] for label, _ in engines}
+    for _ in range(repeats):
+        for label, llm in engines:
+            before = llm.engine.stats()
+            result = run(llm.engine, prompts, params, at_once)
+            after = llm.engine.stats()
+            result["drafted"], result["accepted"] = (
+                after.get(f"spec_decode_num_{name}_tokens_total", 0) - before.get(f"spec_decode_num_{name}_tokens_total", 0)
+                for name in ("draft", "accepted"))
+            runs[label].append(result)
+    return runs
+
+
+def summary(workload: str, prompts, runs: dict[str, list[dict]], args) -> list[dict]:
+    """One row per configuration: median tok/s and ratio to off, acceptance, whether its tokens are off's."""
+    rows = []
+    for label, results in runs.items():
+        drafted, accepted = sum(r["drafted"] for r in results), sum(r["accepted"] for r in results)
+        ratios = [r["tokens_per_s"] / off["tokens_per_s"] for r, off in zip(results, runs["off"])]
+        rows.append({"bench": "speculative", "config": label, "workload": workload, "prompts": len(prompts),
+                     "max_tokens": args.max_tokens, "repeats": args.repeats,
+                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+                     "speedup": statistics.median(ratios), "speedups": ratios,
+                     "draft_tokens": drafted, "accepted_tokens": accepted,
+                     "acceptance": accepted / drafted if drafted else None,
+                     "same_tokens": all(r["outputs"] == off["outputs"] for r, off in zip(results, runs["off"]))})
+    return rows
+
+
+def main() -> None:
+    from pagedserve import LLM
+
+    args = parse_args()
+    if args.dump_prompts:
+        dump_workloads(args)
+        return
+    engines = [(label, LLM(args.model, dtype=args.dtype, speculative_config=speculative))
+               for label, speculative in configurations(args)]
     first = engines[0][1]
     rows = []
     for workload, prompts, params, at_once in workloads(first.tokenizer, first.engine.info.config.vocab_size,
                                                          args.count, args.max_tokens):
-        if args.only and args.only not in workload:
-            continue
-        runs: dict[str, list[dict]] = {label: [] for label, _ in engines}
-        for _ in range(args.repeats):  # the configurations alternate: each repeat is a pair in one minute
-            for label, llm in engines:
-                before = llm.engine.stats()
-                result = run(llm.engine, prompts, params, at_once)
-                after = llm.engine.stats()
-                result["drafted"], result["accepted"] = (
-                    after.get(f"spec_decode_num_{name}_tokens_total", 0) - before.get(f"spec_decode_num_{name}_tokens_total", 0)
-                    for name in ("draft", "accepted"))
-                runs[label].append(result)
-        for label, results in runs.items():
-            drafted, accepted = sum(r["drafted"] for r in results), sum(r["accepted"] for r in results)
-            ratios = [r["tokens_per_s"] / off["tokens_per_s"] for r, off in zip(results, runs["off"])]
-            rows.append({"bench": "speculative", "config": label, "workload": workload, "prompts": len(prompts),
-                         "max_tokens": args.max_tokens, "repeats": args.repeats,
-                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
-                         "speedup": statistics.median(ratios), "speedups": ratios,
-                         "draft_tokens": drafted, "accepted_tokens": accepted,
-                         "acceptance": accepted / drafted if drafted else None,
-                         "same_tokens": all(r["outputs"] == off["outputs"] for r, off in zip(results, runs["off"]))})
+        if not args.only or args.only in workload:
+            rows += summary(workload, prompts, paired_runs(engines, prompts, params, at_once, args.repeats), args)
     for label, llm in engines:
         if label != "off":
             next(r for r in reversed(rows) if r["config"] == label)["accepted_by_position"] = llm.engine.spec_counts()
