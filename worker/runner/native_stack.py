@@ -8,11 +8,13 @@ Through the modules, a layer of a one-token step costs ~90 us of Python (module 
 checks, views, an allocation per result) around ~80 us of kernels (SmolLM2, int8, 2 CPU cores,
 docs/benchmarks.md). Here the checks run once per step, the results go to buffers allocated once per
 step, and each layer is a few C calls, the matrices and two in-place adds: the same kernels on the
-same inputs in the same order, so the same bits as the module path (tested). Anything else (a
-prefill chunk in the step, a quantized cache, another rotary, a layer with a norm the kernels do not
-run) takes the module path: ``NativeStack.of`` answers None for a model it cannot run, and a call
-answers None for a step it does not take. Built after the last change to the model's modules (the
-loader's last step): it holds them.
+same inputs in the same order, so the same bits as the module path (tested). A step whose rows are
+a few tokens each (a speculative guess being checked) runs here too, each token as a decode of its
+own: the bits one decode step a token gives. Anything else (a longer prefill chunk in the step, a
+quantized cache, another rotary, a layer with a norm the kernels do not run) takes the module path:
+``NativeStack.of`` answers None for a model it cannot run, and a call answers None for a step it
+does not take. Built after the last change to the model's modules (the loader's last step): it
+holds them.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from torch import nn
 
 from pagedserve.kernels.checks import check_tables
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
-from pagedserve.worker.lora.lora_linear import LoraStep, add_updates, layer_keys
 from pagedserve.worker.core.speculative import MAX_SPECULATIVE_TOKENS
+from pagedserve.worker.lora.lora_linear import LoraStep, add_updates, layer_keys
 from pagedserve.worker.runner.attention import AttentionMetadata
 from pagedserve.worker.runner.models.layers import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from pagedserve.worker.runner.prepack import PanelLinear
