@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +25,26 @@ QUANTIZED_KERNELS = {"int8": "i8"}  # format -> kernel suffix; the others decode
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
+
+
+class ChunkTokens(NamedTuple):
+    """Each token of a step's prefill chunks (int64 tensors)."""
+
+    chunk: torch.Tensor  # [tokens]: its chunk (its sequence's row of the block tables)
+    offset: torch.Tensor  # [tokens]: its place in its chunk
+    lengths: torch.Tensor  # [chunks]: each chunk's tokens
+    seen: torch.Tensor  # [tokens]: the positions it attends (its own and the ones before it)
+
+
+def chunk_tokens(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> ChunkTokens:
+    """The chunks' tokens one by one: ``query_start_loc`` ``[chunks + 1]`` offsets of the chunks,
+    ``seq_lens`` each chunk's sequence length with it, ``num_tokens`` their tokens in all."""
+    starts = query_start_loc.long()
+    lengths = starts[1:] - starts[:-1]
+    chunk = torch.repeat_interleave(torch.arange(lengths.shape[0], device=starts.device), lengths, output_size=num_tokens)
+    offset = torch.arange(num_tokens, device=starts.device) - starts[chunk]
+    first_position = seq_lens.long() - lengths  # each chunk's first token's position in its sequence
+    return ChunkTokens(chunk, offset, lengths, first_position[chunk] + offset + 1)
 
 
 class NativeAttention:
@@ -74,19 +95,14 @@ class NativeAttention:
                                                max_query_len, max_seq_len, self._workspace, window, softcap,
                                                self.kv_format)
         check_tables(block_tables, seq_lens, query_start_loc.shape[0] - 1)
-        starts = query_start_loc.long()
-        q_lens = starts[1:] - starts[:-1]
-        seq_of_token = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=q.device), q_lens, output_size=q.shape[0])
-        offset_in_chunk = torch.arange(q.shape[0], device=q.device) - starts[seq_of_token]
-        first_position = seq_lens.long() - q_lens  # the chunk's first token's position in its sequence
-        ctx_len = (first_position[seq_of_token] + offset_in_chunk + 1).to(torch.int32)
+        tokens = chunk_tokens(query_start_loc, seq_lens, q.shape[0])
         # Tiles of consecutive tokens of one sequence, as many as the kernel's rows hold with the group.
         tile = max(1, self._max_rows // (q.shape[1] // k_cache.shape[2]))
-        first = torch.nonzero(offset_in_chunk % tile == 0).flatten()
-        length = (q_lens[seq_of_token[first]] - offset_in_chunk[first]).clamp_max(tile)
+        first = torch.nonzero(tokens.offset % tile == 0).flatten()
+        length = (tokens.lengths[tokens.chunk[first]] - tokens.offset[first]).clamp_max(tile)
         tiles = (first.to(torch.int32).contiguous(), length.to(torch.int32).contiguous())
-        return self._run(self._prefill_kernels, q, k_cache, v_cache, block_tables, seq_of_token.to(torch.int32), ctx_len,
-                         scale, window, softcap, tiles)
+        return self._run(self._prefill_kernels, q, k_cache, v_cache, block_tables, tokens.chunk.to(torch.int32),
+                         tokens.seen.to(torch.int32), scale, window, softcap, tiles)
 
     def _run(self, kernels, q, k_cache, v_cache, block_tables, token_seq, ctx_len, scale, window: int = 0,
              softcap: float = 0.0, tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

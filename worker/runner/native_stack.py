@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.checks import check_tables
+from pagedserve.kernels.native_attention import chunk_tokens
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.worker.core.speculative import MAX_SPECULATIVE_TOKENS
 from pagedserve.worker.lora.lora_linear import LoraStep, add_updates, layer_keys
@@ -120,16 +121,11 @@ def token_contexts(meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch
     row's tokens get, bit for bit, what one decode step each would give them."""
     if meta.num_decodes == t:
         return meta.decode_block_tables.contiguous(), meta.decode_seq_lens.contiguous()
-    starts = meta.prefill_query_start.long()
-    lengths = starts[1:] - starts[:-1]
-    row = torch.repeat_interleave(torch.arange(lengths.shape[0], device=starts.device), lengths,
-                                  output_size=t - meta.num_decodes)
-    offset = torch.arange(t - meta.num_decodes, device=starts.device) - starts[row]
-    seen = (meta.prefill_seq_lens.long() - lengths)[row] + offset + 1
+    tokens = chunk_tokens(meta.prefill_query_start, meta.prefill_seq_lens, t - meta.num_decodes)
     width = max(meta.decode_block_tables.shape[1], meta.prefill_block_tables.shape[1])
     pad = lambda tables: torch.nn.functional.pad(tables, (0, width - tables.shape[1]))  # noqa: E731
-    tables = torch.cat([pad(meta.decode_block_tables), pad(meta.prefill_block_tables)[row]])
-    return tables.contiguous(), torch.cat([meta.decode_seq_lens, seen.to(torch.int32)]).contiguous()
+    tables = torch.cat([pad(meta.decode_block_tables), pad(meta.prefill_block_tables)[tokens.chunk]])
+    return tables.contiguous(), torch.cat([meta.decode_seq_lens, tokens.seen.to(torch.int32)]).contiguous()
 
 
 def _matrix(linear: nn.Module, kernels: NativeLayerOps, dtype: torch.dtype) -> Matrix:
