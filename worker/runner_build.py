@@ -94,8 +94,8 @@ class RunnerBuild:
         self.config, self.info, self.device, self.eos, self.group = config, info, device, eos, group
         self.kv = kv_format(config.kv_cache_dtype)
         self.ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", self.kv)
-        shard = None if group is None else Shard(group.rank, group.size)
-        self.model = load_weights(info, self.ops, device, config.quantization, shard)
+        self.shard = None if group is None else Shard(group.rank, group.size)  # this rank's part of each tensor
+        self.model = load_weights(info, self.ops, device, config.quantization, self.shard)
         if group is not None:
             parallelize(self.model, group, info.config.vocab_size)
         self.draft: CausalLM | None = None  # speculative decoding's draft model (load_draft; rank 0's alone under TP)
@@ -106,8 +106,7 @@ class RunnerBuild:
         rank's part of each under tensor parallel); kept for the runner (None without LoRA)."""
         config = self.config
         if config.enable_lora:
-            cut = None if self.group is None else partial(Shard(self.group.rank, self.group.size).lora_piece,
-                                                           config=self.info.config)
+            cut = None if self.shard is None else partial(self.shard.lora_piece, config=self.info.config)
             self.adapters = Adapters(self.model, config.max_loras, config.max_lora_rank, self.device, self.info.dtype,
                                      self.ops.lora, cut)
             for name, path in config.lora_adapters.items():

@@ -184,14 +184,13 @@ class ModelRunner:
                   for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
         pooled = {s.seq_id: pooled for s, last in zip(items, last_index) if s.pool_from is not None
                   if (pooled := _pool(hidden, last - s.num_tokens + 1, s)) is not None} if wants_prompt else {}
-        spans = [(s.seq_id, last - s.num_draft, last) for s, last in zip(items, last_index) if s.num_draft]
-        if not spans:
-            return StepLogits(self.model.compute_logits(hidden[rows]), tuple(items[i] for i in sampling), prompt, {},
-                              draft_rounds, draft_seconds, pooled)
         # Speculative rows: the logits before each guess too (the positions ahead of a row's last), in the
-        # same head call (one read of the head's weights).
-        ahead = torch.tensor([i for _, lo, hi in spans for i in range(lo, hi)], dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden[torch.cat([rows, ahead])])
+        # same head call as the sampling rows' (one read of the head's weights).
+        spans = [(s.seq_id, last - s.num_draft, last) for s, last in zip(items, last_index) if s.num_draft]
+        if spans:
+            ahead = torch.tensor([i for _, lo, hi in spans for i in range(lo, hi)], dtype=torch.int64, device=self.device)
+            rows = torch.cat([rows, ahead])
+        logits = self.model.compute_logits(hidden[rows])
         starts = itertools.accumulate((hi - lo for _, lo, hi in spans), initial=len(sampling))
         drafts = {seq_id: logits[at : at + hi - lo] for (seq_id, lo, hi), at in zip(spans, starts)}
         return StepLogits(logits[: len(sampling)], tuple(items[i] for i in sampling), prompt, drafts, draft_rounds,
