@@ -103,19 +103,45 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     kernels) as soon as its last tensor arrives, and its checkpoint-precision weights go: at most one
     unit is held twice, never the whole model (SmolLM2-135M int8: a load peak of 1,527 -> 606-640 MiB,
     docs/engine.md)."""
-    family = info.family
     if shard is not None:
         shard.check(info.config)
-    with torch.device("meta"):
-        model = family.model(info.config if shard is None else shard.rank_config(info.config), family.arch, ops,
-                             family.feed_forward)
-        full_shapes = _shapes(model if shard is None else family.model(info.config, family.arch, ops, family.feed_forward))
+    model, full_shapes = _on_meta(info, ops, shard)
     if quantization != "none" and device.type != "cpu":
         quantize_linears(model, quantization, device)  # the clear error, before any weight is read
     expected = set(full_shapes) - ({"lm_head.weight"} if model.tie_word_embeddings else set())
-    read = _whole if shard is None else partial(shard.piece, config=info.config)  # (name, load) -> this rank's tensor
     finish = partial(_finish_layers, ops=ops, device=device, dtype=info.dtype, quantization=quantization)
     layers = _LayerTracker(model, expected, finish)
+    _put_checkpoint(info, layers, full_shapes, expected, shard, device)
+    missing = sorted(expected - layers.loaded)
+    if missing:
+        raise ValueError(f"checkpoint {info.path} lacks {len(missing)} weights, e.g. {missing[:3]}")
+    model.rotary = type(model.rotary)(info.config, model.head_dim).to(device)  # buffers were on meta
+    quantized, form = layers.finish_all()
+    if shard is None:  # the C stack runs whole layers: a rank's need a sum across ranks inside each
+        model.native_stack = NativeStack.of(model, ops.layer, ops.kv_format.quantized)  # last: it holds the modules
+    structlog.get_logger("pagedserve.loader").info(
+        "linear layers", form=form, quantization=quantization, quantized_layers=quantized,
+        decode_stack=model.native_stack is not None)
+    return model.eval()
+
+
+def _on_meta(info: ModelInfo, ops: AttentionOps, shard: Shard | None) -> tuple[CausalLM, dict[str, tuple[int, ...]]]:
+    """The model built on the meta device (no memory, nothing initialised), a rank's part of it under
+    tensor parallel, and the whole model's parameter shapes (how a checkpoint's fused tensors split)."""
+    family = info.family
+    with torch.device("meta"):
+        model = family.model(info.config if shard is None else shard.rank_config(info.config), family.arch, ops,
+                             family.feed_forward)
+        return model, _shapes(model if shard is None else family.model(info.config, family.arch, ops, family.feed_forward))
+
+
+def _put_checkpoint(info: ModelInfo, layers: _LayerTracker, full_shapes: dict[str, tuple[int, ...]],
+                    expected: set[str], shard: Shard | None, device: torch.device) -> None:
+    """Every checkpoint tensor the model expects (``expected``) into ``layers`` (this rank's part of
+    each, under tensor parallel), at the model's dtype on ``device``: fused tensors split by their
+    parts' sizes, the experts' matrices stacked once all are read."""
+    family = info.family
+    read = _whole if shard is None else partial(shard.piece, config=info.config)  # (name, load) -> this rank's tensor
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     # disable=None: a bar only on a terminal, never interleaved with a service's JSON log lines
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False, disable=None) as bar:
@@ -134,18 +160,6 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
                 bar.update(1)
         for name, tensor in _stack_experts(experts, device, info.dtype).items():
             layers.put(name, tensor)
-    experts.clear()
-    missing = sorted(expected - layers.loaded)
-    if missing:
-        raise ValueError(f"checkpoint {info.path} lacks {len(missing)} weights, e.g. {missing[:3]}")
-    model.rotary = type(model.rotary)(info.config, model.head_dim).to(device)  # buffers were on meta
-    quantized, form = layers.finish_all()
-    if shard is None:  # the C stack runs whole layers: a rank's need a sum across ranks inside each
-        model.native_stack = NativeStack.of(model, ops.layer, ops.kv_format.quantized)  # last: it holds the modules
-    structlog.get_logger("pagedserve.loader").info(
-        "linear layers", form=form, quantization=quantization, quantized_layers=quantized,
-        decode_stack=model.native_stack is not None)
-    return model.eval()
 
 
 class _LayerTracker:
