@@ -22,7 +22,7 @@ import time
 import aiohttp
 
 from pagedserve.bench.table import print_table
-from pagedserve.gateway.dashboard_hub import STALE_S, WATCH_TTL_MS
+from pagedserve.gateway.dashboard.hub import STALE_S, WATCH_TTL_MS
 
 
 async def first_worker_frame_ms(http: aiohttp.ClientSession, url: str) -> float:

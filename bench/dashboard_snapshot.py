@@ -1,5 +1,5 @@
 """What the KV dashboard costs a worker: the engine thread's time to take one snapshot
-(``worker/core/kv_snapshot.py``) and its msgpack size, by pool size, with the pool half held by
+(``worker/core/scheduling/kv_snapshot.py``) and its msgpack size, by pool size, with the pool half held by
 running requests (a quarter of them forked into three samples, so there is sharing to draw).
 
 The worker takes one every ``dashboard_interval_s`` (0.25 s), but never more than 2% of the engine
@@ -19,9 +19,9 @@ import msgpack
 
 from pagedserve.bench.table import print_table
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.config import SchedulerConfig
-from pagedserve.worker.core.kv_snapshot import SNAPSHOT_BUDGET, kv_snapshot
-from pagedserve.worker.core.scheduler import Scheduler
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.kv_snapshot import SNAPSHOT_BUDGET, kv_snapshot
+from pagedserve.worker.core.scheduling.scheduler import Scheduler
 from pagedserve.worker.serve.dashboard_publisher import ENGINE_SHARE
 
 INTERVAL_S = 0.25

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.config import SchedulerConfig
-from pagedserve.worker.core.plan import SampledToken, StepResult
-from pagedserve.worker.core.scheduler import Scheduler
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.plan import SampledToken, StepResult
+from pagedserve.worker.core.scheduling.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def simulate_beams(width: int, prompt_len: int, requests: int, max_tokens: int, 
     dropping of beams as a model would; the KV bookkeeping is the real scheduler's."""
     import torch
 
-    from pagedserve.worker.runner.beam_search import BeamSearcher
+    from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
 
     torch.manual_seed(seed)
     cfg = SchedulerConfig(num_gpu_blocks=200_000, block_size=block_size, max_num_seqs=1024,

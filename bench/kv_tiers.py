@@ -25,7 +25,7 @@ from pagedserve.bench.offline_throughput import PRESETS
 from pagedserve.bench.stats import percentiles
 from pagedserve.bench.table import print_table
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.demo_model import build_model
+from pagedserve.worker.source.demo_model import build_model
 
 
 def first_token_seconds(engine, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:

@@ -25,9 +25,9 @@ import torch
 
 from pagedserve.kernels.backends import KV_CACHE_DTYPES
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.demo_model import build_model
-from pagedserve.worker.gguf_model_dir import LINK as GGUF_LINK
-from pagedserve.worker.model_source import model_dir as model_dir_of
+from pagedserve.worker.source.demo_model import build_model
+from pagedserve.worker.source.gguf_dir import LINK as GGUF_LINK
+from pagedserve.worker.source.resolve import model_dir as model_dir_of
 
 PRESETS = {  # the 115M model of the CPU figures, and a ~1.1B Llama-shaped one for GPUs
     "llama-90m": dict(hidden_size=768, num_layers=14, num_heads=12, num_kv_heads=4, intermediate_size=2048, vocab_size=512),

@@ -22,7 +22,7 @@ from pathlib import Path
 from pagedserve.bench.stats import percentiles
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.model_source import model_or_default
+from pagedserve.worker.source.resolve import model_or_default
 
 MODEL_NAME = "bench"
 ENGINE_FLAGS = {"dtype": "float32", "num_gpu_blocks": 4096, "max_num_seqs": 128}
@@ -35,7 +35,7 @@ def workload(seed: int, count: int, max_tokens: int) -> list[tuple[list[int], in
 
 def in_process(model: Path, work) -> dict:
     from pagedserve.worker.engine import Engine
-    from pagedserve.worker.engine_config import EngineConfig
+    from pagedserve.worker.setup.engine_config import EngineConfig
 
     engine = Engine(EngineConfig(model=str(model), **ENGINE_FLAGS))
     last: dict[str, float] = {}

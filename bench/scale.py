@@ -8,7 +8,7 @@ Workers (``bench/sim_workers.py``, eight per process) run the real scheduler, bl
 prefix cache, KV events and Redis I/O; each step sleeps what the demo model's step costs on this
 machine (``--calibrate`` fits ``base + per_seq x seqs + per_token x tokens`` by least squares)
 times ``--slowdown``, so that 32 workers' Python stays a small part of two cores. Requests are sent
-as the gateway sends them (``gateway/router.py`` with the KV index, the reply dispatcher), without
+as the gateway sends them (``gateway/routing/router.py`` with the KV index, the reply dispatcher), without
 HTTP: the gateway's HTTP cost is not what is measured. Closed loop, ``--clients-per-worker``
 concurrent clients per worker. Per run: output tokens/s, TTFT p50/p99, the prefix hit rate (hit
 over looked-up prompt tokens, from the workers' metrics) and Redis CPU (its own counters: all
@@ -34,15 +34,15 @@ import redis.asyncio as aioredis
 
 from pagedserve.bench.table import print_table
 from pagedserve.embedded_redis import RedisClusterServers, RedisServer
-from pagedserve.gateway.router import Router, RoutingPolicy
-from pagedserve.gateway.worker_directory import WorkerDirectory
+from pagedserve.gateway.routing.router import Router, RoutingPolicy
+from pagedserve.gateway.routing.worker_directory import WorkerDirectory
 from pagedserve.runtime.producer import Producer
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.replies import ReplyDispatcher
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.model_source import model_or_default
+from pagedserve.worker.source.resolve import model_or_default
 
 MODEL = "demo"
 KEYS = Keys()

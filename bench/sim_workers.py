@@ -12,8 +12,8 @@ import asyncio
 import signal
 
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
-from pagedserve.worker.model_source import model_or_default
+from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.source.resolve import model_or_default
 from pagedserve.worker.serve.service import WorkerService
 from pagedserve.worker.serve.settings import WorkerSettings
 

@@ -106,7 +106,7 @@ def dump_workloads(args) -> None:
     """The workloads as token ids and sampling fields, so a peer's engine runs exactly them."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from pagedserve.worker.model_source import model_or_default, resolve_model_dir
+    from pagedserve.worker.source.resolve import model_or_default, resolve_model_dir
 
     model_dir = resolve_model_dir(model_or_default(args.model))
     tokenizer, vocab = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir).vocab_size
@@ -147,7 +147,7 @@ def configurations(args) -> list[tuple[str, dict | None]]:
         configs.append((f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k,
                                                "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}))
     if args.draft:
-        from pagedserve.worker.default_model import packaged_model_file
+        from pagedserve.worker.source.default_model import packaged_model_file
 
         path = (args.model or str(packaged_model_file(download=False))) if args.draft == "same" else args.draft
         k = args.draft_k or args.k

@@ -22,7 +22,7 @@ import time
 from pagedserve.bench.table import print_table
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
-from pagedserve.worker.model_source import model_or_default
+from pagedserve.worker.source.resolve import model_or_default
 
 ENDLESS = StructuredOutputs(regex=r"([a-z]+ )*")
 SCHEMA = {"type": "object", "properties": {

@@ -20,7 +20,7 @@ from pagedserve import LLM
 from pagedserve.bench.offline_throughput import PRESETS
 from pagedserve.bench.table import print_table
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.demo_model import build_model
+from pagedserve.worker.source.demo_model import build_model
 
 
 def run(llm: LLM, batch: int, args, seed: int) -> dict:

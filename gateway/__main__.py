@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None, resolve: Callable[[str | None], str] | N
     """``resolve``: how the ``--model`` given becomes a tokenizer's directory (``pagedserve gateway``
     passes the worker's, which also knows the demo model); without it, a directory or hub id as is."""
     from pagedserve.gateway.app import create_app
-    from pagedserve.gateway.settings import gateway_settings
+    from pagedserve.gateway.service.settings import gateway_settings
 
     configure_logging()
     try:

@@ -16,7 +16,7 @@ Before a quantized cache stores its keys, q and k are turned by one fixed orthog
 most of their magnitude (the low-frequency rotary pairs) are spread over all of them, so a row's
 absmax no longer sets a step far coarser than most of its values need. An engine then fits, per
 layer and KV head, a stretch before that turn from the model's own queries and keys on a shipped
-text (``worker/runner/key_turns.py``), still exact for the scores. An int8 cache turns the
+text (``worker/runner/attention/key_rotation.py``), still exact for the scores. An int8 cache turns the
 values too and the attention output back ((sum p v R) R^T): its evenly spaced steps gain from it,
 fp8's steps, relative to each value, lose. Measured on the default model in docs/engine.md.
 """

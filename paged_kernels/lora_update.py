@@ -5,9 +5,9 @@ launches per layer whatever the mix (punica's "shrink" and "expand", one row per
     y[t] += h[t] @ B[slot[t]]^T         (in place, in y's dtype)
 
 ``A`` ``[adapters, rank, in]`` and ``B`` ``[adapters, out, rank]`` are the step's adapters stacked
-(``worker/lora/adapters.py``, ranks padded with zeros), ``slot[t]`` the row's adapter in that
+(``worker/runner/lora/adapters.py``, ranks padded with zeros), ``slot[t]`` the row's adapter in that
 stack, -1 for a row of the base model (its program does nothing). The CPU's path is the grouped
-batched products of ``worker/lora/lora_linear.py``; both are checked against a per-adapter loop.
+batched products of ``worker/runner/lora/lora_linear.py``; both are checked against a per-adapter loop.
 """
 
 from __future__ import annotations

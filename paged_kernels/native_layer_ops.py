@@ -45,7 +45,7 @@ class NativeLayerOps:
 
     def raw(self, name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
         """The C function itself (arguments as ``_SIGNATURES`` says, pointers as ints), for a caller
-        that has made every check its wrapper makes (``worker/runner/native_stack.py``)."""
+        that has made every check its wrapper makes (``worker/runner/cpu/native_stack.py``)."""
         return self._fns[name, dtype]
 
     def attention_limits(self) -> tuple[int, int, int]:

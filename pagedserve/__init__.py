@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "LoRARequest":
-        from pagedserve.worker.lora.request import LoRARequest
+        from pagedserve.worker.runner.lora.request import LoRARequest
 
         return LoRARequest
     if name == "__version__":

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from pagedserve.runtime.version import installed_version
 from pagedserve.serve_args import add_serve_parser
-from pagedserve.worker.model_source import MODEL_HELP
+from pagedserve.worker.source.resolve import MODEL_HELP
 
 BENCHES = {
     "kv-memory": "pagedserve.bench.kv_memory",
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(argv[1:])
     if argv[:1] == ["gateway"]:
         from pagedserve.gateway.__main__ import main as gateway_main
-        from pagedserve.worker.model_source import model_dir
+        from pagedserve.worker.source.resolve import model_dir
 
         return gateway_main(argv[1:], resolve=model_dir)
     args = build_parser().parse_args(argv)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def pull(args: argparse.Namespace) -> int:
-    from pagedserve.worker.default_model import DEFAULT_MODEL, PackagedModelError, copy_wheel_into_cache, packaged_model_file
+    from pagedserve.worker.source.default_model import DEFAULT_MODEL, PackagedModelError, copy_wheel_into_cache, packaged_model_file
 
     try:
         if args.wheel is not None:
@@ -157,7 +157,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from pagedserve.runtime.logging import configure_logging
     from pagedserve.stack import LocalStack, StackError
-    from pagedserve.worker.engine_flags import engine_argv
+    from pagedserve.worker.setup.engine_flags import engine_argv
 
     configure_logging()
     stop = threading.Event()
@@ -189,8 +189,8 @@ def serve(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace):
     from pagedserve.runtime.logging import configure_logging
     from pagedserve.worker.engine import Engine
-    from pagedserve.worker.engine_config import EngineConfig
-    from pagedserve.worker.model_source import model_or_default
+    from pagedserve.worker.setup.engine_config import EngineConfig
+    from pagedserve.worker.source.resolve import model_or_default
 
     configure_logging()
     return Engine(EngineConfig(model=model_or_default(args.model), dtype=args.dtype))

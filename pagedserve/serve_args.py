@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from pagedserve.gateway.reasoning import PARSERS as REASONING_PARSERS
+from pagedserve.gateway.answers.reasoning import PARSERS as REASONING_PARSERS
 from pagedserve.runtime.env import checked, env_default, non_negative, with_env_help
-from pagedserve.worker.engine_flags import add_engine_args
-from pagedserve.worker.model_source import MODEL_HELP
+from pagedserve.worker.setup.engine_flags import add_engine_args
+from pagedserve.worker.source.resolve import MODEL_HELP
 
 _port = checked(int, lambda v: 0 < v < 65536, "a TCP port in 1-65535")
 _workers = checked(int, lambda v: v >= 1, "at least 1")

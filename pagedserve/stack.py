@@ -26,7 +26,7 @@ from pathlib import Path
 from pagedserve.embedded_redis import RedisServer, find_redis_binary, free_port
 from pagedserve.runtime.env import redis_url_from_env
 from pagedserve.shared.keys import served_name
-from pagedserve.worker.model_source import model_dir
+from pagedserve.worker.source.resolve import model_dir
 
 GRACE_S = 15.0
 MAX_RESTARTS = 5

@@ -2,7 +2,7 @@
 as a flag's default, the cache directory, and the argparse types every service's flags use.
 
 Each service builds its frozen settings once from its flags, whose defaults come from here
-(``gateway/settings.py``, ``worker/serve/settings.py``, the engine's in ``worker/engine_flags.py``).
+(``gateway/service/settings.py``, ``worker/serve/settings.py``, the engine's in ``worker/setup/engine_flags.py``).
 """
 
 from __future__ import annotations

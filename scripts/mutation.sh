@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing (docs/testing.md): mutmut, run in a copy of the project laid out as it installs
 # (shared/, worker/, gateway/ ... under pagedserve/), so the tests import the mutated copies by the
-# names mutmut gives them (pagedserve.gateway.router ...). In the checkout itself the editable
+# names mutmut gives them (pagedserve.gateway.routing.router ...). In the checkout itself the editable
 # install maps pagedserve.* onto the original folders and no mutant is ever run.
 #
 #   scripts/mutation.sh [mutmut run options]    e.g. --max-children 2

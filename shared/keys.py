@@ -38,7 +38,7 @@ class Keys:
         return f"{self.model_space(model)}:kv"
 
     def dashboard(self, model: str) -> str:
-        """Pub/sub channel of the model's workers' KV dashboard snapshots (``worker/core/kv_snapshot.py``)."""
+        """Pub/sub channel of the model's workers' KV dashboard snapshots (``worker/core/scheduling/kv_snapshot.py``)."""
         return f"{self.prefix}:dashboard:{model}"
 
     def dashboard_wake(self, model: str) -> str:
@@ -120,7 +120,7 @@ class Keys:
 
 
 DEMO_NAME = "demo"  # the random-weight demo model (``--model demo``), for tests and benchmarks
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served when no model is named (worker/default_model.py)
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served when no model is named (worker/source/default_model.py)
 
 
 def served_name(model: str | None, served_model_name: str | None) -> str:

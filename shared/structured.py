@@ -10,7 +10,7 @@ whitespace between tokens: a model cannot pad it forever) and strict (RFC 8259: 
 characters in strings). A malformed value raises ``InvalidRequestError`` naming ``structured``.
 Whether the schema, regex or grammar itself is valid is llguidance's to say, and costs a grammar
 build: the gateway checks it once per request off its event loop
-(``runtime/structured_grammar.py``), the worker compiles it once (``worker/runner/grammar.py``).
+(``runtime/structured_grammar.py``), the worker compiles it once (``worker/runner/sampling/structured_masks.py``).
 """
 
 from __future__ import annotations

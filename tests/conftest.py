@@ -68,7 +68,7 @@ class ModelZoo:
 
     def path(self, name: str) -> Path:
         if name not in self._paths:
-            from pagedserve.worker.demo_model import build_model
+            from pagedserve.worker.source.demo_model import build_model
 
             self._paths[name] = build_model(self.root / name, **self.specs[name], seed=zlib.crc32(name.encode()))
         return self._paths[name]
@@ -153,7 +153,7 @@ def real_model():
     ``PAGEDSERVE_REQUIRE_REAL_MODEL=1`` (CI), where that is a failure."""
     import os
 
-    from pagedserve.worker.default_model import PackagedModelError, packaged_model_file
+    from pagedserve.worker.source.default_model import PackagedModelError, packaged_model_file
     from tests.real_model import RealModel
 
     try:

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from pagedserve.embedded_redis import RedisServer, free_port
 from pagedserve.gateway.app import create_app
-from pagedserve.gateway.settings import GatewaySettings
+from pagedserve.gateway.service.settings import GatewaySettings
 from tests.service_helpers import MODEL_NAME, settings_for
 
 
@@ -84,7 +84,7 @@ def running_stack(tmp_path_factory, model_path, **engine_options) -> Iterator[St
     """A redis-server, an in-process worker with the real engine (float32 on the CPU, ``engine_options``
     beside) and a gateway, stopped after."""
     from pagedserve.worker.engine import Engine
-    from pagedserve.worker.engine_config import EngineConfig
+    from pagedserve.worker.setup.engine_config import EngineConfig
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     engine = Engine(EngineConfig(model=str(model_path), device="cpu", dtype="float32", **engine_options))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from array import array
 
-from pagedserve.worker.core.disk_tier import DiskTier
-from pagedserve.worker.core.plan import SampledToken, StepPlan, StepResult
+from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
+from pagedserve.worker.core.scheduling.plan import SampledToken, StepPlan, StepResult
 
 VOCAB = 97
 

@@ -31,7 +31,7 @@ class RealModel:
 
     @cached_property
     def model_dir(self) -> Path:
-        from pagedserve.worker.model_source import resolve_model_dir
+        from pagedserve.worker.source.resolve import resolve_model_dir
 
         return resolve_model_dir(self.gguf)
 

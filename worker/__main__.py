@@ -8,10 +8,10 @@ from pagedserve.runtime.logging import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.worker.device_errors import DeviceFailure
+    from pagedserve.worker.runner.device.failures import DeviceFailure
     from pagedserve.worker.engine import Engine
-    from pagedserve.worker.engine_config import EngineConfig
-    from pagedserve.worker.model_source import model_or_default
+    from pagedserve.worker.setup.engine_config import EngineConfig
+    from pagedserve.worker.source.resolve import model_or_default
     from pagedserve.worker.serve.bridge import ConsumerNameTaken
     from pagedserve.worker.serve.process import serve_on_main_thread
     from pagedserve.worker.serve.service import WorkerService

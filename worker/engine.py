@@ -24,31 +24,31 @@ from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.prompts import check_token_ids
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.sampling_defaults import generation_defaults
-from pagedserve.worker.core.config import SchedulerConfig
-from pagedserve.worker.core.detokenizer import Detokenizer
-from pagedserve.worker.core.engine_stats import engine_stats
-from pagedserve.worker.core.disk_tier import DiskTier
-from pagedserve.worker.core.host_tier import HostTier
-from pagedserve.worker.core.kv_events import KvEvents
-from pagedserve.worker.core.kv_tiers import KvTiers
-from pagedserve.worker.core.kv_snapshot import kv_snapshot
-from pagedserve.worker.core.outputs import RequestOutput
-from pagedserve.worker.core.plan import StepResult
-from pagedserve.worker.core.request import Request
-from pagedserve.worker.core.scheduler import Scheduler
-from pagedserve.worker.core.speculative import prices_guesses
-from pagedserve.worker.core.step_cost import StepCost
-from pagedserve.worker.engine_config import EngineConfig
-from pagedserve.worker.lora.adapters import Adapters
-from pagedserve.worker.lora.peft_adapter import AdapterBusy, LoraError
-from pagedserve.worker.runner.grammar import GrammarCompiler
-from pagedserve.worker.runner.key_turns import calibration_text
-from pagedserve.worker.runner.kv_tiers import TierCopier, tier_fingerprint
-from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
+from pagedserve.worker.core.scheduling.engine_stats import engine_stats
+from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
+from pagedserve.worker.core.kv_cache.host_tier import HostTier
+from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.tiers import KvTiers
+from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
+from pagedserve.worker.core.scheduling.outputs import RequestOutput
+from pagedserve.worker.core.scheduling.plan import StepResult
+from pagedserve.worker.core.scheduling.request import Request
+from pagedserve.worker.core.scheduling.scheduler import Scheduler
+from pagedserve.worker.core.speculative.config import prices_guesses
+from pagedserve.worker.runner.simulated_cost import StepCost
+from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.runner.lora.adapters import Adapters
+from pagedserve.worker.runner.lora.peft_adapter import AdapterBusy, LoraError
+from pagedserve.worker.runner.sampling.structured_masks import GrammarCompiler
+from pagedserve.worker.runner.attention.key_rotation import calibration_text
+from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier, tier_fingerprint
+from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.loader import inspect_model
-from pagedserve.worker.runner_build import build_runner
-from pagedserve.worker.parallel.group import RankFailure
-from pagedserve.worker.parallel.ranks import Ranks
+from pagedserve.worker.setup.runner_build import build_runner
+from pagedserve.worker.runner.parallel.group import RankFailure
+from pagedserve.worker.setup.ranks import Ranks
 from pagedserve.worker.runner.models.layers import release_window
 from pagedserve.worker.runner.models.rope import rope_switch
 from pagedserve.worker.runner.simulated import SimulatedRunner
@@ -205,7 +205,7 @@ class Engine:
 
     # ------------------------------------------------------------------ what the serve layer reads
     def stats(self) -> dict[str, float]:
-        """The engine's numbers (``worker/core/engine_stats.py``); on the engine thread."""
+        """The engine's numbers (``worker/core/scheduling/engine_stats.py``); on the engine thread."""
         stats = engine_stats(self.scheduler)
         if self.runner.tiers is not None:
             stats["kv_tier_copy_up_seconds_total"] = self.runner.tiers.copy_up_seconds
@@ -223,7 +223,7 @@ class Engine:
                 "max_loras": self.adapters.max_loras if self.adapters is not None else 0}
 
     def kv_snapshot(self) -> dict:
-        """What the KV dashboard shows of this engine (``worker/core/kv_snapshot.py``), with how its
+        """What the KV dashboard shows of this engine (``worker/core/scheduling/kv_snapshot.py``), with how its
         cache stores K/V."""
         return {**kv_snapshot(self.scheduler), "kv_cache_dtype": self.config.kv_cache_dtype,
                 "kv_bytes_per_token": self.kv_bytes_per_token}

@@ -16,11 +16,11 @@ from tqdm.auto import tqdm
 
 from pagedserve.shared.prompts import encode_chat
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.outputs import RequestOutput
+from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
-from pagedserve.worker.lora.request import LoRARequest
-from pagedserve.worker.model_source import model_or_default
+from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.runner.lora.request import LoRARequest
+from pagedserve.worker.source.resolve import model_or_default
 
 Prompt = str | Seq[int]
 
@@ -28,7 +28,7 @@ Prompt = str | Seq[int]
 class LLM:
     def __init__(self, model: str | Path | None = None, **kwargs) -> None:
         """``model``: a model directory, a ``.gguf`` file, a hub id, ``"demo"``, or None (the
-        default model, SmolLM2-135M-Instruct; ``worker/model_source.py``)."""
+        default model, SmolLM2-135M-Instruct; ``worker/source/resolve.py``)."""
         self.engine = Engine(EngineConfig(model=model_or_default(model), **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

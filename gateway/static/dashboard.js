@@ -1,6 +1,6 @@
 // The KV dashboard: reads /dashboard/events (server-sent events over fetch, so an API key can go in
 // the Authorization header) and draws each worker's block pools, figures, requests and charts.
-// Frames: "worker" (a worker's snapshot, worker/core/kv_snapshot.py) and "gateway" (latencies, queue).
+// Frames: "worker" (a worker's snapshot, worker/core/scheduling/kv_snapshot.py) and "gateway" (latencies, queue).
 // The canvases (pool grids, line charts) are drawn by draw.js.
 "use strict";
 

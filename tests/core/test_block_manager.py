@@ -2,9 +2,9 @@
 
 import pytest
 
-from pagedserve.worker.core.block_manager import BlockManager, BlockUsage
-from pagedserve.worker.core.block_pool import BlockPool
-from pagedserve.worker.core.errors import OutOfBlocksError
+from pagedserve.worker.core.kv_cache.block_manager import BlockManager, BlockUsage
+from pagedserve.worker.core.kv_cache.block_pool import BlockPool
+from pagedserve.worker.core.kv_cache.errors import OutOfBlocksError
 
 
 def new_seq(bm: BlockManager, seq_id: int, tokens: list[int], extra_key=None) -> int:
@@ -292,7 +292,7 @@ def test_defaults_and_pool_names():
 def test_release_before_returns_blocks_outside_a_sliding_window():
     """Released entries become NO_BLOCK, their blocks go back (published ones to the prefix cache,
     evictable); forks, swaps and frees skip them; the invariants hold throughout."""
-    from pagedserve.worker.core.block_manager import NO_BLOCK
+    from pagedserve.worker.core.kv_cache.block_manager import NO_BLOCK
 
     bm = BlockManager(num_blocks=12, block_size=4, num_cpu_blocks=12)
     bm.start(0)

@@ -8,7 +8,7 @@ a wrong prefix hit, a missed copy-on-write or a bad swap mapping shows up as wro
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedserve.worker.core.block_manager import BlockManager
+from pagedserve.worker.core.kv_cache.block_manager import BlockManager
 from tests.conftest import examples
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # tiny alphabet: many prefix hits

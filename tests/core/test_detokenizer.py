@@ -2,8 +2,8 @@
 
 import pytest
 
-from pagedserve.worker.core.detokenizer import Detokenizer
-from pagedserve.worker.demo_model import build_tokenizer
+from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
+from pagedserve.worker.source.demo_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ step after step is not hashed again each step, nor when its blocks are registere
 from collections import Counter
 
 import pagedserve.shared.block_hash as block_hash_module
-import pagedserve.worker.core.block_manager as block_manager_module
+import pagedserve.worker.core.kv_cache.block_manager as block_manager_module
 from tests.core.test_scheduler import make, params, step
 
 

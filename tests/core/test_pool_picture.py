@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgpack
 
-from pagedserve.worker.core.block_manager import BlockManager
-from pagedserve.worker.core.pool_picture import BYTE_BUDGET, MAX_CELLS, MAX_VALUE, cell_values, decode, encode
+from pagedserve.worker.core.kv_cache.block_manager import BlockManager
+from pagedserve.worker.core.kv_cache.pool_map import BYTE_BUDGET, MAX_CELLS, MAX_VALUE, cell_values, decode, encode
 
 
 def test_free_owned_shared_and_cached_blocks_each_have_their_value():

@@ -4,9 +4,9 @@ import pytest
 
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.config import SchedulerConfig
-from pagedserve.worker.core.request import FinishReason, RequestStatus
-from pagedserve.worker.core.scheduler import Scheduler
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.request import FinishReason, RequestStatus
+from pagedserve.worker.core.scheduling.scheduler import Scheduler
 from tests.kv_simulator import KVSimulator, reference_output
 
 

@@ -8,16 +8,16 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from pagedserve.gateway.kv_index import KvIndex
+from pagedserve.gateway.routing.kv_index import KvIndex
 from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.config import SchedulerConfig
-from pagedserve.worker.core.disk_tier import DiskTier
-from pagedserve.worker.core.host_tier import HostTier
-from pagedserve.worker.core.kv_events import KvEvents
-from pagedserve.worker.core.kv_tiers import KvTiers
-from pagedserve.worker.core.request import FinishReason
-from pagedserve.worker.core.scheduler import Scheduler
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
+from pagedserve.worker.core.kv_cache.host_tier import HostTier
+from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.tiers import KvTiers
+from pagedserve.worker.core.scheduling.request import FinishReason
+from pagedserve.worker.core.scheduling.scheduler import Scheduler
 from tests.conftest import examples
 from tests.kv_simulator import KVSimulator, reference_output
 

@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from pagedserve.worker.core import disk_tier
-from pagedserve.worker.core.disk_tier import DiskTier
-from pagedserve.worker.core.host_tier import HostTier
+from pagedserve.worker.core.kv_cache import disk_tier
+from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
+from pagedserve.worker.core.kv_cache.host_tier import HostTier
 
 KEY = (None, (1, 2, 3), None)
 PAYLOAD = bytes(range(64))
@@ -162,7 +162,7 @@ def test_a_restart_finds_the_blocks_and_ignores_temporary_files(tmp_path):
 
 WRITER = """
 import os, signal, sys
-from pagedserve.worker.core.disk_tier import DiskTier
+from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
 
 disk = DiskTier(sys.argv[1], "m", 1 << 20, 1024)
 for i in (1, 2):

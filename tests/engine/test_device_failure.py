@@ -13,8 +13,8 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker import device_errors
-from pagedserve.worker.device_errors import DeviceFailure, device_guard, is_device_failure
+from pagedserve.worker.runner.device import failures as device_errors
+from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard, is_device_failure
 
 
 class AcceleratorError(RuntimeError):  # torch's type of that name, where this torch has none

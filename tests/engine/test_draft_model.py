@@ -55,7 +55,7 @@ def test_another_models_guesses_change_no_token_greedy_or_seeded(zoo):
 
 def test_a_quantized_draft_and_a_long_context_to_catch_up(zoo):
     """int8 weights for the draft; a prompt longer than one catch-up piece (drafter.CATCH_UP_CHUNK)."""
-    from pagedserve.worker.runner import drafter
+    from pagedserve.worker.runner.speculative import draft_model as drafter
 
     batch = random_batch(2, seed=3) + [[random.Random(4).randint(10, 500) for _ in range(drafter.CATCH_UP_CHUNK + 70)]]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * len(batch)
@@ -70,7 +70,7 @@ def test_a_draft_that_is_not_there_is_named_as_the_draft(zoo, tmp_path):
 
 
 def test_a_draft_of_another_vocabulary_is_refused(zoo, tmp_path):
-    from pagedserve.worker.demo_model import build_model
+    from pagedserve.worker.source.demo_model import build_model
 
     other = build_model(tmp_path / "other-vocab", family="llama", num_heads=4, num_kv_heads=2, vocab_size=700, seed=1)
     with pytest.raises(ValueError, match="vocabulary"):
@@ -78,7 +78,7 @@ def test_a_draft_of_another_vocabulary_is_refused(zoo, tmp_path):
 
 
 def test_a_draft_quantization_the_kernels_lack_is_refused_before_loading():
-    from pagedserve.worker.engine_config import EngineConfig
+    from pagedserve.worker.setup.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="int8, int4"):
         EngineConfig(model="demo", speculative_config={"model": "d", "quantization": "int3"})
@@ -87,10 +87,10 @@ def test_a_draft_quantization_the_kernels_lack_is_refused_before_loading():
 def test_a_batch_makes_no_first_pass_before_its_steps_are_priced():
     """Several rows and a step cost not yet fitted: a draft model's first pass over a prompt (a
     prefill's cost) waits; a row whose draft KV is nearly caught up still guesses, one token."""
-    from pagedserve.worker.core.config import SchedulerConfig
-    from pagedserve.worker.core.guesses import row_guess
-    from pagedserve.worker.core.request import Request, Sequence
-    from pagedserve.worker.core.speculative import SpeculativeConfig
+    from pagedserve.worker.core.scheduling.config import SchedulerConfig
+    from pagedserve.worker.core.scheduling.drafts import row_guess
+    from pagedserve.worker.core.scheduling.request import Request, Sequence
+    from pagedserve.worker.core.speculative.config import SpeculativeConfig
 
     config = SchedulerConfig(num_gpu_blocks=64, speculative=SpeculativeConfig(method="draft_model", model="d"))
 

@@ -1,4 +1,4 @@
-"""The numbers the worker exports (``Engine.stats()``, ``worker/core/engine_stats.py``) read back
+"""The numbers the worker exports (``Engine.stats()``, ``worker/core/scheduling/engine_stats.py``) read back
 exactly, each from a case where it can be counted by hand: four forks sharing a prompt (blocks
 saved by sharing, copy-on-write copies), a prompt asked twice (prefix-cache queries and hits), a
 pool too small for its requests (preemptions, swapped requests)."""

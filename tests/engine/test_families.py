@@ -127,7 +127,7 @@ def test_long_rope_recomputes_a_sequence_growing_past_the_switch(zoo, mode):
 def test_dynamic_rope_serves_past_the_trained_length_by_its_factor():
     from transformers import LlamaConfig, Phi3Config
 
-    from pagedserve.worker.model_source import max_model_len
+    from pagedserve.worker.source.resolve import max_model_len
 
     dynamic = LlamaConfig(max_position_embeddings=4096, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     assert max_model_len(dynamic) == 8192

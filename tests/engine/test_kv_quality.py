@@ -13,7 +13,7 @@ from pagedserve.shared.sampling import SamplingParams
 
 POSITIONS = 768
 # The bound on the mean |logprob change| per format, against what it measured here (AVX-512):
-# int8 0.0229 with the calibrated key turns (worker/runner/key_turns.py), 0.0300 with the fixed turn
+# int8 0.0229 with the calibrated key turns (worker/runner/attention/key_rotation.py), 0.0300 with the fixed turn
 # alone, 0.0563 with nothing turned; fp8_e4m3 0.0958 calibrated, 0.140 with the fixed turn, 0.144
 # unturned. A cache without its calibrated turns is red for both.
 BOUNDS = {"int8": 0.027, "fp8_e4m3": 0.12}

@@ -37,7 +37,7 @@ def test_batched_preempted_forked_and_cached_equals_one_at_a_time(zoo, kv, mode)
         assert [c.token_ids for c in first[i].outputs] == [tokens, tokens], f"request {i}"
     last = [i for i in first if len(prompts[i]) >= 14][-3:]  # finished last: their blocks are still cached
     again = run_checked(llm, [prompts[i] for i in last], [params[i] for i in last])
-    if mode == "recompute":  # swapped-in blocks come back unhashed (worker/core/block_manager.py): no hits there
+    if mode == "recompute":  # swapped-in blocks come back unhashed (worker/core/kv_cache/block_manager.py): no hits there
         assert stats.prefix_hit_tokens > 0  # hits on the quantized blocks
     for j, i in enumerate(last):
         assert [c.token_ids for c in again[j].outputs] == [expected[i]] * 2, f"request {i} again"
@@ -46,7 +46,7 @@ def test_batched_preempted_forked_and_cached_equals_one_at_a_time(zoo, kv, mode)
 def test_the_pool_holds_what_its_bytes_allow(tmp_path):
     """One KV budget, heads of 64 (as SmolLM2's and most models'): an 8-bit cache (64 codes and a
     2-byte scale per row) holds 1.94x the blocks of a bfloat16 one and 3.88x those of a float32 one."""
-    from pagedserve.worker.demo_model import build_model
+    from pagedserve.worker.source.demo_model import build_model
 
     model = build_model(tmp_path / "heads-of-64", hidden_size=128, num_heads=2, num_kv_heads=1)
     budget = 8 << 20

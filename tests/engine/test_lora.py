@@ -1,4 +1,4 @@
-"""Multi-LoRA (worker/lora/): each adapter's greedy output equals transformers + PEFT with that
+"""Multi-LoRA (worker/runner/lora/): each adapter's greedy output equals transformers + PEFT with that
 adapter merged, with adapters and the base model mixed in one batch under preemption and forks;
 the prefix cache never shares a block between adapters; a bad adapter is a clear error."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.shared.errors import InvalidRequestError
-from pagedserve.worker.lora.peft_adapter import LoraError
+from pagedserve.worker.runner.lora.peft_adapter import LoraError
 from tests.lora_helpers import ALL_TARGETS, greedy, make_adapter
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -149,7 +149,7 @@ def test_a_hash_collision_is_a_miss_never_another_prompts_kv(zoo, monkeypatch):
     collide with the first's cached ones must not be served their KV; its key (the tokens) is
     checked on every hit, so it misses and is computed, and its output stays transformers'."""
     from pagedserve.shared import block_hash as hashing
-    from pagedserve.worker.core import block_manager
+    from pagedserve.worker.core.kv_cache import block_manager
 
     monkeypatch.setattr(hashing, "block_hash", lambda *_: 12345)
     monkeypatch.setattr(block_manager, "block_hash", lambda *_: 12345)

@@ -73,7 +73,7 @@ def test_the_c_layer_kernels_carry_every_layer_of_every_step(llm, real_model, mo
     (``paged_kernels/native_layer_ops.py``). Each hands back what it cannot take to the layer's torch
     code, so a layout it stopped recognising (a one-token view's strides, say) would only show as a
     slower step: here every call of the prompt's forward is taken, each decode runs the layers as
-    direct C calls (``worker/runner/native_stack.py``, which runs only where every layer is the
+    direct C calls (``worker/runner/cpu/native_stack.py``, which runs only where every layer is the
     kernels'), and the tokens are transformers'."""
     model = llm.engine.runner.model
     kernels = model.model.layers[0].self_attn.kernels

@@ -14,12 +14,12 @@ import pytest
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
-from pagedserve.worker.core.config import SchedulerConfig
-from pagedserve.worker.core.guesses import row_guess
-from pagedserve.worker.core.kv_snapshot import kv_snapshot
-from pagedserve.worker.core.request import Request, Sequence
-from pagedserve.worker.core.guess_cost import StepCost, StepFit
-from pagedserve.worker.core.speculative import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.drafts import row_guess
+from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
+from pagedserve.worker.core.scheduling.request import Request, Sequence
+from pagedserve.worker.core.speculative.draft_cost import StepCost, StepFit
+from pagedserve.worker.core.speculative.config import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig
 from tests.engine.test_parity import run_checked
 
 MODEL = "llama-gqa"
@@ -287,7 +287,7 @@ def test_the_engine_fits_its_step_cost_and_guesses_nothing_where_a_token_costs_a
 def test_a_new_row_starts_from_what_recent_rows_of_its_kind_kept():
     """Sampled rows whose guesses were rejected make the next sampled row skip its first guess
     where a token costs half a step; a greedy row still guesses."""
-    from pagedserve.worker.core.speculative import SpecStats
+    from pagedserve.worker.core.speculative.config import SpecStats
 
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
     config = SchedulerConfig(num_gpu_blocks=8, speculative=spec)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from pagedserve.gateway.schemas import ApiError, Limits, parse
+from pagedserve.gateway.bodies.parse import ApiError, Limits, parse
 from tests.gateway.test_gateway import VALID, greedy, sse_events
 from tests.service_helpers import MODEL_NAME
 

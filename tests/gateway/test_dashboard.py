@@ -9,7 +9,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from pagedserve.gateway.metrics import GatewayMetrics
+from pagedserve.gateway.service.metrics import GatewayMetrics
 from pagedserve.runtime.metric_names import WORKER_SERIES
 from pagedserve.shared.keys import Keys
 

@@ -1,4 +1,4 @@
-"""``gateway/dashboard_hub.py`` on its own, against a real redis-server and no worker: what a
+"""``gateway/dashboard/hub.py`` on its own, against a real redis-server and no worker: what a
 first dashboard sets off (the ``watched`` key, the workers' wake), snapshots fanned out and kept
 for the next page, bad messages skipped, the gateway's own frames, a slow page losing its oldest
 frames, the feeds ended on close. The stack tests (``test_kv_dashboard.py``) show the same with a
@@ -13,9 +13,9 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
-from pagedserve.gateway import dashboard_hub
-from pagedserve.gateway.dashboard_hub import FRAMES_QUEUED, DashboardHub
-from pagedserve.gateway.recent_latencies import RecentLatencies
+from pagedserve.gateway.dashboard import hub as dashboard_hub
+from pagedserve.gateway.dashboard.hub import FRAMES_QUEUED, DashboardHub
+from pagedserve.gateway.dashboard.recent_latencies import RecentLatencies
 from pagedserve.shared.keys import Keys
 from tests.service_helpers import messages, subscribed
 

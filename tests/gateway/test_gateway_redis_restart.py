@@ -14,7 +14,7 @@ import redis
 from pagedserve.embedded_redis import RedisServer
 from pagedserve.shared.keys import Keys
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import EngineConfig
 from tests.gateway.dashboard_feed import frames
 from tests.gateway_stack import Stack
 from tests.service_helpers import MODEL_NAME, poll

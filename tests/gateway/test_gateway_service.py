@@ -1,4 +1,4 @@
-"""What a gateway instance does before anything reaches a worker (``gateway/service.py``), on a real
+"""What a gateway instance does before anything reaches a worker (``gateway/service/instance.py``), on a real
 redis-server with no worker and no HTTP server: prompts tokenized and checked against the live
 workers' context and vocabulary (each refusal a 400 naming its field), admission (503 with no
 worker, 429 when the queue would overflow), the wire requests it builds, routing counted, fields
@@ -12,8 +12,8 @@ import contextlib
 import pytest
 from structlog.testing import capture_logs
 
-from pagedserve.gateway.schemas import ApiError, parse
-from pagedserve.gateway.service import GatewayService
+from pagedserve.gateway.bodies.parse import ApiError, parse
+from pagedserve.gateway.service.instance import GatewayService
 from pagedserve.runtime.redis_client import connect
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.worker_info import WorkerInfo
@@ -185,7 +185,7 @@ def test_the_service_is_built_as_its_settings_say(redis_server, zoo):
     """Each part gets the settings and the one Redis client it should: the reply channel of this
     gateway, the routing policy's knobs, the model the metrics and dashboard label, and a connection
     pool that waits in a burst and retries a dead connection (what survives a Redis restart)."""
-    from pagedserve.gateway.router import RoutingPolicy
+    from pagedserve.gateway.routing.router import RoutingPolicy
 
     async def test(service, _):
         return service

@@ -12,9 +12,9 @@ import aiohttp
 import msgpack
 import redis.asyncio as aioredis
 
-from pagedserve.gateway.generation import STATE
+from pagedserve.gateway.service.generation import STATE
 from pagedserve.shared.keys import Keys
-from pagedserve.worker.core.pool_picture import decode
+from pagedserve.worker.core.kv_cache.pool_map import decode
 from tests.core.test_kv_snapshot import assert_values_count_the_tables
 from tests.gateway.dashboard_feed import LOAD, frames, hold_load
 

@@ -111,7 +111,7 @@ def test_adapters_load_and_unload_at_run_time_on_every_worker(lora_stack, zoo, t
 def test_an_adapter_in_use_is_unloaded_when_its_requests_end(lora_stack, monkeypatch):
     """Unloading waits for the requests running under the adapter: past the wait the answer is a 202,
     and the worker unloads it at a heartbeat after they end. (Last here: it takes "sql" away.)"""
-    from pagedserve.gateway import lora_api
+    from pagedserve.gateway.routes import lora as lora_api
 
     monkeypatch.setattr(lora_api, "WAIT_S", 0.5)
     client = openai.OpenAI(base_url=lora_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)

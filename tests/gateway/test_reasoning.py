@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.gateway.reasoning import ReasoningStream, split
+from pagedserve.gateway.answers.reasoning import ReasoningStream, split
 from tests.service_helpers import MODEL_NAME
 
 TEXTS = {  # text -> (deepseek_r1's split, qwen3's split)

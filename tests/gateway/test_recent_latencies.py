@@ -1,7 +1,7 @@
 """The dashboard's last-minute latencies: percentiles over a window, and memory bounded by time
 even when no chart ever asks (the soak's gateway held 20,000 samples of each kind)."""
 
-from pagedserve.gateway.recent_latencies import RecentLatencies
+from pagedserve.gateway.dashboard.recent_latencies import RecentLatencies
 
 
 def test_samples_older_than_a_minute_are_dropped_as_new_ones_come():

@@ -1,4 +1,4 @@
-"""The OpenAI objects a gateway writes (``gateway/responses.py``), built from wire events without a
+"""The OpenAI objects a gateway writes (``gateway/answers/openai_chunks.py``), built from wire events without a
 stack: whole responses and stream chunks of chat and text completions, logprobs in both shapes
 (chat's token/bytes/top list, completions' parallel lists with text offsets), echo, usage, and
 tool calls in a chat's answer. Each expected object is written out whole."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.gateway.responses import Choice, Renderer, tool_finish, usage
-from pagedserve.gateway.tool_calls import ToolRequest
+from pagedserve.gateway.answers.openai_chunks import Choice, Renderer, tool_finish, usage
+from pagedserve.gateway.answers.tool_calls import ToolRequest
 from pagedserve.shared.protocol import OutputDelta
 
 HEAD = {"id": "req-1", "created": 1700000000, "model": "m"}

@@ -119,7 +119,7 @@ def test_bad_requests_are_400s_naming_the_field(stack, body, param):
 def test_a_store_that_fails_is_a_clear_error_not_a_broken_stream(stack, client, monkeypatch, streamed):
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    from pagedserve.gateway.generation import STATE
+    from pagedserve.gateway.service.generation import STATE
 
     state = stack.runners[0].app[STATE]
 

@@ -1,6 +1,6 @@
 """SSE framing, byte for byte: what every OpenAI client parses."""
 
-from pagedserve.gateway import sse
+from pagedserve.gateway.http import sse
 
 
 def test_a_frame_is_one_data_line_and_a_blank_line():

@@ -75,7 +75,7 @@ def test_a_constraint_is_checked_once_per_request_and_compiled_once(client, monk
     """The gateway checks each request's constraint once (off its event loop); the worker compiles
     a distinct constraint once, however many requests share it (counted at both ends)."""
     import pagedserve.runtime.structured_grammar as at_gateway
-    import pagedserve.worker.runner.grammar as at_worker
+    import pagedserve.worker.runner.sampling.structured_masks as at_worker
 
     calls = {"gateway": 0, "worker": 0}
 

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagedserve.gateway.tool_calls import ToolRequest, ToolStream, extract
+from pagedserve.gateway.answers.tool_calls import ToolRequest, ToolStream, extract
 from tests.service_helpers import MODEL_NAME
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
@@ -164,7 +164,7 @@ def test_streamed_auto_content_is_the_non_streamed_answer(client):
 
 def tool_request(body: dict) -> ToolRequest | None:
     """What a chat body's tool fields come to, through the gateway's own parse."""
-    from pagedserve.gateway.schemas import Limits, parse
+    from pagedserve.gateway.bodies.parse import Limits, parse
 
     return parse({"model": MODEL_NAME, "messages": ASK, **body}, True, Limits()).tools
 
@@ -192,7 +192,7 @@ def tool_request(body: dict) -> ToolRequest | None:
     ({"tools": TOOLS, "tool_choice": "x" * 200}, "tool_choice", "tool_choice"),
 ])
 def test_tool_requests_that_cannot_be_served_name_their_field(body, param, says):
-    from pagedserve.gateway.schemas import ApiError
+    from pagedserve.gateway.bodies.parse import ApiError
 
     with pytest.raises(ApiError) as err:
         tool_request(body)
@@ -216,7 +216,7 @@ def test_tool_requests_read_as_given():
 
 
 def test_assistant_tool_calls_reach_the_template_with_their_arguments_as_objects():
-    from pagedserve.gateway.tool_calls import template_messages
+    from pagedserve.gateway.answers.tool_calls import template_messages
 
     call = {"id": "call_1", "type": "function", "function": {"name": "evict", "arguments": '{"block": 7}'}}
     odd = {"id": "call_2", "type": "function", "function": {"name": "evict", "arguments": "not json"}}

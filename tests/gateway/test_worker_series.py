@@ -9,7 +9,7 @@ import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.gateway.metrics import GatewayMetrics
+from pagedserve.gateway.service.metrics import GatewayMetrics
 from pagedserve.runtime.redis_client import connect
 from pagedserve.shared.keys import Keys
 from tests.service_helpers import MODEL_NAME

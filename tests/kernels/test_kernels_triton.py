@@ -232,7 +232,7 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     forward without capturing it; on CUDA the parity tests in tests/engine/test_gpu.py replay it."""
     from pagedserve import LLM
     from pagedserve.shared.sampling import SamplingParams
-    from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
+    from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
 
     llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
               num_gpu_blocks=64, max_model_len=64, enforce_eager=True)

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from pagedserve.kernels.lora_update import lora_update  # noqa: E402
-from pagedserve.worker.lora.lora_linear import LoraStep, add_updates  # noqa: E402
+from pagedserve.worker.runner.lora.lora_linear import LoraStep, add_updates  # noqa: E402
 
 DEVICES = [
     pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="runs on the GPU instead")),

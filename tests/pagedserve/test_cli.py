@@ -72,7 +72,7 @@ def test_every_flag_of_every_service_says_what_it_does_and_its_default_once():
     import re
 
     from pagedserve.cli import build_parser
-    from pagedserve.gateway.settings import gateway_parser
+    from pagedserve.gateway.service.settings import gateway_parser
     from pagedserve.worker.serve.settings import worker_parser
 
     serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]

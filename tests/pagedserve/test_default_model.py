@@ -17,7 +17,7 @@ import zipfile
 import pytest
 
 from pagedserve.embedded_redis import free_port
-from pagedserve.worker.default_model import PackagedModel, PackagedModelError, cached_model_file, packaged_model_file
+from pagedserve.worker.source.default_model import PackagedModel, PackagedModelError, cached_model_file, packaged_model_file
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
 

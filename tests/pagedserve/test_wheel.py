@@ -65,10 +65,10 @@ def test_the_wheel_holds_one_namespace_and_its_data_files(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"pagedserve"}
-    for data in ("pagedserve/worker/demo/corpus.txt", "pagedserve/gateway/static/dashboard.html",
+    for data in ("pagedserve/worker/source/demo/corpus.txt", "pagedserve/gateway/static/dashboard.html",
                  "pagedserve/kernels/csrc/paged_attention.c", "pagedserve/kernels/csrc/paged_prefill.c",
-                 "pagedserve/kernels/csrc/paged_common.h", "pagedserve/worker/runner/texts/calibration.txt",
-                 "pagedserve/worker/core/scheduler.py"):
+                 "pagedserve/kernels/csrc/paged_common.h", "pagedserve/worker/runner/attention/texts/calibration.txt",
+                 "pagedserve/worker/core/scheduling/scheduler.py"):
         assert data in names
 
 

@@ -1,4 +1,4 @@
-"""How checkpoint tensors are cut for each rank (worker/parallel/shard.py): the ranks' pieces put
+"""How checkpoint tensors are cut for each rank (worker/runner/parallel/shard.py): the ranks' pieces put
 back together are the whole tensor (column cuts by rows, row cuts by columns, the vocabulary padded
 on the last rank), a row-parallel bias is added once over the ranks, and a safetensors tensor is
 read as its slice alone."""
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from pagedserve.worker.parallel.shard import Shard, ShardError
+from pagedserve.worker.runner.parallel.shard import Shard, ShardError
 from pagedserve.worker.runner.loader import checkpoint_tensors
 
 CONFIG = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,

@@ -14,8 +14,8 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.device_errors import DeviceFailure
-from pagedserve.worker.parallel.shard import ShardError
+from pagedserve.worker.runner.device.failures import DeviceFailure
+from pagedserve.worker.runner.parallel.shard import ShardError
 from pagedserve import LoRARequest
 from tests.conftest import random_prompts
 from tests.lora_helpers import ALL_TARGETS, make_adapter

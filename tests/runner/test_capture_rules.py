@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.runner.attention import PagedAttention
-from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
+from pagedserve.worker.runner.attention.paged_attention import PagedAttention
+from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
 from tests.conftest import MODEL_SPECS
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from pagedserve.worker.model_source import ModelNotFound, resolve_model_dir
+from pagedserve.worker.source.resolve import ModelNotFound, resolve_model_dir
 from tests.gguf_writer import write_gguf
 
 

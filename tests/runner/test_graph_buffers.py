@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from pagedserve import LLM
-from pagedserve.worker.core.plan import ScheduledSeq
-from pagedserve.worker.runner.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
-from pagedserve.worker.runner.step_inputs import step_inputs
+from pagedserve.worker.core.scheduling.plan import ScheduledSeq
+from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
+from pagedserve.worker.runner.attention.step_inputs import step_inputs
 
 CPU = torch.device("cpu")
 
@@ -45,7 +45,7 @@ def test_a_graph_gives_rope_the_eager_steps_lengths(zoo):
 
 
 def test_context_buckets_grow_fourfold_from_2048_to_the_models_length():
-    from pagedserve.worker.runner.cuda_graphs import context_buckets
+    from pagedserve.worker.runner.device.cuda_graphs import context_buckets
 
     assert context_buckets(64) == (64,)
     assert context_buckets(2048) == (2048,)

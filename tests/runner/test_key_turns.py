@@ -1,4 +1,4 @@
-"""The calibrated turns of q and k for a quantized KV cache (worker/runner/key_turns.py): exact for
+"""The calibrated turns of q and k for a quantized KV cache (worker/runner/attention/key_rotation.py): exact for
 every score, smaller score errors under rounding than the fixed turn where queries and keys lean
 on different channels, and the same for every engine of one model whatever its pool or budget."""
 
@@ -9,7 +9,7 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.kernels.kv_format import kv_format
-from pagedserve.worker.runner.key_turns import TurnStats, calibrate, calibration_text
+from pagedserve.worker.runner.attention.key_rotation import TurnStats, calibrate, calibration_text
 
 HEADS, KV_HEADS, DIM = 4, 2, 32
 

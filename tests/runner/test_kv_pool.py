@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from pagedserve.worker.runner.kv_pool import zeroed_pool
+from pagedserve.worker.runner.kv_cache.pool import zeroed_pool
 
 def resident_mib() -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024

@@ -5,11 +5,11 @@ import torch
 from pagedserve import LLM
 from pagedserve.kernels.kv_format import AUTO
 from pagedserve.kernels.ops import reference_ops
-from pagedserve.worker.engine_config import EngineConfig
-from pagedserve.worker.runner.beam_search import BeamSearcher
-from pagedserve.worker.runner.memory_profile import profile_blocks_needed, worst_case_step
+from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
+from pagedserve.worker.runner.device.memory_profile import profile_blocks_needed, worst_case_step
 from pagedserve.worker.runner.model_runner import ModelRunner
-from pagedserve.worker.runner.sampler import Sampler
+from pagedserve.worker.runner.sampling.sampler import Sampler
 
 
 def test_the_worst_case_step_runs_within_its_scratch_pool(zoo):
@@ -44,8 +44,8 @@ def test_the_pool_leaves_room_for_a_long_decode_and_the_graphs():
     """At 256 sequences and a 128k context an eager decode step's partials (about 1 GiB) outweigh a
     small profiled step, and the decode graphs' pool comes on top when they are captured."""
     from pagedserve.kernels.decode_partitions import decode_scratch_bytes
-    from pagedserve.worker.runner.cuda_graphs import GraphLimits, graph_pool_bytes
-    from pagedserve.worker.runner.memory_profile import reserved_beside_pool
+    from pagedserve.worker.runner.device.cuda_graphs import GraphLimits, graph_pool_bytes
+    from pagedserve.worker.runner.device.memory_profile import reserved_beside_pool
 
     config, gib = llama3_8b(), 2**30
     decode = decode_scratch_bytes(256, 32, 128, 131072)

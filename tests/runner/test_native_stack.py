@@ -1,4 +1,4 @@
-"""A decode step's decoder stack as direct C calls (``worker/runner/native_stack.py``): the same bits
+"""A decode step's decoder stack as direct C calls (``worker/runner/cpu/native_stack.py``): the same bits
 as the module path it replaces (the same kernels and matrices, in the same order), with int8
 matrices on the C kernel and any other form (prepacked float32, int4, bf16) through its module;
 taken only where every layer's small operations are the kernels' and the step's rows are decodes or a
@@ -12,7 +12,7 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.runner.native_stack import SHORT_ROW, NativeStack
+from pagedserve.worker.runner.cpu.native_stack import SHORT_ROW, NativeStack
 from tests.engine.test_speculative import prompts as guessing_prompts
 
 

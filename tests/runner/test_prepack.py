@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pagedserve import LLM
-from pagedserve.worker.runner.prepack import (
+from pagedserve.worker.runner.cpu.prepack import (
     PanelLinear,
     PrepackedLinear,
     WidenedLinear,

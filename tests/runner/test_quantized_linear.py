@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 linear layers (``worker/runner/quantized_linear.py``): each multiplies by
+"""Weight-only int8/int4 linear layers (``worker/runner/cpu/quantized_linear.py``): each multiplies by
 the grid it stores (checked against that grid dequantized, from the same bf16 inputs), the grid is
 within half a step of the weight, a weight already on a Q4_1-like grid comes back exactly, and the
 engine with quantized weights batched equals the same engine serving one request at a time."""
@@ -11,7 +11,7 @@ from torch import nn
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.runner.quantized_linear import (
+from pagedserve.worker.runner.cpu.quantized_linear import (
     GROUP,
     Int4Linear,
     Int8Embedding,

@@ -3,7 +3,7 @@
 import torch
 
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.runner.sampler import Sampler, SampleRow, filtered_probs
+from pagedserve.worker.runner.sampling.sampler import Sampler, SampleRow, filtered_probs
 
 VOCAB = 50
 

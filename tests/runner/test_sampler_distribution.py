@@ -13,7 +13,7 @@ from transformers.generation.logits_process import (
 )
 
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.runner.sampler import SampleRow, Sampler
+from pagedserve.worker.runner.sampling.sampler import SampleRow, Sampler
 
 VOCAB, DRAWS = 64, 4000
 CASES = [  # temperature, top_k, top_p, min_p; the first is Qwen's own generation default

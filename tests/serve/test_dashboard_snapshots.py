@@ -6,7 +6,7 @@ from __future__ import annotations
 from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.serve.loop import EngineLoop
 
 

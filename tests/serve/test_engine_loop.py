@@ -14,7 +14,7 @@ import pytest
 from pagedserve.shared.protocol import ReplyTarget, Resume, WireRequest
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.serve.loop import EngineLoop
 from tests.service_helpers import poll
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pagedserve.shared.protocol import OutputDelta, ReplyTarget, Resume, WireRequest
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.outputs import CompletionOutput, RequestOutput
-from pagedserve.worker.core.plan import SampledToken
+from pagedserve.worker.core.scheduling.outputs import CompletionOutput, RequestOutput
+from pagedserve.worker.core.scheduling.plan import SampledToken
 from pagedserve.worker.serve.events import (InFlight, TokenPieces, error_event, event_for, lost_event,
                                             request_finish_reason)
 

@@ -9,8 +9,8 @@ from structlog.testing import capture_logs
 
 from pagedserve.shared.protocol import ReplyTarget, Resume, WireRequest
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.outputs import CompletionOutput, RequestOutput
-from pagedserve.worker.core.plan import SampledToken
+from pagedserve.worker.core.scheduling.outputs import CompletionOutput, RequestOutput
+from pagedserve.worker.core.scheduling.plan import SampledToken
 from pagedserve.worker.serve.events import InFlight
 from pagedserve.worker.serve.inflight import InFlightTable
 

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from pagedserve.gateway.app import create_app
-from pagedserve.gateway.kv_index import KvIndex
+from pagedserve.gateway.routing.kv_index import KvIndex
 from pagedserve.runtime.redis_client import connect
 from pagedserve.shared.block_hash import block_hash, cache_salt, prefix_hashes
 from pagedserve.shared.errors import InvalidRequestError
@@ -25,9 +25,9 @@ from pagedserve.shared.keys import Keys
 from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.shared.protocol import ReplyTarget, WireRequest, pack
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.kv_events import KvEvents
+from pagedserve.worker.core.kv_cache.events import KvEvents
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import EngineConfig
 from tests.gateway_stack import gateway_settings
 from tests.service_helpers import MODEL_NAME, apoll, events_of, settings_for
 
@@ -255,8 +255,8 @@ async def routed(url: str, infos: list, held: dict[str, list[int]], prompt: list
     and prefix caches (as their KV events say: ``held`` on the device, ``below`` on a lower tier)
     does with ``prompt`` ``times`` in a row (the loads read once); then what ``await then(router)``
     returns, if given."""
-    from pagedserve.gateway.router import Router, RoutingPolicy
-    from pagedserve.gateway.worker_directory import WorkerDirectory
+    from pagedserve.gateway.routing.router import Router, RoutingPolicy
+    from pagedserve.gateway.routing.worker_directory import WorkerDirectory
 
     r = connect(url)
     try:
@@ -359,7 +359,7 @@ def test_the_router_hashes_as_each_worker_does_and_forgets_the_gone(redis_url, m
     assert route(one, {"w1": prefix_hashes([5, 6], 1)}, prompt=[5]) == [None]
     assert route([], {}) == [None]
 
-    from pagedserve.gateway import worker_directory
+    from pagedserve.gateway.routing import worker_directory
 
     now = [1000.0]
     monkeypatch.setattr(worker_directory.time, "monotonic", lambda: now[0])
@@ -379,7 +379,7 @@ def test_the_router_hashes_as_each_worker_does_and_forgets_the_gone(redis_url, m
 def test_an_adapter_request_goes_by_its_salted_prefix_to_a_worker_holding_the_adapter(redis_url):
     """Workers list their LoRA adapters as NAME@DIGEST, the salt their blocks carry: the router
     hashes an adapter request's prompt the same way and considers only the workers holding it."""
-    from pagedserve.gateway.worker_directory import Workers
+    from pagedserve.gateway.routing.worker_directory import Workers
 
     prompt = [40 + i for i in range(80)]
     key = "sql@0123456789abcdef"
@@ -402,7 +402,7 @@ def test_an_adapter_request_never_takes_the_shared_stream_while_a_worker_lacks_t
     """A worker whose load failed (or one starting) does not list the adapter: with no prefix to
     route by, the request goes to the least loaded holder's own stream, not to the shared one that
     worker also reads; where every worker holds it, the shared stream is fine."""
-    from pagedserve.gateway.worker_directory import Workers
+    from pagedserve.gateway.routing.worker_directory import Workers
 
     prompt = [40 + i for i in range(80)]
     key = "sql@0123456789abcdef"

@@ -17,7 +17,7 @@ from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.worker_info import WorkerInfo
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.serve.events import InFlight
 from pagedserve.worker.serve.inflight import InFlightTable
 from pagedserve.worker.serve.loop import EngineLoop

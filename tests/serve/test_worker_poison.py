@@ -16,7 +16,7 @@ from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import VERSION
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import EngineConfig
 from tests.conftest import examples
 from tests.service_helpers import MODEL_NAME, apoll, collect, running_worker, settings_for
 

@@ -23,7 +23,7 @@ from pagedserve.shared.keys import Keys
 from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import EngineConfig
 from tests.service_helpers import MODEL_NAME, apoll, collect, events_of, running_worker, settings_for
 
 KEYS = Keys()

@@ -17,7 +17,7 @@ from pagedserve.shared.protocol import VERSION, pack
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.worker_info import WorkerInfo
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import EngineConfig
 from tests.conftest import random_prompts
 from tests.service_helpers import MODEL_NAME, ChannelTap, apoll, collect, events_of, running_worker, settings_for
 

@@ -7,8 +7,8 @@ import pytest
 
 from pagedserve.kernels.ops import BACKENDS
 from pagedserve.runtime.env import cache_dir
-from pagedserve.worker.engine_config import EngineConfig
-from pagedserve.worker.engine_flags import declared_flags, engine_argv
+from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_flags import declared_flags, engine_argv
 from pagedserve.worker.serve.settings import worker_parser, worker_settings
 
 

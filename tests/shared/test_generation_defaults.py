@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pagedserve.gateway.schemas import Limits, parse
+from pagedserve.gateway.bodies.parse import Limits, parse
 from pagedserve.shared.sampling_defaults import generation_defaults
 
 

@@ -5,7 +5,7 @@ Config and tokenizer come through transformers (``AutoConfig``, ``AutoTokenizer`
 the safetensors shards or the GGUF's tensors (dequantized, under checkpoint names), by name (the
 family's ``rename`` maps checkpoint names; per-expert tensors are stacked), straight into the paged
 model. A hub id is resolved to a local snapshot first and a GGUF to a model directory
-(``worker/gguf_model_dir.py``), so all take the same path.
+(``worker/source/gguf_dir.py``), so all take the same path.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.gguf_file import open_gguf
-from pagedserve.worker.model_source import max_model_len, model_or_default, resolve_model_dir
-from pagedserve.worker.parallel.shard import Shard
-from pagedserve.worker.runner.gguf_weights import gguf_tensors
+from pagedserve.worker.source.gguf_file import open_gguf
+from pagedserve.worker.source.resolve import max_model_len, model_or_default, resolve_model_dir
+from pagedserve.worker.runner.parallel.shard import Shard
+from pagedserve.worker.source.gguf_weights import gguf_tensors
 from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
-from pagedserve.worker.runner.models.layer_forms import fuse_projections, use_layer_kernels
+from pagedserve.worker.runner.cpu.fused_projections import fuse_projections, use_layer_kernels
 from pagedserve.worker.runner.models.layers import CausalLM
-from pagedserve.worker.runner.native_stack import NativeStack
-from pagedserve.worker.runner.prepack import fast_cpu_linears
-from pagedserve.worker.runner.quantized_linear import quantize_linears
+from pagedserve.worker.runner.cpu.native_stack import NativeStack
+from pagedserve.worker.runner.cpu.prepack import fast_cpu_linears
+from pagedserve.worker.runner.cpu.quantized_linear import quantize_linears
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -95,8 +95,8 @@ def _eos_ids(path: Path, config) -> frozenset[int]:
 def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quantization: str = "none",
                  shard: Shard | None = None) -> CausalLM:
     """Build the model without initialising it, then fill every parameter from the checkpoint;
-    ``quantization`` (``worker/runner/quantized_linear.py``): its linear layers' weights then int8 or int4;
-    ``shard``: only this tensor-parallel rank's slice of each (``worker/parallel/shard.py``), read alone
+    ``quantization`` (``worker/runner/cpu/quantized_linear.py``): its linear layers' weights then int8 or int4;
+    ``shard``: only this tensor-parallel rank's slice of each (``worker/runner/parallel/shard.py``), read alone
     from safetensors.
 
     Each decoder layer takes its final form (projections fused, quantized or laid out for the CPU

@@ -3,7 +3,7 @@ GPUs: each step takes the time the real model would (a sleep from a calibrated c
 every sampling row gets a token made from its sequence, so the scheduler, block manager, prefix
 cache, KV events and Redis I/O all run for real while the forward pass costs no CPU.
 
-``StepCost`` (``worker/core/step_cost.py``): ``base + per_seq * sequences + per_token * tokens``
+``StepCost`` (``worker/runner/simulated_cost.py``): ``base + per_seq * sequences + per_token * tokens``
 seconds per step, fitted to the real model by ``bench/scale.py --calibrate``. Beam search is not simulated (its requests fail).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import time
 
-from pagedserve.worker.core.plan import SampledToken, StepPlan, StepResult
-from pagedserve.worker.core.step_cost import StepCost
+from pagedserve.worker.core.scheduling.plan import SampledToken, StepPlan, StepResult
+from pagedserve.worker.runner.simulated_cost import StepCost
 
 FIRST_TOKEN = 10  # simulated tokens stay clear of the special ids at the start of the vocabulary
 

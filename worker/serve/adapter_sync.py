@@ -14,7 +14,7 @@ import structlog
 
 from pagedserve.shared.keys import Keys
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.lora.peft_adapter import AdapterBusy, LoraError
+from pagedserve.worker.runner.lora.peft_adapter import AdapterBusy, LoraError
 from pagedserve.worker.serve.loop import EngineLoop
 
 log = structlog.get_logger("pagedserve.worker")

@@ -1,5 +1,5 @@
 """The worker's KV dashboard feed: while a gateway says a dashboard is open (the model's
-``dashboard_watched`` key), ask the engine thread for a snapshot (``worker/core/kv_snapshot.py``)
+``dashboard_watched`` key), ask the engine thread for a snapshot (``worker/core/scheduling/kv_snapshot.py``)
 every ``interval_s`` and PUBLISH it, msgpack, on the model's dashboard channel, with what only the
 I/O side knows (tokens sent, requests in flight, the queue's depth). Nobody watching: nothing is
 taken and nothing sent, so the feed costs one EXISTS a tick. A gateway whose first dashboard opens

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pagedserve.shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest, can_resume
-from pagedserve.worker.core.outputs import CompletionOutput, RequestOutput
+from pagedserve.worker.core.scheduling.outputs import CompletionOutput, RequestOutput
 
 
 class TokenPieces:

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import structlog
 
 from pagedserve.shared.protocol import WireEvent
-from pagedserve.worker.core.outputs import RequestOutput
+from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.serve.bridge import Outgoing
 from pagedserve.worker.serve.events import InFlight, error_event, event_for
 

@@ -2,7 +2,7 @@
 dropped (block hashes, taken on the engine thread after each step), merged on the I/O thread and sent on the model's KV stream at
 most every ``interval_s``. A reset with every hash the cache holds goes out at start, every
 ``resync_s`` and after Redis was lost; an empty reset when the worker stops. Gateways route on
-them (``gateway/kv_index.py``).
+them (``gateway/routing/kv_index.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import structlog
 
 from pagedserve.runtime.redis_io import REDIS_DOWN
 from pagedserve.shared.kv_wire import KvEvent
-from pagedserve.worker.core.kv_events import KvChanges, KvEvents
+from pagedserve.worker.core.kv_cache.events import KvChanges, KvEvents
 from pagedserve.worker.serve.bridge import RedisBridge
 
 log = structlog.get_logger("pagedserve.worker")

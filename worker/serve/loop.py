@@ -19,8 +19,8 @@ import structlog
 
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.protocol import WireRequest
-from pagedserve.worker.core.kv_events import KvChanges, KvEvents
-from pagedserve.worker.core.outputs import RequestOutput
+from pagedserve.worker.core.kv_cache.events import KvChanges, KvEvents
+from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.engine import Engine
 
 log = structlog.get_logger("pagedserve.worker")

@@ -1,4 +1,4 @@
-"""The worker's settings: its flags (the engine's among them, ``worker/engine_flags.py``), then the
+"""The worker's settings: its flags (the engine's among them, ``worker/setup/engine_flags.py``), then the
 environment (``runtime/env.py``), then defaults; built once, frozen."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Mapping
 
 from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive, with_env_help
 from pagedserve.shared.keys import served_name
-from pagedserve.worker.engine_flags import add_engine_args, engine_kwargs
-from pagedserve.worker.model_source import MODEL_HELP
+from pagedserve.worker.setup.engine_flags import add_engine_args, engine_kwargs
+from pagedserve.worker.source.resolve import MODEL_HELP
 
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    model: str | None  # None: the default model (worker/model_source.py, model_or_default)
+    model: str | None  # None: the default model (worker/source/resolve.py, model_or_default)
     redis_url: str
     served_model_name: str
     consumer: str

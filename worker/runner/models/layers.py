@@ -20,8 +20,8 @@ from torch.nn import functional as F
 
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.parallel.vocab import VocabSlice
-from pagedserve.worker.runner.attention import AttentionMetadata, PagedAttention
+from pagedserve.worker.runner.models.vocab_parallel import VocabSlice
+from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.runner.models.rope import Rotaries, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -255,7 +255,7 @@ class CausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.rotary = Rotaries(config, self.head_dim)
         self.vocab: VocabSlice | None = None  # tensor parallel: this rank's rows of the embedding and head
-        # A decode step's layers as direct C calls (worker/runner/native_stack.py), where the loader
+        # A decode step's layers as direct C calls (worker/runner/cpu/native_stack.py), where the loader
         # finds every layer the kernels': (x, tables, meta, kv_caches) -> hidden states, or None.
         self.native_stack: Callable | None = None
 

@@ -1,0 +1,1 @@
+"""Answers as clients read them: OpenAI's response and chunk objects, an answer's thinking, text and tool calls."""

@@ -1,0 +1,1 @@
+"""HTTP pieces every route uses: the refused-request error and server-sent-event framing."""

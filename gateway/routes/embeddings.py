@@ -1,0 +1,52 @@
+"""``POST /v1/embeddings``: a decoder model's embeddings, as vLLM's pooling runner makes them: each
+input's final hidden states pooled (the last token's, or with pagedserve's ``pooling: "mean"`` their
+mean) and normalised to unit length. The inputs go through the same queue and continuous batching
+as generation, prefill only (``SamplingParams.pooling``: the request ends once its prompt is in,
+with no token); ``encoding_format`` ``float`` or ``base64`` (little-endian float32, which the
+OpenAI SDK asks for by default)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+
+from aiohttp import web
+
+from pagedserve.gateway.http.api_error import ApiError
+from pagedserve.gateway.bodies.openai import EmbeddingsRequest
+from pagedserve.gateway.bodies.errors import validated
+from pagedserve.gateway.service.generation import STATE, account, generation, read_json
+from pagedserve.gateway.bodies.parse import ParsedRequest, prompt_count
+from pagedserve.shared.sampling import SamplingParams
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = validated(EmbeddingsRequest, await read_json(request))
+    count = prompt_count(req.input)
+    if count > state.limits.max_choices:
+        raise ApiError(400, f"{count} inputs; at most {state.limits.max_choices} per request", "input")
+    params = SamplingParams(max_tokens=1, temperature=0.0, pooling=req.pooling or "last")
+    parsed = ParsedRequest(False, req.model, req.input, params, False, False, req.priority or 0, None, req.user,
+                           ignored=tuple(sorted(req.model_extra or ())))
+    vectors: dict[int, list[float]] = {}
+    async with generation(request, parsed) as sent:
+        async for index, event in sent.events:
+            account(state, parsed, event, sent.tally, time.monotonic())
+            if event.done and (event.finish_reason == "error" or event.embedding is None):
+                raise ApiError(502, event.error or "the worker sent no embedding", None, "worker_error", "server_error")
+            if event.done:
+                vectors[index] = event.embedding
+        state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - sent.tally.started)
+        data = [{"object": "embedding", "index": i, "embedding": _encoded(vectors[i], req.encoding_format)}
+                for i in range(len(sent.prompts))]
+        tokens = sum(len(p) for p in sent.prompts)
+    return web.json_response({"object": "list", "data": data, "model": req.model,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _encoded(vector: list[float], encoding: str | None) -> list[float] | str:
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return vector

@@ -1,0 +1,382 @@
+"""Block tables over a GPU and a CPU pool: paging, copy-on-write forks, prefix reuse and swap.
+
+Each sequence owns a block table (logical block i -> physical block) that covers exactly the
+token slots it has been given (``num_slots``). A block is written only while its reference
+count is 1; growing a sequence into a shared partial block first copies it (``(src, dst)``).
+
+Prefix cache: a full block is keyed by ``block_hash(parent_hash, tokens, extra_key)``
+(``shared/block_hash.py``: the same in every process, so the gateway can route on it), chained from
+the first block, and verified against the stored key on a hit. Lookups cap the hit at
+``(len(prompt) - 1) // block_size`` blocks so that a fully cached prompt still recomputes its
+last token (its logits are needed to sample).
+
+Swap moves whole sequence groups: blocks shared inside the group stay shared on the CPU side.
+Swapped-in blocks come back unhashed; their content is valid but they are not re-published.
+
+Sliding windows: when every layer attends only to its last W positions, a block that holds only
+positions no future query can see is released (``release_before``): its table entry becomes
+``NO_BLOCK`` and its reference goes back to the pool (to the prefix cache, evictable, when it is
+published there). Released entries are always a leading run of the table; the kernels never read
+them (they start at the window).
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from pagedserve.shared.block_hash import block_hash
+from pagedserve.worker.core.kv_cache.block_pool import BlockPool
+from pagedserve.worker.core.kv_cache.block_tables import NO_BLOCK, count_unique, live_blocks, move_tables
+from pagedserve.worker.core.scheduling.config import BLOCK_SIZE
+from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.tiers import PENDING, KvTiers, LowerHit
+from pagedserve.worker.core.scheduling.plan import NO_TIER_MOVES, TierMoves
+
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    """A snapshot of the pools for logs, metrics and benchmarks."""
+
+    total: int
+    used: int
+    free: int
+    cached: int
+    cpu_total: int
+    cpu_used: int
+    logical: int  # block-table entries on the GPU; logical - used = blocks saved by sharing
+    tokens_held: int
+    slot_utilization: float  # tokens held / (used blocks * block_size); 1.0 when nothing is used
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Cached blocks that match the start of a prompt, and their chained hashes; then the blocks
+    that go on below the device (``worker/core/kv_cache/tiers.py``), each needing a free device block."""
+
+    blocks: tuple[int, ...]
+    hashes: tuple[int, ...]
+    num_reclaimed: int  # how many of them are cached-free now, so taking them uses free capacity
+    lower: tuple[LowerHit, ...] = ()
+    waits_on_disk: bool = False  # the prefix goes on in a block being read from disk: start later
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.lower)
+
+
+NO_HIT = PrefixHit((), (), 0)
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = BLOCK_SIZE,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        tiers: KvTiers | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.gpu = BlockPool(num_blocks, name="gpu")
+        self.cpu = BlockPool(num_cpu_blocks, name="cpu")
+        self.tiers = tiers if enable_prefix_caching else None
+        if self.tiers is not None:
+            self.gpu.on_evict = self.tiers.demote
+            self.tiers.on_device = self.gpu.holds
+        self._tables: dict[int, list[int]] = {}
+        self._cpu_tables: dict[int, list[int]] = {}
+        self._num_slots: dict[int, int] = {}
+        self._hashes: dict[int, list[int]] = {}  # chained hashes of the seq's leading full blocks
+        self._released: dict[int, int] = {}  # leading table entries already released (sliding window)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.gpu.num_free
+
+    def block_table(self, seq_id: int) -> tuple[int, ...]:
+        return tuple(self._tables[seq_id])
+
+    def table_of(self, seq_id: int) -> tuple[str, tuple[int, ...]] | None:
+        """``("gpu" | "cpu", table)`` of a sequence that holds blocks, else None (for the dashboard)."""
+        for device, tables in (("gpu", self._tables), ("cpu", self._cpu_tables)):
+            if seq_id in tables:
+                return device, tuple(tables[seq_id])
+        return None
+
+    def num_slots(self, seq_id: int) -> int:
+        return self._num_slots[seq_id]
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self._tables or seq_id in self._cpu_tables
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------------ prefix cache
+    def block_key(self, parent_hash: int | None, tokens: Sequence[int], extra_key: Hashable) -> tuple:
+        return (parent_hash, tuple(tokens), extra_key)
+
+    def match_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None, known: Sequence[int] = ()) -> PrefixHit:
+        """Longest run of cached full blocks at the start of ``token_ids`` (last token excluded),
+        on the device, then below it. ``known``: the leading blocks' hashes where the caller keeps
+        them (a request's prompt chain)."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        lower: list[LowerHit] = []
+        waits = False
+        chain = self._prompt_chain(token_ids, extra_key, known) if self.enable_prefix_caching else iter(())
+        for parent, key in chain:
+            block = None if lower else self.gpu.lookup(parent, key)
+            if block is not None:
+                blocks.append(block)
+                hashes.append(parent)
+                continue
+            below = self.tiers.find(parent, key) if self.tiers is not None else None
+            if below == PENDING:  # read the rest of the prefix on disk at the same time
+                waits = True
+                for later, _ in chain:  # up to the first block not on disk
+                    if not self.tiers.prefetch(later):
+                        break
+            if below is None or waits:
+                break
+            lower.append(below)
+        reclaimed = sum(1 for b in blocks if self.gpu.is_cached_free(b))
+        return PrefixHit(tuple(blocks), tuple(hashes), reclaimed, tuple(lower), waits)
+
+    def _prompt_chain(self, token_ids: Sequence[int], extra_key: Hashable, known: Sequence[int]):
+        """``(hash, key)`` of each full block a prefix hit can cover, hashed only past ``known``."""
+        parent: int | None = None
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            key = self.block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
+            parent = known[i] if i < len(known) else block_hash(*key)
+            yield parent, key
+
+    def hold(self, hits: Sequence[PrefixHit]) -> None:
+        """These hits start this step: the tier slots they read are kept until the copies ran."""
+        if self.tiers is not None:
+            self.tiers.hold([below for hit in hits for below in hit.lower])
+
+    def promote(self, seq_id: int, hit: PrefixHit) -> int:
+        """Give a started sequence the hit's blocks from below the device, each copied up into a
+        device block this step (a sibling that promoted the same block first is shared). Returns
+        the tokens now computed."""
+        table, chain = self._tables[seq_id], self._hashes[seq_id]
+        for below in hit.lower:
+            block = self.gpu.lookup(below.block_hash, below.key)
+            if block is not None:
+                self.gpu.incref(block)
+            else:
+                block = self.gpu.allocate()
+                self.gpu.register(block, below.block_hash, below.key)
+                self.tiers.promote(below, block)
+            table.append(block)
+            chain.append(below.block_hash)
+        self._num_slots[seq_id] = len(table) * self.block_size
+        return self._num_slots[seq_id]
+
+    def record_kv_events(self, events: KvEvents | None) -> None:
+        """Tell ``events`` each hash the prefix cache publishes, lowers to a tier or drops (None: stop)."""
+        self.gpu.events = events
+        if self.tiers is not None:
+            self.tiers.events = events
+
+    def lowered_hashes(self) -> list[int]:
+        """The hashes only the tiers below the device hold."""
+        return self.tiers.lowered_hashes() if self.tiers is not None else []
+
+    def take_tier_moves(self) -> TierMoves:
+        """The copies this step's decisions need between the device and the tiers below it."""
+        return self.tiers.take_moves() if self.tiers is not None else NO_TIER_MOVES
+
+    def register_full_blocks(
+        self, seq_id: int, token_ids: Sequence[int], num_computed: int, extra_key: Hashable = None,
+        known: Sequence[int] = (),
+    ) -> None:
+        """Publish the seq's blocks that are full and whose KV has been computed (``known``: as in
+        ``match_prefix``)."""
+        if not self.enable_prefix_caching or seq_id not in self._tables:
+            return
+        chain, table, bs = self._hashes[seq_id], self._tables[seq_id], self.block_size
+        for i in range(len(chain), min(num_computed // bs, len(table))):
+            key = self.block_key(chain[-1] if chain else None, token_ids[i * bs : (i + 1) * bs], extra_key)
+            chain.append(known[i] if i < len(known) else block_hash(*key))
+            self.gpu.register(table[i], chain[-1], key)
+
+    # ------------------------------------------------------------------ allocation
+    def start(self, seq_id: int, hit: PrefixHit | None = None) -> int:
+        """Create an empty table for a new sequence, taking the prefix-hit blocks. Returns the
+        number of tokens already computed (the cached prefix)."""
+        if self.has_seq(seq_id):
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        hit = hit or PrefixHit((), (), 0)
+        for block in hit.blocks:
+            self.gpu.incref(block)
+        self._tables[seq_id] = list(hit.blocks)
+        self._hashes[seq_id] = list(hit.hashes)
+        self._num_slots[seq_id] = len(hit.blocks) * self.block_size
+        return self._num_slots[seq_id]
+
+    def cost_to_grow(self, seq_ids_and_counts: Sequence[tuple[int, int]]) -> int:
+        """Free GPU blocks needed to give each seq its extra slots, copy-on-write copies included.
+
+        Exact for applying ``grow`` in the given order (a shared block copied by one seq has one
+        reference fewer when the next seq looks at it). For swapped seqs it is the cost once they
+        are swapped back in, on top of ``swap_in_cost``."""
+        released: Counter[int] = Counter()
+        needed = 0
+        for seq_id, count in seq_ids_and_counts:
+            if count <= 0:
+                continue
+            start = self._num_slots[seq_id]
+            table, pool = (self._cpu_tables[seq_id], self.cpu) if self.is_swapped(seq_id) else (self._tables[seq_id], self.gpu)
+            if start % self.block_size:
+                last = table[start // self.block_size]
+                if pool.ref_count(last) - released[last] > 1:
+                    needed += 1
+                    released[last] += 1
+            needed += self.blocks_for(start + count) - len(table)
+        return needed
+
+    def grow(self, seq_id: int, count: int) -> list[tuple[int, int]]:
+        """Give the seq ``count`` more slots. Returns the copy-on-write copies ``(src, dst)``."""
+        start, table = self._num_slots[seq_id], self._tables[seq_id]
+        copies: list[tuple[int, int]] = []
+        if count <= 0:
+            return copies
+        if start % self.block_size:
+            index = start // self.block_size
+            shared = table[index]
+            if self.gpu.ref_count(shared) > 1:
+                table[index] = self.gpu.allocate()
+                self.gpu.decref(shared)
+                copies.append((shared, table[index]))
+        while len(table) < self.blocks_for(start + count):
+            table.append(self.gpu.allocate())
+        self._num_slots[seq_id] = start + count
+        return copies
+
+    def rewind(self, seq_id: int, num_slots: int) -> None:
+        """Give back the seq's slots past ``num_slots`` (speculative guesses rejected); a block left
+        without a slot goes back to the pool. Those slots were never published (not computed)."""
+        table = self._tables[seq_id]
+        if not 0 <= num_slots <= self._num_slots[seq_id]:
+            raise ValueError(f"seq {seq_id}: cannot rewind {self._num_slots[seq_id]} slots to {num_slots}")
+        while len(table) > self.blocks_for(num_slots):
+            self.gpu.decref(table.pop())
+        self._num_slots[seq_id] = num_slots
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (no copy until one of them writes)."""
+        if self.has_seq(child_id):
+            raise ValueError(f"sequence {child_id} already has blocks")
+        table = self._tables[parent_id]
+        for block in live_blocks(table):
+            self.gpu.incref(block)
+        self._tables[child_id] = list(table)
+        self._hashes[child_id] = list(self._hashes[parent_id])
+        self._num_slots[child_id] = self._num_slots[parent_id]
+        self._released[child_id] = self._released.get(parent_id, 0)
+
+    def release_before(self, seq_id: int, position: int) -> int:
+        """Release the seq's GPU blocks that hold only positions before ``position`` (no query will
+        read them again under a sliding window). Returns how many were released."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        first, last = self._released.get(seq_id, 0), min(max(position, 0) // self.block_size, len(table))
+        for i in range(first, last):
+            self.gpu.decref(table[i])
+            table[i] = NO_BLOCK
+        if last > first:
+            self._released[seq_id] = last
+        return max(0, last - first)
+
+    def free(self, seq_id: int) -> None:
+        """Release the seq's blocks on whichever device they are. Unknown ids are ignored."""
+        for pool, tables in ((self.gpu, self._tables), (self.cpu, self._cpu_tables)):
+            # Release from the end so the prefix's head blocks are the last to be evicted.
+            for block in reversed(live_blocks(tables.pop(seq_id, []))):
+                pool.decref(block)
+        self._num_slots.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+        self._released.pop(seq_id, None)
+
+    # ------------------------------------------------------------------ swap
+    def swap_out_cost(self, seq_ids: Sequence[int]) -> int:
+        """CPU blocks needed to swap these seqs out (shared blocks counted once)."""
+        return count_unique(self._tables, seq_ids)
+
+    def swap_in_cost(self, seq_ids: Sequence[int]) -> int:
+        """GPU blocks needed to swap these seqs back in."""
+        return count_unique(self._cpu_tables, seq_ids)
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return seq_id in self._cpu_tables
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move the seqs' blocks to the CPU pool. Returns ``(gpu, cpu)`` copies."""
+        return move_tables(seq_ids, self._tables, self._cpu_tables, self.gpu, self.cpu)
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move the seqs' blocks back to the GPU pool. Returns ``(cpu, gpu)`` copies."""
+        return move_tables(seq_ids, self._cpu_tables, self._tables, self.cpu, self.gpu)
+
+    # ------------------------------------------------------------------ reports and checks
+    def usage(self) -> BlockUsage:
+        """Counts of both pools. Read on the engine thread a few times a second (metrics, the
+        dashboard): every block but a table's last is full, so the tokens held need one set of
+        block ids, not a loop over every entry (a million-block pool: ~30 ms, was ~600 ms)."""
+        full: set[int] = set()
+        last: dict[int, int] = {}  # a table's last block -> the most slots any holder fills in it
+        logical = 0
+        for seq_id, table in self._tables.items():
+            live = table[self._released.get(seq_id, 0) :]
+            if not live:
+                continue
+            logical += len(live)
+            full.update(live[:-1])
+            fill = self._num_slots[seq_id] - (len(table) - 1) * self.block_size
+            last[live[-1]] = max(last.get(live[-1], 0), fill)
+        tokens = self.block_size * len(full) + sum(fill for block, fill in last.items() if block not in full)
+        used = self.gpu.num_used
+        return BlockUsage(
+            total=self.gpu.num_blocks,
+            used=used,
+            free=self.gpu.num_free,
+            cached=self.gpu.num_cached,
+            cpu_total=self.cpu.num_blocks,
+            cpu_used=self.cpu.num_used,
+            logical=logical,
+            tokens_held=tokens,
+            slot_utilization=tokens / (used * self.block_size) if used else 1.0,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any table, refcount, free list or hash entry disagrees."""
+        self.gpu.check_invariants(Counter(b for t in self._tables.values() for b in live_blocks(t)))
+        self.cpu.check_invariants(Counter(b for t in self._cpu_tables.values() for b in live_blocks(t)))
+        if self.tiers is not None:
+            self.tiers.check_invariants()
+        both = self._tables.keys() & self._cpu_tables.keys()
+        if both:
+            raise AssertionError(f"sequences on both devices: {sorted(both)}")
+        for seq_id, slots in self._num_slots.items():
+            table = self._tables.get(seq_id, self._cpu_tables.get(seq_id))
+            if table is None or len(table) != self.blocks_for(slots):
+                raise AssertionError(f"seq {seq_id}: {slots} slots but table {table}")
+            if len(self._hashes[seq_id]) > len(table):
+                raise AssertionError(f"seq {seq_id}: more hashes than blocks")
+            released = self._released.get(seq_id, 0)
+            if any(b == NO_BLOCK for b in table[released:]) or any(b != NO_BLOCK for b in table[:released]):
+                raise AssertionError(f"seq {seq_id}: released entries are not the leading {released}: {table}")
+

@@ -1,0 +1,138 @@
+"""StepPlan and StepResult: what one engine step does, decided by the scheduler, and what the
+model runner hands back.
+
+The runner applies ``swap_out``, then ``swap_in``, then ``copies`` (copy-on-write), then runs one
+forward over ``seqs`` and samples ``num_samples`` tokens for each seq that asks for them. Each
+``ScheduledSeq`` carries its request's sampling parameters (and, when penalties need it, the token
+history), so the runner samples without asking the scheduler anything; beam-search rows carry
+their request's live beams, and the runner returns the search's next step for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from pagedserve.shared.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq_id: int
+    request_id: str
+    token_ids: tuple[int, ...]  # tokens whose KV this step computes
+    start: int  # position of token_ids[0] in the sequence
+    block_table: tuple[int, ...]
+    num_samples: int  # 0: a prefill chunk that is not the last; n at a fork; else 1
+    params: SamplingParams = SamplingParams()
+    seq_index: int = 0  # which of the request's outputs (the first of a fork's rows)
+    num_output: int = 0  # tokens this sequence has generated so far
+    prompt_ids: tuple[int, ...] = ()  # token history, only when penalties need it
+    output_ids: tuple[int, ...] = ()
+    beam_group: tuple[int, ...] = ()  # beam search: the request's live beams (seq ids), in order
+    grammar: object = None  # the sequence's GrammarState when its output is constrained (sampling rows only)
+    seq_len: int = 0  # the sequence's length now, computed or not (rope that changes with length reads it)
+    prompt_targets: tuple[int, ...] = ()  # prompt_logprobs: the prompt token after each of the first positions
+    num_draft: int = 0  # speculative decoding: the last num_draft of token_ids are guesses the runner checks
+    draft_grammars: tuple = ()  # with a grammar: its state before each guess and after the last
+    draft_context: tuple[int, ...] | None = None  # a draft model guesses (its guesses here are 0 until then): the tokens before start it has no KV for
+    pool_from: int | None = None  # an embedding (params.pooling): positions before this are pooled already
+    adapter: str | None = None  # the LoRA adapter its request runs under (worker/runner/lora/); None: the base model
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of KV the sequence has once this step wrote its own."""
+        return self.start + len(self.token_ids)
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        table = self.block_table
+        return [table[p // block_size] * block_size + p % block_size for p in range(self.start, self.context_len)]
+
+
+@dataclass(frozen=True)
+class TierMoves:
+    """One step's copies between the device pool and the tiers under it (``worker/core/kv_cache/host_tier.py``,
+    ``disk_tier.py``), applied before every other block move: spills (host slots, or device blocks
+    when there is no host tier, written to disk), demotions (device block -> host slot), then, after
+    the swap-outs, promotions (host slot -> device block) and loads (a disk payload -> device block)."""
+
+    spills: tuple[tuple[str, int, int, tuple], ...] = ()  # ("host" | "gpu", slot or block, hash, key)
+    demotions: tuple[tuple[int, int], ...] = ()  # (device block, host slot)
+    promotions: tuple[tuple[int, int], ...] = ()  # (host slot, device block)
+    loads: tuple[tuple[bytes, int], ...] = ()  # (payload, device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.spills or self.demotions or self.promotions or self.loads)
+
+
+NO_TIER_MOVES = TierMoves()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    seqs: tuple[ScheduledSeq, ...]
+    block_size: int
+    copies: tuple[tuple[int, int], ...] = ()  # (src, dst) GPU blocks, copy-on-write
+    swap_out: tuple[tuple[int, int], ...] = ()  # (gpu, cpu)
+    swap_in: tuple[tuple[int, int], ...] = ()  # (cpu, gpu)
+    num_preempted: int = 0
+    finished_request_ids: tuple[str, ...] = ()  # ended since the last plan: the runner drops their state
+    tier: TierMoves = NO_TIER_MOVES
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.seqs or self.copies or self.swap_out or self.swap_in or self.tier)
+
+    def slot_mapping(self) -> list[int]:
+        return [slot for s in self.seqs for slot in s.slot_mapping(self.block_size)]
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None  # when the request asked for logprobs
+
+
+@dataclass(frozen=True)
+class BeamStep:
+    """One beam-search step of a request: the next beams, or the final hypotheses once done."""
+
+    choices: tuple[tuple[int, int], ...] = ()  # (parent seq id, token), best first
+    results: tuple[tuple[tuple[int, ...], float], ...] | None = None  # (tokens, score), best first
+
+
+@dataclass(frozen=True)
+class StepResult:
+    samples: Mapping[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # seq id -> num_samples tokens
+    beams: Mapping[str, BeamStep] = field(default_factory=dict)  # request id -> its step, when all beams had logits
+    prompt_logprobs: Mapping[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # seq id -> its targets'
+    draft_rounds: int = 0  # speculative decoding: the draft model's forwards this step (worker/runner/speculative/draft_model.py)
+    draft_seconds: float = 0.0  # and the time they took
+    # embeddings: seq id -> (the sum of the final hidden states of positions pool_from.. of its chunk, how
+    # many) for "mean", (the prompt's last position's, 1) for "last" once the chunk reaches it
+    pooled: Mapping[int, tuple[list[float], int]] = field(default_factory=dict)
+
+
+@dataclass
+class StepBuilder:
+    """What one ``schedule`` call has decided so far; ``build`` freezes it into a StepPlan."""
+
+    budget: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: int = 0
+
+    def build(self, block_size: int, finished_request_ids: tuple[str, ...] = (), tier: TierMoves = NO_TIER_MOVES) -> StepPlan:
+        return StepPlan(tuple(self.seqs), block_size, tuple(self.copies), tuple(self.swap_out),
+                        tuple(self.swap_in), self.preempted, finished_request_ids, tier)

@@ -1,0 +1,372 @@
+"""Continuous batching: every step decides which sequences compute how many tokens.
+
+Order of a step (``schedule``):
+
+1. Requests past their deadline are aborted.
+2. Running requests, most important first (lower ``priority``, then earlier arrival), get their
+   decode token or next prefill chunk under the token budget. When blocks run out, the least
+   important running request is preempted (recompute: blocks freed, requeued; swap: blocks moved
+   to the CPU pool); if none is left to preempt, the request itself is.
+3. If nothing was preempted, swapped requests come back in, then waiting requests are admitted
+   (taking prefix-cache hits) while budget, ``max_num_seqs`` and blocks last.
+
+``update(plan, result)`` applies what the runner returned (tokens, beam steps: step_apply.py) and
+turns the touched requests into outputs (detokenization, stop strings: output_builder.py). The
+requests, their sequences and the queues live in ``RequestTable``. No I/O and no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Hashable, Sequence as Seq
+
+from pagedserve.shared.errors import InvalidRequestError
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.kv_cache.block_manager import NO_HIT, BlockManager, PrefixHit
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
+from pagedserve.worker.core.scheduling.structured_state import grammar_error, start_state
+from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.tiers import KvTiers
+from pagedserve.worker.core.scheduling.output_builder import OutputBuilder
+from pagedserve.worker.core.scheduling.outputs import RequestOutput
+from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
+from pagedserve.worker.core.scheduling.request import FinishReason, Request, RequestStatus, Sequence
+from pagedserve.worker.core.scheduling.request_table import RequestTable
+from pagedserve.worker.core.scheduling.drafts import NO_GUESS, Guess, row_guess
+from pagedserve.worker.core.speculative.draft_cost import StepCost
+from pagedserve.worker.core.scheduling.step_apply import StepApplier
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    cow_copies: int = 0  # copy-on-write block copies (a shared block written by one of its sequences)
+    rope_recomputes: int = 0  # long-rope sequences recomputed as they grew past the switch length
+    tier_hit_tokens: int = 0  # prefix-hit tokens copied up from the host or disk tier (kv_tiers.py)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_ids: frozenset[int] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
+        detokenizer: Detokenizer | None = None,
+        tiers: KvTiers | None = None,
+    ) -> None:
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.blocks = BlockManager(
+            config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, config.enable_prefix_caching, tiers
+        )
+        self.waits_on_disk = False  # the last schedule left a request waiting for its prefix from disk
+        self.table = RequestTable(self.blocks)
+        # The table's containers, under the names the scheduling policy reads (never rebound).
+        self.requests, self.waiting = self.table.requests, self.table.waiting
+        self.running, self.swapped = self.table.running, self.table.swapped
+        self.stats = SchedulerStats()
+        self.applier = StepApplier(self.table, self.eos_token_ids, config)
+        self.step_cost = StepCost() if config.speculative else None  # what a guessed token costs (Engine.step feeds it)
+        self.outputs = OutputBuilder(self.table, detokenizer)
+        self._orders = itertools.count()
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        deadline: float | None = None,
+        extra_key: Hashable = None,
+        resume_output: Seq[int] = (),
+        grammar: Future | None = None,
+        adapter: str | None = None,
+    ) -> Request:
+        """Queue a request. Raises InvalidRequestError if it could never be served.
+
+        ``resume_output``: output tokens already sent by a worker that died; the request goes on
+        after them (prefilled with the prompt, like a request preempted by recompute). ``grammar``:
+        the compiled constraint of a structured request, which waits until it is done. ``adapter``:
+        the LoRA adapter its rows run under (the caller salts ``extra_key`` with it)."""
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight", "id")
+        self.config.check_fits(len(prompt_ids), params)
+        req = Request(
+            request_id, list(prompt_ids), params, arrival=self.clock(), order=next(self._orders),
+            priority=priority, deadline=deadline, extra_key=extra_key, resumed=len(resume_output), grammar=grammar,
+            adapter=adapter,
+        )
+        self.table.new_seq(req, list(prompt_ids) + list(resume_output), index=0)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Finish a request in any state and free its blocks. False if it is unknown or done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.table.end_outside_update(req, FinishReason.ERROR if error else FinishReason.ABORT, error)
+        return True
+
+    def finish_seq(self, seq_id: int, reason: FinishReason) -> None:
+        """End one sequence (e.g. a stop string found outside the engine)."""
+        self.table.finish_seq(seq_id, reason)
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Apply the runner's result to the plan's requests; their outputs, in plan order."""
+        return self.outputs.build(self.applier.apply(plan, result))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests or self.table.ended_outside_update)
+
+    def record_kv_events(self, events: KvEvents | None) -> None:
+        """Tell ``events`` each hash the prefix cache gains or loses (None: stop)."""
+        self.blocks.record_kv_events(events)
+
+    def cached_hashes(self) -> list[int]:
+        return self.blocks.gpu.published_hashes()
+
+    def lowered_hashes(self) -> list[int]:
+        return self.blocks.lowered_hashes()
+
+    def forget_cached(self) -> None:
+        """Empty the prefix cache (blocks in use stay)."""
+        self.blocks.gpu.forget_cached()
+
+    def compiling(self) -> list[Future]:
+        """Grammars that waiting requests wait for."""
+        return [r.grammar for r in self.waiting if not r.grammar_ready]
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(r.seq_slots for r in self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> StepPlan:
+        self._expire_deadlines()
+        step = StepBuilder(budget=self.config.max_num_batched_tokens)
+        self.waits_on_disk = False
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_swapped(step)
+        if not step.preempted and not self.swapped:
+            self._schedule_waiting(step)
+        return step.build(self.config.block_size, self.table.take_ended_ids(), self.blocks.take_tier_moves())
+
+    def _expire_deadlines(self) -> None:
+        now = self.clock()
+        for req in list(self.requests.values()):
+            if req.deadline is not None and now >= req.deadline:
+                self.table.end_outside_update(req, FinishReason.ABORT, "deadline exceeded")
+
+    def _chunk_sizes(self, req: Request, budget: int) -> list[tuple[int, int]]:
+        """(seq_id, tokens) for each live seq, taking from ``budget`` in order."""
+        sizes = []
+        for seq in req.live_seqs:
+            count = min(seq.num_uncomputed, budget)
+            budget -= count
+            sizes.append((seq.seq_id, count))
+        return sizes
+
+    def _schedule_running(self, step: StepBuilder) -> None:
+        self.running.sort(key=lambda r: r.sort_key)
+        queue = list(self.running)
+        share, rows, blind = 0.0, sum(len(r.live_seqs) for r in queue), False
+        if self.step_cost is not None:  # what a guessed token costs in a step of this many rows
+            share, blind = self.step_cost.share(rows)
+        while queue and step.budget > 0:
+            req = queue.pop(0)
+            if self._crossed_rope_switch(req):
+                continue
+            sizes = self._chunk_sizes(req, step.budget)
+            guess = self._guess(req, sizes, step.budget, share, blind)
+            if guess:  # only into free blocks: a guess never preempts anyone
+                guessed = [(seq_id, count + len(guess.tokens)) for seq_id, count in sizes]
+                if self.blocks.cost_to_grow(guessed) <= self.blocks.num_free_blocks:
+                    sizes = guessed
+                else:
+                    guess = None
+            while self.blocks.cost_to_grow(sizes) > self.blocks.num_free_blocks:
+                victim = queue.pop() if queue else req
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            else:
+                self._emit(req, sizes, step, guess or NO_GUESS)
+
+    def _guess(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float, blind: bool) -> Guess | None:
+        """Speculative decoding: a one-sequence request's guess (``worker/core/scheduling/drafts.py``)."""
+        if self.config.speculative is None or len(sizes) != 1:
+            return None
+        (seq_id, count), = sizes
+        return row_guess(self.config, req, self.table.seq(seq_id), count, budget, share, self.applier.spec_stats.lately, blind)
+
+    def _crossed_rope_switch(self, req: Request) -> bool:
+        """Long-rope: a sequence that grew past ``rope_switch`` holds KV rotated with the short
+        factors, which transformers recomputes with the long ones at that point; so is the
+        request here (back to the waiting queue, as a recompute preemption, without counting one)."""
+        switch = self.config.rope_switch
+        if not switch or not any(0 < s.num_computed <= switch < s.num_tokens for s in req.live_seqs):
+            return False
+        self.running.remove(req)
+        self._recompute(req)
+        self.stats.rope_recomputes += 1
+        return True
+
+    def _schedule_swapped(self, step: StepBuilder) -> None:
+        self.swapped.sort(key=lambda r: r.sort_key)
+        for req in list(self.swapped):
+            if not self._adapter_fits(req):
+                continue
+            ids = [s.seq_id for s in req.live_seqs]
+            sizes = self._chunk_sizes(req, step.budget)
+            cost = self.blocks.swap_in_cost(ids) + self.blocks.cost_to_grow(sizes)
+            if not self._may_start(req, step) or cost > self.blocks.num_free_blocks:
+                return
+            step.swap_in.extend(self.blocks.swap_in(ids))
+            self.swapped.remove(req)
+            self._run(req)
+            self._emit(req, sizes, step)
+
+    def _match(self, req: Request, seq: Sequence) -> PrefixHit:
+        salt = self.config.prefix_key(req.extra_key, seq.num_tokens)
+        return self.blocks.match_prefix(seq.token_ids, salt, req.prompt_hashes(self.config.block_size, salt))
+
+    def _schedule_waiting(self, step: StepBuilder) -> None:
+        self.waiting.sort(key=lambda r: r.sort_key)
+        for req in list(self.waiting):
+            if not req.grammar_ready:
+                continue  # compiling off the loop: later requests may start meanwhile
+            if not self._adapter_fits(req):
+                continue  # its adapter would be one too many: later requests may start meanwhile
+            if not self._may_start(req, step):
+                return
+            if not self._start_grammar(req):
+                continue
+            computed_in_full = req.params.prompt_logprobs is not None or req.params.pooling is not None
+            hits = {s.seq_id: NO_HIT if computed_in_full else self._match(req, s) for s in req.live_seqs}
+            if any(hit.waits_on_disk for hit in hits.values()):
+                self.waits_on_disk = True
+                continue  # its prefix is being read from disk: later requests run meanwhile
+            reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
+            sizes, budget, new_blocks = [], step.budget, 0
+            for seq in req.live_seqs:
+                hit = hits[seq.seq_id]
+                cached = hit.num_blocks * self.config.block_size
+                count = min(seq.num_tokens - cached, budget)
+                budget -= count
+                sizes.append((seq.seq_id, count))
+                new_blocks += self.blocks.blocks_for(cached + count) - len(hit.blocks)  # promoted blocks are new
+            if len(reclaimed) + new_blocks > self.blocks.num_free_blocks:
+                return
+            self.blocks.hold(list(hits.values()))
+            for seq in req.live_seqs:  # every device hit taken before a promotion may evict one
+                self.blocks.start(seq.seq_id, hits[seq.seq_id])
+            for seq in req.live_seqs:
+                seq.num_computed = self.blocks.promote(seq.seq_id, hits[seq.seq_id])
+                self.stats.prefix_query_tokens += seq.num_tokens
+                self.stats.prefix_hit_tokens += seq.num_computed
+                self.stats.tier_hit_tokens += len(hits[seq.seq_id].lower) * self.config.block_size
+            self.waiting.remove(req)
+            self._run(req)
+            self._emit(req, sizes, step)
+
+    def _start_grammar(self, req: Request) -> bool:
+        """Give each sequence its grammar state (first start only); False when it failed to compile."""
+        if req.grammar is None:
+            return True
+        error = grammar_error(req.grammar)
+        if error is not None:
+            self.table.end_outside_update(req, FinishReason.ERROR, error)
+            return False
+        for seq in req.live_seqs:
+            if seq.grammar is None:
+                seq.grammar = start_state(req.grammar.result(), seq.output_ids)
+        return True
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether ``req`` may run beside the running requests without more than ``max_loras``
+        adapters among them (the runner keeps that many on the device)."""
+        cap = self.config.max_loras
+        if not cap or req.adapter is None:
+            return True
+        active = {r.adapter for r in self.running if r.adapter is not None}
+        return req.adapter in active or len(active) < cap
+
+    def _may_start(self, req: Request, step: StepBuilder) -> bool:
+        return step.budget > 0 and self.num_running_seqs + req.seq_slots <= self.config.max_num_seqs
+
+    def _run(self, req: Request) -> None:
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled is None:
+            req.first_scheduled = self.clock()
+        self.running.append(req)
+
+    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder, guess: Guess = NO_GUESS) -> None:
+        """Grow the seqs' tables (a guess's slots too: one sequence's) and add their work to the step."""
+        for seq_id, count in sizes:
+            if count <= 0:
+                continue
+            seq = self.table.seq(seq_id)
+            copies = self.blocks.grow(seq_id, count)
+            self.stats.cow_copies += len(copies)
+            step.copies.extend(copies)
+            step.seqs.append(self._scheduled(req, seq, count - len(guess.tokens), guess))
+            step.budget -= count
+
+    def _scheduled(self, req: Request, seq: Sequence, count: int, guess: Guess = NO_GUESS) -> ScheduledSeq:
+        """The work and everything the runner needs to sample it, without asking back; a guess's
+        tokens follow the row's own (the runner checks them)."""
+        p, start = req.params, seq.num_computed
+        samples = 0
+        if start + count == seq.num_tokens:
+            samples = p.num_seqs if req.needs_fork else 1
+        history = samples and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+        return ScheduledSeq(
+            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + guess.tokens, start,
+            self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
+            tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
+            tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
+            seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
+            len(guess.tokens), guess.grammars, guess.draft_context, req.pooled_upto if p.pooling else None, req.adapter,
+        )
+
+    @staticmethod
+    def _prompt_targets(req: Request, seq: Sequence, start: int, count: int) -> tuple[int, ...]:
+        """prompt_logprobs: the prompt tokens that positions ``start..`` of this chunk predict."""
+        if req.params.prompt_logprobs is None or seq.index != 0 or start + 1 >= seq.prompt_len:
+            return ()
+        return tuple(req.prompt_ids[start + 1 : min(start + count + 1, seq.prompt_len)])
+
+    def _preempt(self, req: Request, step: StepBuilder) -> None:
+        ids = [s.seq_id for s in req.live_seqs]
+        for seq in req.live_seqs:
+            seq.draft_computed = 0  # its blocks go (or move, without the draft model's KV)
+        self.running.remove(req)
+        step.preempted += 1
+        self.stats.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.blocks.swap_out_cost(ids) <= self.blocks.cpu.num_free:
+            step.swap_out.extend(self.blocks.swap_out(ids))
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            return
+        self._recompute(req)
+
+    def _recompute(self, req: Request) -> None:
+        """Drop the request's KV; it waits to be prefilled again (prefix-cache hits included)."""
+        for seq in req.live_seqs:
+            self.blocks.free(seq.seq_id)
+            seq.num_computed = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)

@@ -1,0 +1,163 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
+
+A decode step of a small model is mostly kernel-launch overhead; replaying a captured graph
+launches everything at once. Each bucket has static input buffers (token ids, positions, slots,
+block tables, context lengths) and a static logits output; a step of ``n`` sequences copies its
+inputs into the smallest bucket ``>= n`` and replays it. Padding rows write no K/V (slot -1, which
+the store kernel skips) and attend over one token of block 0; their logits are dropped.
+
+The graphs need the Triton kernels (the torch reference reads lengths back to the host) and a
+fixed launch grid, so the decode kernel is launched for a context bucket: the smallest of
+``context_buckets`` (2,048 tokens, then 4x each, up to ``max_model_len``) that holds the step's
+longest context (programs past a sequence's length return at once). A graph sized for
+``max_model_len`` on every replay launched 256 slices a head at 128k context and kept partials of
+about 1 GiB at 256 sequences. A graph is captured per (batch size, context bucket): every batch
+size of the smallest bucket at start, largest first (so smaller ones reuse its memory), longer
+contexts on first use. All share one memory pool, which ``graph_pool_bytes`` estimates so the KV
+pool is sized without it. Prefill and mixed steps run eagerly. ``enforce_eager`` turns graphs off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels.decode_partitions import decode_scratch_bytes
+from pagedserve.worker.core.scheduling.plan import ScheduledSeq
+from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+FIRST_CONTEXT = 2048  # the smallest context bucket (4 slices of the decode kernel)
+CONTEXT_GROWTH = 4
+
+
+def context_buckets(max_model_len: int) -> tuple[int, ...]:
+    """The context lengths graphs are captured for: 2,048, then 4x each, and ``max_model_len``."""
+    buckets, length = [], FIRST_CONTEXT
+    while length < max_model_len:
+        buckets.append(length)
+        length *= CONTEXT_GROWTH
+    return (*buckets, max_model_len)
+
+
+def graph_pool_bytes(limits: "GraphLimits", config, dtype_bytes: int) -> int:
+    """An upper estimate of the graphs' shared memory pool, kept for the worker's life: the largest
+    graph's (``max_num_seqs`` rows at ``max_model_len``) attention partials of one layer (layers run
+    one after another and reuse them), its activations (hidden and MLP widths, at the model's dtype
+    and float32) and its logits (the model's dtype and the float32 copy)."""
+    rows = limits.max_num_seqs
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    widths = 4 * config.hidden_size + 3 * config.intermediate_size + 3 * heads * head_dim
+    return (decode_scratch_bytes(rows, heads, head_dim, limits.max_model_len) + rows * widths * (dtype_bytes + 4)
+            + rows * config.vocab_size * (dtype_bytes + 4))
+
+
+@dataclass(frozen=True)
+class GraphLimits:
+    max_model_len: int
+    max_num_seqs: int
+
+
+class _Bucket:
+    """The static buffers of one captured (batch size, context bucket)."""
+
+    def __init__(self, size: int, context: int, block_size: int, device: torch.device) -> None:
+        self.size, self.context = size, context
+        max_blocks = -(-context // block_size)
+        self.ids = torch.zeros(size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        self.slots = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.tables = torch.zeros((size, max_blocks), dtype=torch.int32, device=device)
+        self.lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)  # rope's length: tokens known, computed or not
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, device: torch.device, block_size: int, limits: GraphLimits) -> None:
+        self.model, self.kv_caches, self.device, self.block_size = model, kv_caches, device, block_size
+        self.max_model_len = limits.max_model_len
+        self.sizes = sorted({b for b in BUCKETS if b < limits.max_num_seqs} | {limits.max_num_seqs})
+        self.contexts = context_buckets(limits.max_model_len)
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._pool = None
+
+    def can_run(self, items: list[ScheduledSeq]) -> bool:
+        return 0 < len(items) <= self.sizes[-1] and all(s.num_tokens == 1 for s in items)
+
+    def key(self, items: list[ScheduledSeq]) -> tuple[int, int]:
+        """(batch size, context bucket) of the graph a decode step replays."""
+        longest = max(s.context_len for s in items)
+        return next(s for s in self.sizes if s >= len(items)), next(c for c in self.contexts if c >= longest)
+
+    def run(self, items: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits ``[len(items), vocab]`` of a decode-only step."""
+        n = len(items)
+        key = self.key(items)
+        bucket = self._buckets.get(key) or self._capture(*key)
+        self._load(bucket, items)
+        bucket.graph.replay()
+        return bucket.logits[:n]
+
+    def _load(self, bucket: _Bucket, items: list[ScheduledSeq]) -> None:
+        n, width = len(items), max(len(s.block_table) for s in items)
+        host = dict(
+            ids=[s.token_ids[0] for s in items], positions=[s.start for s in items],
+            slots=[s.slot_mapping(self.block_size)[0] for s in items] + [-1] * (bucket.size - n),
+            lens=[s.context_len for s in items] + [1] * (bucket.size - n),
+            # as the eager step: a one-token chunk of a longer prompt rotates by the prompt's length
+            seq_lens=[max(s.seq_len, s.context_len) for s in items] + [1] * (bucket.size - n),
+        )
+        for name, values in host.items():
+            target = getattr(bucket, name)
+            target[: len(values)].copy_(torch.tensor(values, dtype=target.dtype, device="cpu"), non_blocking=True)
+        # Table entries past a row's length are never read: only the live part is copied. Padding
+        # rows read position 0 of their row: block 0, not what an earlier, larger step left there
+        # (a sliding-window row's first entry can be the released-block marker, -1).
+        tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in items]
+        tables += [[0] * width] * (bucket.size - n)
+        bucket.tables[:, :width].copy_(torch.tensor(tables, dtype=torch.int32, device="cpu"), non_blocking=True)
+
+    def _metadata(self, bucket: _Bucket) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=bucket.slots, num_decodes=bucket.size, decode_block_tables=bucket.tables,
+            decode_seq_lens=bucket.lens,
+            prefill_block_tables=torch.zeros((0, bucket.tables.shape[1]), dtype=torch.int32, device=dev),
+            prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            prefill_query_start=torch.zeros(1, dtype=torch.int32, device=dev),
+            decode_max_seq_len=bucket.context,
+            token_seq_lens=bucket.seq_lens,
+        )
+
+    def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(bucket.ids, bucket.positions, meta, self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self, size: int, context: int) -> _Bucket:
+        bucket = _Bucket(size, context, self.block_size, self.device)
+        meta = self._metadata(bucket)
+        compute = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
+            for _ in range(2):
+                self._forward(bucket, meta)
+        compute.wait_stream(side)
+        bucket.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bucket.graph, pool=self._pool):
+            bucket.logits = self._forward(bucket, meta)
+        self._pool = bucket.graph.pool()
+        self._buckets[(size, context)] = bucket
+        return bucket
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every batch size of the smallest context bucket now, largest first (so smaller
+        ones reuse its memory); no autograd state is recorded, as in the forward that replays them."""
+        for size in reversed(self.sizes):
+            if (size, self.contexts[0]) not in self._buckets:
+                self._capture(size, self.contexts[0])

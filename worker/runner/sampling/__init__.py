@@ -1,0 +1,1 @@
+"""From logits to tokens: batched sampling, structured-output masks and beam search."""
