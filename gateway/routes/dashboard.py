@@ -13,11 +13,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pagedserve.gateway.service.generation import STATE
 from pagedserve.gateway.bodies.parse import ApiError
 from pagedserve.gateway.http import sse
+from pagedserve.gateway.service.generation import STATE
 
-STATIC = Path(__file__).parent / "static"
+STATIC = Path(__file__).parents[1] / "static"  # gateway/static
 ASSETS = {"/dashboard": ("dashboard.html", "text/html"), "/dashboard/app.js": ("dashboard.js", "text/javascript"),
           "/dashboard/draw.js": ("draw.js", "text/javascript"), "/dashboard/app.css": ("dashboard.css", "text/css")}
 KEEPALIVE_S = 15.0  # a comment line this often, so proxies keep an idle feed open

@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 from pagedserve.kernels.backends import BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
 from pagedserve.runtime.env import checked, fraction, non_negative, positive
-from pagedserve.worker.core.scheduling.config import BLOCK_SIZE, PREEMPTION_MODES, PreemptionMode
+from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE
+from pagedserve.worker.core.scheduling.config import PREEMPTION_MODES, PreemptionMode
 from pagedserve.worker.core.speculative.config import SpeculativeConfig
 from pagedserve.worker.runner.simulated_cost import StepCost
 

@@ -19,6 +19,8 @@ from typing import Callable
 from pagedserve.worker.core.kv_cache.errors import OutOfBlocksError
 from pagedserve.worker.core.kv_cache.events import KvEvents
 
+BLOCK_SIZE = 16  # tokens per KV block unless configured otherwise
+
 
 class BlockPool:
     """Reference-counted blocks ``0 .. num_blocks-1`` of one device."""

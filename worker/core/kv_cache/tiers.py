@@ -19,9 +19,27 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
-from pagedserve.worker.core.kv_cache.host_tier import HostEntry, HostTier
 from pagedserve.worker.core.kv_cache.events import KvEvents
-from pagedserve.worker.core.scheduling.plan import NO_TIER_MOVES, TierMoves
+from pagedserve.worker.core.kv_cache.host_tier import HostEntry, HostTier
+
+
+@dataclass(frozen=True)
+class TierMoves:
+    """One step's copies between the device pool and the tiers under it (``worker/core/kv_cache/host_tier.py``,
+    ``disk_tier.py``; the plan carries them to the runner), applied before every other block move: spills (host slots, or device blocks
+    when there is no host tier, written to disk), demotions (device block -> host slot), then, after
+    the swap-outs, promotions (host slot -> device block) and loads (a disk payload -> device block)."""
+
+    spills: tuple[tuple[str, int, int, tuple], ...] = ()  # ("host" | "gpu", slot or block, hash, key)
+    demotions: tuple[tuple[int, int], ...] = ()  # (device block, host slot)
+    promotions: tuple[tuple[int, int], ...] = ()  # (host slot, device block)
+    loads: tuple[tuple[bytes, int], ...] = ()  # (payload, device block)
+
+    def __bool__(self) -> bool:
+        return bool(self.spills or self.demotions or self.promotions or self.loads)
+
+
+NO_TIER_MOVES = TierMoves()
 
 
 class LowerHit(NamedTuple):

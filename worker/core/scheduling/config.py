@@ -8,11 +8,11 @@ from typing import Literal, get_args
 from pagedserve.shared.block_hash import cache_salt
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE
 from pagedserve.worker.core.speculative.config import SpeculativeConfig
 
 PreemptionMode = Literal["recompute", "swap"]
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
-BLOCK_SIZE = 16  # tokens per KV block unless configured otherwise
 
 
 @dataclass(frozen=True)

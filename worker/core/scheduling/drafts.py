@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
-from pagedserve.worker.core.scheduling.structured_state import guess_states
 from pagedserve.worker.core.scheduling.request import Request, Sequence
+from pagedserve.worker.core.scheduling.structured_state import guess_states
 from pagedserve.worker.core.speculative.config import MAX_DRAFT_WAIT, DraftPace, KeptRate
 
 

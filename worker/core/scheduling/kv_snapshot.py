@@ -1,8 +1,8 @@
 """What the KV dashboard shows of one worker, taken on the engine thread: both block pools as
-pictures (``pool_picture``), the scheduler's counters, and the request table with each sequence's
+pictures (``worker/core/kv_cache/pool_map.py``), the scheduler's counters, and the request table with each sequence's
 block table.
 
-Bounded whatever the load: each pool picture within ``pool_picture.BYTE_BUDGET``, at most
+Bounded whatever the load: each pool picture within ``pool_map.BYTE_BUDGET``, at most
 ``MAX_REQUESTS`` requests listed (running first, then swapped, then waiting, each in scheduling
 order; ``unlisted`` counts the rest) and ``MAX_TABLE_ENTRIES`` block-table entries over all of
 them (a table cut short says so). ``SNAPSHOT_BUDGET`` is the sum of those bounds in msgpack bytes:

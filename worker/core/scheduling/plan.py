@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.kv_cache.tiers import NO_TIER_MOVES, TierMoves
 
 
 @dataclass(frozen=True)
@@ -51,25 +52,6 @@ class ScheduledSeq:
     def slot_mapping(self, block_size: int) -> list[int]:
         table = self.block_table
         return [table[p // block_size] * block_size + p % block_size for p in range(self.start, self.context_len)]
-
-
-@dataclass(frozen=True)
-class TierMoves:
-    """One step's copies between the device pool and the tiers under it (``worker/core/kv_cache/host_tier.py``,
-    ``disk_tier.py``), applied before every other block move: spills (host slots, or device blocks
-    when there is no host tier, written to disk), demotions (device block -> host slot), then, after
-    the swap-outs, promotions (host slot -> device block) and loads (a disk payload -> device block)."""
-
-    spills: tuple[tuple[str, int, int, tuple], ...] = ()  # ("host" | "gpu", slot or block, hash, key)
-    demotions: tuple[tuple[int, int], ...] = ()  # (device block, host slot)
-    promotions: tuple[tuple[int, int], ...] = ()  # (host slot, device block)
-    loads: tuple[tuple[bytes, int], ...] = ()  # (payload, device block)
-
-    def __bool__(self) -> bool:
-        return bool(self.spills or self.demotions or self.promotions or self.loads)
-
-
-NO_TIER_MOVES = TierMoves()
 
 
 @dataclass(frozen=True)

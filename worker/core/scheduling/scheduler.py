@@ -26,19 +26,19 @@ from typing import Callable, Hashable, Sequence as Seq
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_cache.block_manager import NO_HIT, BlockManager, PrefixHit
-from pagedserve.worker.core.scheduling.config import SchedulerConfig
-from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
-from pagedserve.worker.core.scheduling.structured_state import grammar_error, start_state
 from pagedserve.worker.core.kv_cache.events import KvEvents
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
+from pagedserve.worker.core.scheduling.drafts import NO_GUESS, Guess, row_guess
 from pagedserve.worker.core.scheduling.output_builder import OutputBuilder
 from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
 from pagedserve.worker.core.scheduling.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.scheduling.request_table import RequestTable
-from pagedserve.worker.core.scheduling.drafts import NO_GUESS, Guess, row_guess
-from pagedserve.worker.core.speculative.draft_cost import StepCost
 from pagedserve.worker.core.scheduling.step_apply import StepApplier
+from pagedserve.worker.core.scheduling.structured_state import grammar_error, start_state
+from pagedserve.worker.core.speculative.draft_cost import StepCost
 
 
 @dataclass

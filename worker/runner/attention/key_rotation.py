@@ -30,7 +30,7 @@ SHRINK = 0.05  # each moment pulled this far toward a multiple of the identity: 
 
 
 def calibration_text() -> str:
-    return resources.files("pagedserve.worker.runner").joinpath("texts/calibration.txt").read_text(encoding="utf-8")
+    return resources.files("pagedserve.worker.runner.attention").joinpath("texts/calibration.txt").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)

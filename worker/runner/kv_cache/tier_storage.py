@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.kernels import reference
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
-from pagedserve.worker.core.scheduling.plan import TierMoves
+from pagedserve.worker.core.kv_cache.tiers import TierMoves
 from pagedserve.worker.runner.kv_cache.pool import zeroed_pool
 
 
