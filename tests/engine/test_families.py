@@ -12,7 +12,9 @@ import pytest
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.runner.loader import UnsupportedModelError
+from pagedserve.worker.runner.models.families import FAMILIES
 from pagedserve.worker.runner.models.moe import SparseMoE
+from pagedserve.worker.source.model_types import CAUSAL_LM
 from tests.conftest import random_prompts
 from tests.engine.test_parity import VOCAB, assert_parity
 
@@ -87,6 +89,11 @@ def test_an_unknown_family_names_the_supported_ones(tmp_path, zoo):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=r"'gpt2'.*mixtral \(MixtralForCausalLM\).*qwen3_moe"):
         LLM(tmp_path)
+
+
+def test_every_family_built_is_a_model_type_named_and_back():
+    """The runner builds exactly the model types whose classes worker/source/model_types.py names."""
+    assert list(FAMILIES) == list(CAUSAL_LM)
 
 
 @pytest.mark.parametrize("name", ["llama-linear", "qwen2-yarn"])

@@ -25,16 +25,17 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.source.gguf_file import open_gguf
-from pagedserve.worker.source.resolve import max_model_len, model_or_default, resolve_model_dir
-from pagedserve.worker.runner.parallel.shard import Shard
-from pagedserve.worker.source.gguf_weights import gguf_tensors
-from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused, supported
 from pagedserve.worker.runner.cpu.fused_projections import fuse_projections, use_layer_kernels
-from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.cpu.native_stack import NativeStack
 from pagedserve.worker.runner.cpu.prepack import fast_cpu_linears
 from pagedserve.worker.runner.cpu.quantized_linear import quantize_linears
+from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused
+from pagedserve.worker.runner.models.layers import CausalLM
+from pagedserve.worker.runner.parallel.shard import Shard
+from pagedserve.worker.source.gguf_file import open_gguf
+from pagedserve.worker.source.gguf_weights import gguf_tensors
+from pagedserve.worker.source.model_types import CAUSAL_LM, supported
+from pagedserve.worker.source.resolve import max_model_len, model_or_default, resolve_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,8 +60,9 @@ def inspect_model(model: str | Path | None, dtype: str | torch.dtype = "auto") -
     path = resolve_model_dir(model_or_default(model))
     config = AutoConfig.from_pretrained(path)
     names = list(getattr(config, "architectures", None) or [])
-    family = FAMILIES.get(getattr(config, "model_type", None))
-    if family is None or (names and family.architecture not in names):
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(model_type)
+    if family is None or (names and CAUSAL_LM[model_type] not in names):
         raise UnsupportedModelError(
             f"unsupported model {config.model_type!r} ({', '.join(names) or 'no architectures'}); supported: {supported()}"
         )

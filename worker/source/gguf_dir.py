@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from pagedserve.worker.source.gguf_file import GGUFFile, open_gguf
+from pagedserve.worker.source.model_types import CAUSAL_LM
 
 FORMAT = 1  # bumped when what is written here changes
 LINK = "model.gguf"
@@ -92,10 +93,8 @@ def _complete_config(config, gguf: GGUFFile):
             config.partial_rotary_factor = rotary / head_dim
             if getattr(config, "rope_parameters", None) is not None:  # where transformers 5 reads it
                 config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": rotary / head_dim}
-    from pagedserve.worker.runner.models.families import FAMILIES
-
-    if config.model_type in FAMILIES:
-        config.architectures = [FAMILIES[config.model_type].architecture]
+    if config.model_type in CAUSAL_LM:
+        config.architectures = [CAUSAL_LM[config.model_type]]
     return config
 
 

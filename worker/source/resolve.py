@@ -63,8 +63,8 @@ def resolve_model_dir(model: str | Path) -> Path:
                                 "name one of them")
         path = ggufs[0]
     if path.is_file():
-        from pagedserve.worker.source.gguf_file import GGUFError, is_gguf
         from pagedserve.worker.source.gguf_dir import gguf_model_dir
+        from pagedserve.worker.source.gguf_file import GGUFError, is_gguf
 
         if not is_gguf(path):
             raise ModelNotFound(f"{text} is a file but not a GGUF model: pass a model directory or a .gguf file")

@@ -65,27 +65,22 @@ def phi3_names(name: str):
 
 @dataclass(frozen=True)
 class Family:
-    architecture: str  # the transformers class a checkpoint of this family names
     arch: Arch
     feed_forward: FeedForward = dense
     rename: Rename = same
     model: type = CausalLM  # the model class (a subclass where the layer or its surroundings differ)
 
 
-FAMILIES = {
-    "llama": Family("LlamaForCausalLM", Arch()),
-    "mistral": Family("MistralForCausalLM", Arch()),
-    "qwen2": Family("Qwen2ForCausalLM", Arch(qkv_bias=True)),
-    "qwen3": Family("Qwen3ForCausalLM", Arch(qk_norm=True)),
-    "mixtral": Family("MixtralForCausalLM", Arch(), mixtral, mixtral_names),
-    "qwen2_moe": Family("Qwen2MoeForCausalLM", Arch(qkv_bias=True), qwen_moe, qwen_moe_names),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", Arch(qk_norm=True), qwen_moe, qwen_moe_names),
-    "olmoe": Family("OlmoeForCausalLM", Arch(qk_norm_full=True), qwen_moe, qwen_moe_names),
-    "phi3": Family("Phi3ForCausalLM", Arch(), dense, phi3_names),
-    "gemma2": Family("Gemma2ForCausalLM", Arch(offset_norm=True), dense, same, Gemma2ForCausalLM),
-    "gemma3_text": Family("Gemma3ForCausalLM", Arch(qk_norm=True, offset_norm=True), dense, same, Gemma2ForCausalLM),
+FAMILIES = {  # the same model types as CAUSAL_LM (worker/source/model_types.py), which names their classes
+    "llama": Family(Arch()),
+    "mistral": Family(Arch()),
+    "qwen2": Family(Arch(qkv_bias=True)),
+    "qwen3": Family(Arch(qk_norm=True)),
+    "mixtral": Family(Arch(), mixtral, mixtral_names),
+    "qwen2_moe": Family(Arch(qkv_bias=True), qwen_moe, qwen_moe_names),
+    "qwen3_moe": Family(Arch(qk_norm=True), qwen_moe, qwen_moe_names),
+    "olmoe": Family(Arch(qk_norm_full=True), qwen_moe, qwen_moe_names),
+    "phi3": Family(Arch(), dense, phi3_names),
+    "gemma2": Family(Arch(offset_norm=True), dense, same, Gemma2ForCausalLM),
+    "gemma3_text": Family(Arch(qk_norm=True, offset_norm=True), dense, same, Gemma2ForCausalLM),
 }
-
-
-def supported() -> str:
-    return ", ".join(f"{name} ({family.architecture})" for name, family in FAMILIES.items())
