@@ -3,7 +3,7 @@
 the demo model, the gateway).
 
 Two kinds of opening: **cold**, the first dashboard after none was open for longer than the
-gateway keeps a worker's last snapshot (``dashboard_hub.STALE_S``), where the picture must come
+gateway keeps a worker's last snapshot (``gateway/dashboard/hub.py``: ``STALE_S``), where the picture must come
 from the worker (the gateway's wake asks for it); **warm**, a page opened again at once, answered
 from the snapshot the gateway keeps. Each kind idle and with ``--streams`` requests generating.
 

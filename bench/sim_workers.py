@@ -12,10 +12,10 @@ import asyncio
 import signal
 
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.setup.engine_config import EngineConfig
-from pagedserve.worker.source.resolve import model_or_default
 from pagedserve.worker.serve.service import WorkerService
 from pagedserve.worker.serve.settings import WorkerSettings
+from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.source.resolve import model_or_default
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -10,19 +10,19 @@ import structlog
 from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-from pagedserve.gateway.routes.anthropic import error_body as anthropic_error_body, messages
-from pagedserve.gateway.routes import lora as lora_api
-from pagedserve.gateway.routes import responses as responses_api
-from pagedserve.gateway.routes.docs import DOCS_ASSETS, docs, docs_asset
-from pagedserve.gateway.routes.dashboard import ASSETS, dashboard_asset, dashboard_events
-from pagedserve.gateway.routes.embeddings import embeddings
-from pagedserve.gateway.service.generation import STATE, TALLY
-from pagedserve.gateway.routes.openai import chat_completions, completions
 from pagedserve.gateway.bodies.parse import ApiError
 from pagedserve.gateway.http.sse import CLIENT_GONE
+from pagedserve.gateway.routes import lora as lora_api
+from pagedserve.gateway.routes import responses as responses_api
+from pagedserve.gateway.routes.anthropic import error_body as anthropic_error_body, messages
+from pagedserve.gateway.routes.dashboard import ASSETS, dashboard_asset, dashboard_events
+from pagedserve.gateway.routes.docs import DOCS_ASSETS, docs, docs_asset
+from pagedserve.gateway.routes.embeddings import embeddings
+from pagedserve.gateway.routes.openai import chat_completions, completions
+from pagedserve.gateway.routes.utility import detokenize, models, tokenize, version
+from pagedserve.gateway.service.generation import STATE, TALLY
 from pagedserve.gateway.service.instance import GatewayService
 from pagedserve.gateway.service.settings import GatewaySettings
-from pagedserve.gateway.routes.utility import detokenize, models, tokenize, version
 
 log = structlog.get_logger("pagedserve.gateway")
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs", *ASSETS, *DOCS_ASSETS}  # /dashboard/events: keyed

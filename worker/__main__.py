@@ -8,14 +8,14 @@ from pagedserve.runtime.logging import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.worker.runner.device.failures import DeviceFailure
     from pagedserve.worker.engine import Engine
-    from pagedserve.worker.setup.engine_config import EngineConfig
-    from pagedserve.worker.source.resolve import model_or_default
+    from pagedserve.worker.runner.device.failures import DeviceFailure
     from pagedserve.worker.serve.bridge import ConsumerNameTaken
     from pagedserve.worker.serve.process import serve_on_main_thread
     from pagedserve.worker.serve.service import WorkerService
     from pagedserve.worker.serve.settings import worker_settings
+    from pagedserve.worker.setup.engine_config import EngineConfig
+    from pagedserve.worker.source.resolve import model_or_default
 
     settings = worker_settings(argv)
     configure_logging()

@@ -24,34 +24,34 @@ from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.prompts import check_token_ids
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.sampling_defaults import generation_defaults
+from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
+from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.host_tier import HostTier
+from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
 from pagedserve.worker.core.scheduling.engine_stats import engine_stats
-from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
-from pagedserve.worker.core.kv_cache.host_tier import HostTier
-from pagedserve.worker.core.kv_cache.events import KvEvents
-from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
 from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.core.scheduling.plan import StepResult
 from pagedserve.worker.core.scheduling.request import Request
 from pagedserve.worker.core.scheduling.scheduler import Scheduler
 from pagedserve.worker.core.speculative.config import prices_guesses
-from pagedserve.worker.runner.simulated_cost import StepCost
-from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.runner.attention.key_rotation import calibration_text
+from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard, is_device_failure
+from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier, tier_fingerprint
+from pagedserve.worker.runner.loader import inspect_model
 from pagedserve.worker.runner.lora.adapters import Adapters
 from pagedserve.worker.runner.lora.peft_adapter import AdapterBusy, LoraError
-from pagedserve.worker.runner.sampling.structured_masks import GrammarCompiler
-from pagedserve.worker.runner.attention.key_rotation import calibration_text
-from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier, tier_fingerprint
-from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard, is_device_failure
-from pagedserve.worker.runner.loader import inspect_model
-from pagedserve.worker.setup.runner_build import build_runner
-from pagedserve.worker.runner.parallel.group import RankFailure
-from pagedserve.worker.setup.ranks import Ranks
 from pagedserve.worker.runner.models.layers import release_window
 from pagedserve.worker.runner.models.rope import rope_switch
+from pagedserve.worker.runner.parallel.group import RankFailure
+from pagedserve.worker.runner.sampling.structured_masks import GrammarCompiler
 from pagedserve.worker.runner.simulated import SimulatedRunner
+from pagedserve.worker.runner.simulated_cost import StepCost
+from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.setup.ranks import Ranks
+from pagedserve.worker.setup.runner_build import build_runner
 
 log = structlog.get_logger("pagedserve.engine")
 

@@ -18,8 +18,8 @@ from pagedserve.shared.prompts import encode_chat
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.runner.lora.request import LoRARequest
+from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.source.resolve import model_or_default
 
 Prompt = str | Seq[int]

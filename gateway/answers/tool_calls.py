@@ -57,7 +57,7 @@ class ToolRequest:
 
 
 def tool_request(req: Any, error: Callable[[str, str], Exception]) -> ToolRequest | None:
-    """The tools of a validated chat request (``bodies.ChatRequest``: each tool's shape already
+    """The tools of a validated chat request (``bodies.openai.ChatRequest``: each tool's shape already
     checked): names unique, a named ``tool_choice`` among them, ``tool_choice`` only with tools."""
     tools, choice = req.tools, req.tool_choice
     if not tools:

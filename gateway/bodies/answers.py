@@ -1,5 +1,5 @@
 """The answers' bodies, declared once as the requests' are (``gateway/bodies/openai.py``): ``/openapi.json``
-states them (``openapi.py``), schemathesis checks live answers against them, and so does a test
+states them (``gateway/service/openapi.py``), schemathesis checks live answers against them, and so does a test
 for every route. The handlers build plain dicts of these shapes."""
 
 from typing import Literal, Optional, Union

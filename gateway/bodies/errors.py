@@ -1,4 +1,4 @@
-"""A request body checked against its model (``gateway/bodies/openai.py``, ``responses_bodies.py``, ``anthropic_bodies.py``):
+"""A request body checked against its model (``gateway/bodies/openai.py``, ``gateway/bodies/responses.py``, ``gateway/bodies/anthropic.py``):
 the first problem as a 400 that names the field and the place inside it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from pagedserve.gateway.bodies.anthropic import MessagesRequest
-from pagedserve.gateway.http.api_error import ApiError
 from pagedserve.gateway.bodies.openai import BODIES, ROLES
 from pagedserve.gateway.bodies.responses import ResponsesRequest
+from pagedserve.gateway.http.api_error import ApiError
 
 ERROR_CODES = {"missing": "missing_required_parameter", "unsupported_content_type": "unsupported_content_type"}
 

@@ -1,6 +1,6 @@
 """The OpenAI routes' request bodies, declared once (pydantic): the gateway validates a body with
-them (``schemas.parse``: one pass, errors naming the field) and ``/openapi.json`` is generated from
-them (``openapi.py``). Numeric ranges come from ``shared.sampling.BOUNDS``, the table
+them (``gateway/bodies/parse.py``: one pass, errors naming the field) and ``/openapi.json`` is generated from
+them (``gateway/service/openapi.py``). Numeric ranges come from ``shared.sampling.BOUNDS``, the table
 ``SamplingParams`` checks. Every field may be null ("not set", as OpenAI's spec has it); fields
 nobody here knows are accepted (``extra="allow"``) and reported back, as vLLM does. Strict types:
 ``"1"`` is not a number, ``true`` is not an integer; an integral float is an integer (JSON

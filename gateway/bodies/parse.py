@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.gateway.http.api_error import ApiError
-from pagedserve.gateway.bodies.openai import ChatRequest, CompletionRequest, StreamOptions
-from pagedserve.gateway.bodies.errors import validated
-from pagedserve.gateway.bodies.structured import structured_outputs
 from pagedserve.gateway.answers.tool_calls import ToolRequest, template_messages, tool_request
+from pagedserve.gateway.bodies.errors import validated
+from pagedserve.gateway.bodies.openai import ChatRequest, CompletionRequest, StreamOptions
+from pagedserve.gateway.bodies.structured import structured_outputs
+from pagedserve.gateway.http.api_error import ApiError
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
@@ -134,7 +134,7 @@ def _constraints(req: Any, chat: bool) -> tuple[StructuredOutputs | None, str | 
 
 
 def chat_messages(messages: list) -> list[dict]:
-    """Validated messages (``bodies.Message``) as the chat template sees them."""
+    """Validated messages (``bodies.openai.Message``) as the chat template sees them."""
     return template_messages([_message(m) for m in messages])
 
 

@@ -21,7 +21,7 @@ FIELDS = ("response_format", "structured_outputs", *GUIDED)
 
 
 def structured_outputs(req: Any, error) -> tuple[StructuredOutputs | None, str | None]:
-    """The constraint a validated request (``bodies.Sampling``: each field's shape already checked)
+    """The constraint a validated request (``bodies.openai.Sampling``: each field's shape already checked)
     asks for and the field that asked (the one a 400 about it names, also when the gateway's later
     check finds llguidance refuses it). ``error(message, param)`` builds the exception to raise
     (the gateway's ApiError)."""

@@ -1,5 +1,5 @@
 """``ApiError``: a request refused, as a status and OpenAI's error body (``gateway/app.py`` renders
-it; on Anthropic's route in Anthropic's shape, ``anthropic_api.error_body``)."""
+it; on Anthropic's route in Anthropic's shape, ``routes.anthropic.error_body``)."""
 
 from __future__ import annotations
 

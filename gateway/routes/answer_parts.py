@@ -1,15 +1,15 @@
 """One generated answer as the Responses and Messages routes read it: its text as its events come
 (``Collected``) and the deltas of a one-prompt generation counted into it (``deltas``: a worker's
-error ends it as a 502). What the text holds: ``answer_text.py``."""
+error ends it as a 502). What the text holds: ``gateway/answers/text.py``."""
 
 from __future__ import annotations
 
 import time
 from typing import AsyncIterator
 
+from pagedserve.gateway.bodies.parse import ParsedRequest
 from pagedserve.gateway.http.api_error import ApiError
 from pagedserve.gateway.service.generation import Generation, account
-from pagedserve.gateway.bodies.parse import ParsedRequest
 from pagedserve.shared.protocol import OutputDelta
 
 

@@ -1,6 +1,6 @@
 """``POST /v1/messages``: Anthropic's Messages API, so Claude-style clients and SDKs point here.
 
-The body (``anthropic_bodies.MessagesRequest``) is read as the chat completion it amounts to
+The body (``bodies.anthropic.MessagesRequest``) is read as the chat completion it amounts to
 (``chat_body``: the system prompt first, ``tool_use`` blocks as an assistant's tool calls,
 ``tool_result`` blocks as tool messages, ``tool_choice`` any/tool as required/named) and goes the
 chat's way: the same template, sampling, tool parsing, reasoning split and queue. The answer comes
@@ -19,14 +19,14 @@ import uuid
 
 from aiohttp import web
 
-from pagedserve.gateway.http import sse
-from pagedserve.gateway.bodies.anthropic import MessagesRequest
-from pagedserve.gateway.http.api_error import ApiError
-from pagedserve.gateway.bodies.errors import validated
-from pagedserve.gateway.routes.answer_parts import Collected, deltas
 from pagedserve.gateway.answers.text import Pieces, parsed_tools, whole_answer
-from pagedserve.gateway.service.generation import STATE, generation, read_json
+from pagedserve.gateway.bodies.anthropic import MessagesRequest
+from pagedserve.gateway.bodies.errors import validated
 from pagedserve.gateway.bodies.parse import ParsedRequest, joined_text, parse
+from pagedserve.gateway.http import sse
+from pagedserve.gateway.http.api_error import ApiError
+from pagedserve.gateway.routes.answer_parts import Collected, deltas
+from pagedserve.gateway.service.generation import STATE, generation, read_json
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

@@ -1,5 +1,5 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: validate, then send the request
-(``generation.py``) and stream its events back as SSE chunks or collect them into one response.
+(``gateway/service/generation.py``) and stream its events back as SSE chunks or collect them into one response.
 
 A request with several prompts becomes one wire request per prompt (choice index = prompt index
 x n + output index).
@@ -12,11 +12,11 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from pagedserve.gateway.answers.openai_chunks import Choice, Renderer, usage
+from pagedserve.gateway.answers.text import Pieces
+from pagedserve.gateway.bodies.parse import ApiError, ParsedRequest, parse
 from pagedserve.gateway.http import sse
 from pagedserve.gateway.service.generation import STATE, Tally, account, generation, read_json
-from pagedserve.gateway.answers.text import Pieces
-from pagedserve.gateway.answers.openai_chunks import Choice, Renderer, usage
-from pagedserve.gateway.bodies.parse import ApiError, ParsedRequest, parse
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -1,6 +1,6 @@
 """OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
 
-The body (``responses_bodies.ResponsesRequest``) is read as the chat completion it amounts to
+The body (``bodies.responses.ResponsesRequest``) is read as the chat completion it amounts to
 (``chat_body``: ``instructions`` as the system prompt, then the stored conversation of
 ``previous_response_id``, then the input's items: messages, ``function_call`` as an assistant's
 tool call, ``function_call_output`` as a tool message; ``text.format`` as ``response_format``;
@@ -24,14 +24,14 @@ import uuid
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from pagedserve.gateway.answers.text import Pieces, parsed_tools, whole_answer
+from pagedserve.gateway.bodies.errors import validated
+from pagedserve.gateway.bodies.parse import ParsedRequest, joined_text, parse
+from pagedserve.gateway.bodies.responses import ResponsesRequest
 from pagedserve.gateway.http import sse
 from pagedserve.gateway.http.api_error import ApiError
-from pagedserve.gateway.bodies.errors import validated
 from pagedserve.gateway.routes.answer_parts import Collected, deltas
-from pagedserve.gateway.answers.text import Pieces, parsed_tools, whole_answer
 from pagedserve.gateway.service.generation import STATE, generation, read_json
-from pagedserve.gateway.bodies.responses import ResponsesRequest
-from pagedserve.gateway.bodies.parse import ParsedRequest, joined_text, parse
 
 
 def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from pagedserve.gateway.service.generation import STATE, read_json
-from pagedserve.gateway.bodies.openai import DetokenizeRequest, TokenizeRequest
 from pagedserve.gateway.bodies.errors import validated
+from pagedserve.gateway.bodies.openai import DetokenizeRequest, TokenizeRequest
 from pagedserve.gateway.bodies.parse import ApiError, chat_messages
+from pagedserve.gateway.service.generation import STATE, read_json
 from pagedserve.runtime.version import installed_version
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.prompts import check_token_ids

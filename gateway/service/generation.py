@@ -1,8 +1,8 @@
 """One generation request's life, whatever API asked for it: parsed, tokenized, admitted, sent to the
 workers, its events merged as they come, and every wire request not finished cancelled when the
 handler ends (client gone, timeout, shutdown: aiohttp handler cancellation). Every generating route
-renders what it yields: completions and chat (``openai_api.py``), the Responses API
-(``responses_api.py``), Anthropic's Messages (``anthropic_api.py``) and embeddings
+renders what it yields: completions and chat (``gateway/routes/openai.py``), the Responses API
+(``gateway/routes/responses.py``), Anthropic's Messages (``gateway/routes/anthropic.py``) and embeddings
 (``embeddings_api.py``)."""
 
 from __future__ import annotations

@@ -20,13 +20,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from pagedserve.gateway.bodies.parse import ApiError, Limits, ParsedRequest
 from pagedserve.gateway.dashboard.hub import DashboardHub
+from pagedserve.gateway.routing.router import Router, RoutingPolicy
+from pagedserve.gateway.routing.worker_directory import WorkerDirectory, Workers
 from pagedserve.gateway.service.metrics import GatewayMetrics
 from pagedserve.gateway.service.openapi import openapi_spec
-from pagedserve.gateway.routing.router import Router, RoutingPolicy
-from pagedserve.gateway.bodies.parse import ApiError, Limits, ParsedRequest
 from pagedserve.gateway.service.settings import GatewaySettings
-from pagedserve.gateway.routing.worker_directory import WorkerDirectory, Workers
 from pagedserve.runtime.producer import Producer, QueueLimit
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.redis_io import stop_tasks

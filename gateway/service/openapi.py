@@ -2,7 +2,7 @@
 models the gateway validates with (``gateway/bodies/openai.py``: fields not listed are accepted and ignored,
 as vLLM does; schemathesis checks that valid bodies pass and invalid ones are refused), with this
 gateway's own caps (``Limits``), the served model's vocabulary bounding token ids and its name; and
-the bodies of the answers (``answer_bodies.py``)."""
+the bodies of the answers (``gateway/bodies/answers.py``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from pagedserve.gateway.bodies.anthropic import MessagesRequest
 from pagedserve.gateway.bodies.answers import ANSWERS
-from pagedserve.gateway.bodies.openai import TOKEN_ID, ChatRequest, CompletionRequest
+from pagedserve.gateway.bodies.anthropic import MessagesRequest
 from pagedserve.gateway.bodies.errors import REQUESTS
-from pagedserve.gateway.bodies.responses import ResponsesRequest
+from pagedserve.gateway.bodies.openai import TOKEN_ID, ChatRequest, CompletionRequest
 from pagedserve.gateway.bodies.parse import Limits
+from pagedserve.gateway.bodies.responses import ResponsesRequest
 from pagedserve.shared.sampling import MAX_TOKEN_ID
 
 _ERROR_CODES = ("400", "401", "404", "413", "429", "503", "504")
@@ -79,7 +79,7 @@ def body_schemas(vocab_size: int, limits: Limits, served_model: str | None) -> d
 
 
 def _bound_token_ids(schema: Any, vocab_size: int) -> None:
-    """Every schema marked as a prompt's token id (``bodies.TOKEN_ID``) below ``vocab_size``."""
+    """Every schema marked as a prompt's token id (``bodies.openai.TOKEN_ID``) below ``vocab_size``."""
     if isinstance(schema, dict):
         if schema.pop(TOKEN_ID, False):
             schema["maximum"] = vocab_size - 1

@@ -9,8 +9,8 @@ import socket
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive, with_env_help
 from pagedserve.gateway.answers.reasoning import PARSERS as REASONING_PARSERS
+from pagedserve.runtime.env import DEFAULT_REDIS_URL, env_default, non_negative, positive, with_env_help
 from pagedserve.shared.keys import served_name
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgpack
 
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.scheduling.kv_snapshot import MAX_REQUESTS, MAX_TABLE_ENTRIES, SNAPSHOT_BUDGET, kv_snapshot
 from pagedserve.worker.core.kv_cache.pool_map import decode
+from pagedserve.worker.core.scheduling.kv_snapshot import MAX_REQUESTS, MAX_TABLE_ENTRIES, SNAPSHOT_BUDGET, kv_snapshot
 from tests.core.test_scheduler import make, step
 
 

@@ -10,11 +10,11 @@ import pytest
 
 from pagedserve.gateway.routing.kv_index import KvIndex
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
 from pagedserve.worker.core.kv_cache.host_tier import HostTier
-from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
 from tests.core.test_scheduler_simulation import EOS, run_workload
 from tests.kv_simulator import reference_output
 

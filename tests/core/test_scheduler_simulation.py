@@ -11,11 +11,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from pagedserve.gateway.routing.kv_index import KvIndex
 from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
-from pagedserve.worker.core.kv_cache.host_tier import HostTier
 from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.host_tier import HostTier
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.request import FinishReason
 from pagedserve.worker.core.scheduling.scheduler import Scheduler
 from tests.conftest import examples

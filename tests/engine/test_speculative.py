@@ -18,8 +18,8 @@ from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.drafts import row_guess
 from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
 from pagedserve.worker.core.scheduling.request import Request, Sequence
-from pagedserve.worker.core.speculative.draft_cost import StepCost, StepFit
 from pagedserve.worker.core.speculative.config import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig
+from pagedserve.worker.core.speculative.draft_cost import StepCost, StepFit
 from tests.engine.test_parity import run_checked
 
 MODEL = "llama-gqa"

@@ -11,8 +11,8 @@ import contextlib
 import httpx
 from aiohttp import web
 
-from pagedserve.gateway.service.generation import STATE, generation
 from pagedserve.gateway.bodies.parse import parse
+from pagedserve.gateway.service.generation import STATE, generation
 from tests.gateway_stack import MODEL_NAME
 from tests.service_helpers import poll
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pagedserve.gateway.service.openapi import OPENAPI
 from pagedserve.gateway.bodies.parse import Limits
+from pagedserve.gateway.service.openapi import OPENAPI
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import BOUNDS, NOT_REQUEST_FIELDS, SamplingParams
 

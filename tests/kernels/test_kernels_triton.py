@@ -17,11 +17,11 @@ triton = pytest.importorskip("triton")
 from pagedserve.kernels import reference as ref  # noqa: E402
 from pagedserve.kernels.copy_blocks import copy_blocks  # noqa: E402
 from pagedserve.kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
+from pagedserve.kernels.kv_format import kv_format  # noqa: E402
 from pagedserve.kernels.moe_reference import grouped_moe  # noqa: E402
 from pagedserve.kernels.paged_attention import paged_attention_decode  # noqa: E402
 from pagedserve.kernels.prefill_attention import prefill_attention  # noqa: E402
 from pagedserve.kernels.store_kv import store_kv  # noqa: E402
-from pagedserve.kernels.kv_format import kv_format  # noqa: E402
 from tests.paged_cases import TOLERANCE, make_case, quantized_case  # noqa: E402
 
 DEVICES = [

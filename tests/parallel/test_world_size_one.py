@@ -11,9 +11,9 @@ from torch import distributed as dist
 
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepPlan
-from pagedserve.worker.setup.engine_config import EngineConfig
-from pagedserve.worker.runner.parallel.group import TIMEOUT, RankGroup
 from pagedserve.worker.runner.loader import inspect_model
+from pagedserve.worker.runner.parallel.group import TIMEOUT, RankGroup
+from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.setup.runner_build import RunnerBuild
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),

@@ -10,8 +10,8 @@ import torch
 
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
-from pagedserve.worker.runner.speculative.draft_check import check_drafts
 from pagedserve.worker.runner.sampling.sampler import Sampler, SampleRow, apply_penalties, filtered_probs
+from pagedserve.worker.runner.speculative.draft_check import check_drafts
 from tests.runner.test_sampler_distribution import chi_square_critical
 
 VOCAB, DRAWS, GUESS = 48, 4000, 7

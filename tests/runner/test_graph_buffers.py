@@ -8,8 +8,8 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
-from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
 from pagedserve.worker.runner.attention.step_inputs import step_inputs
+from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
 
 CPU = torch.device("cpu")
 

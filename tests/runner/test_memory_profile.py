@@ -5,11 +5,11 @@ import torch
 from pagedserve import LLM
 from pagedserve.kernels.kv_format import AUTO
 from pagedserve.kernels.ops import reference_ops
-from pagedserve.worker.setup.engine_config import EngineConfig
-from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
 from pagedserve.worker.runner.device.memory_profile import profile_blocks_needed, worst_case_step
 from pagedserve.worker.runner.model_runner import ModelRunner
+from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
 from pagedserve.worker.runner.sampling.sampler import Sampler
+from pagedserve.worker.setup.engine_config import EngineConfig
 
 
 def test_the_worst_case_step_runs_within_its_scratch_pool(zoo):

@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from pagedserve.kernels.ops import select_ops
 from pagedserve.kernels.kv_format import kv_format
+from pagedserve.kernels.ops import select_ops
 from pagedserve.worker.runner import loader
 
 
@@ -68,8 +68,8 @@ def test_a_cpu_engine_never_imports_triton_or_dynamo(zoo, options):
 def test_quantized_gguf_tensors_read_in_chunks_are_gguf_s_own_dequantized(zoo, tmp_path, monkeypatch):
     from gguf import GGUFReader, dequantize
 
-    from pagedserve.worker.source.gguf_file import open_gguf
     from pagedserve.worker.source import gguf_weights
+    from pagedserve.worker.source.gguf_file import open_gguf
     from tests.gguf_writer import write_gguf
 
     path = write_gguf(zoo.path("llama-gqa"), tmp_path / "q8.gguf", quantize="Q8_0")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.serve.loop import EngineLoop
+from pagedserve.worker.setup.engine_config import EngineConfig
 
 
 def request(request_id: str) -> WireRequest:

@@ -14,8 +14,8 @@ import pytest
 from pagedserve.shared.protocol import ReplyTarget, Resume, WireRequest
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.serve.loop import EngineLoop
+from pagedserve.worker.setup.engine_config import EngineConfig
 from tests.service_helpers import poll
 
 PROMPT = list(range(20, 40))  # two full blocks of 8

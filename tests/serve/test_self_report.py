@@ -17,12 +17,12 @@ from pagedserve.shared.protocol import ReplyTarget, WireRequest
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.worker_info import WorkerInfo
 from pagedserve.worker.engine import Engine
-from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.serve.events import InFlight
 from pagedserve.worker.serve.inflight import InFlightTable
 from pagedserve.worker.serve.loop import EngineLoop
 from pagedserve.worker.serve.metrics import WorkerMetrics, worker_metrics
 from pagedserve.worker.serve.self_report import SelfReport
+from pagedserve.worker.setup.engine_config import EngineConfig
 
 
 @pytest.fixture(scope="module")

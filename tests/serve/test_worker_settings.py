@@ -7,9 +7,9 @@ import pytest
 
 from pagedserve.kernels.ops import BACKENDS
 from pagedserve.runtime.env import cache_dir
+from pagedserve.worker.serve.settings import worker_parser, worker_settings
 from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.setup.engine_flags import declared_flags, engine_argv
-from pagedserve.worker.serve.settings import worker_parser, worker_settings
 
 
 def test_the_attention_backend_flag_offers_what_the_kernels_offer():

@@ -24,16 +24,16 @@ from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.kernels.reference import block_pairs
 from pagedserve.worker.core.scheduling.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
-from pagedserve.worker.runner.lora.adapters import Adapters
-from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
+from pagedserve.worker.runner.attention.step_inputs import step_inputs
 from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits
-from pagedserve.worker.runner.speculative.draft_check import check_drafts
-from pagedserve.worker.runner.speculative.draft_model import Drafter
 from pagedserve.worker.runner.kv_cache.pool import layer_caches, pool_shape, zeroed_pool
 from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier
+from pagedserve.worker.runner.lora.adapters import Adapters
 from pagedserve.worker.runner.models.layers import CausalLM
+from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
 from pagedserve.worker.runner.sampling.sampler import Sampler, scored_token
-from pagedserve.worker.runner.attention.step_inputs import step_inputs
+from pagedserve.worker.runner.speculative.draft_check import check_drafts
+from pagedserve.worker.runner.speculative.draft_model import Drafter
 
 
 @dataclass(frozen=True)

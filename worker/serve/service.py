@@ -57,9 +57,9 @@ from pagedserve.worker.serve.events import InFlight, TokenPieces, error_event, l
 from pagedserve.worker.serve.inflight import InFlightTable
 from pagedserve.worker.serve.intake import Rejected, admit, salvage_reply
 from pagedserve.worker.serve.kv_publisher import KvPublisher
-from pagedserve.worker.serve.outbox import Outbox
 from pagedserve.worker.serve.loop import EngineLoop
 from pagedserve.worker.serve.metrics import WorkerMetrics
+from pagedserve.worker.serve.outbox import Outbox
 from pagedserve.worker.serve.self_report import SelfReport
 from pagedserve.worker.serve.settings import WorkerSettings
 from pagedserve.worker.serve.stats_log import StatsLine

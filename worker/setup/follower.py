@@ -19,11 +19,11 @@ from torch import distributed as dist
 
 from pagedserve.worker.core.scheduling.plan import StepPlan
 from pagedserve.worker.runner.device.failures import device_guard
+from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier
+from pagedserve.worker.runner.loader import inspect_model
+from pagedserve.worker.runner.model_runner import ModelRunner
 from pagedserve.worker.runner.parallel.group import TIMEOUT, RankFailure, RankGroup
 from pagedserve.worker.setup.ranks import rank_threads
-from pagedserve.worker.runner.loader import inspect_model
-from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier
-from pagedserve.worker.runner.model_runner import ModelRunner
 from pagedserve.worker.setup.runner_build import RunnerBuild
 
 log = structlog.get_logger("pagedserve.parallel")

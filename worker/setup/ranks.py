@@ -24,8 +24,8 @@ import torch
 from torch import distributed as dist
 
 from pagedserve.worker.core.scheduling.plan import StepPlan
-from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.runner.parallel.group import TIMEOUT, RankGroup
+from pagedserve.worker.setup.engine_config import EngineConfig
 
 log = structlog.get_logger("pagedserve.parallel")
 

@@ -18,20 +18,20 @@ from tqdm.auto import tqdm
 from pagedserve.kernels.kv_format import kv_format
 from pagedserve.kernels.ops import select_ops
 from pagedserve.runtime.env import cache_dir
-from pagedserve.worker.setup.engine_config import EngineConfig, available_ram
+from pagedserve.worker.runner.attention.key_rotation import calibrate
+from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
+from pagedserve.worker.runner.device.memory_profile import peak_step_bytes, reserved_beside_pool
+from pagedserve.worker.runner.loader import ModelInfo, inspect_model, load_weights
 from pagedserve.worker.runner.lora.adapters import Adapters
+from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
+from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.parallel.group import RankFailure, RankGroup
-from pagedserve.worker.setup.ranks import Ranks
 from pagedserve.worker.runner.parallel.parallelize import parallelize
 from pagedserve.worker.runner.parallel.shard import Shard
 from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
-from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
-from pagedserve.worker.runner.attention.key_rotation import calibrate
-from pagedserve.worker.runner.loader import ModelInfo, inspect_model, load_weights
-from pagedserve.worker.runner.device.memory_profile import peak_step_bytes, reserved_beside_pool
-from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
-from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampling.sampler import Sampler
+from pagedserve.worker.setup.engine_config import EngineConfig, available_ram
+from pagedserve.worker.setup.ranks import Ranks
 
 log = structlog.get_logger("pagedserve.engine")
 

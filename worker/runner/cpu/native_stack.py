@@ -29,11 +29,11 @@ from pagedserve.kernels.checks import check_tables
 from pagedserve.kernels.native_attention import chunk_tokens
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.worker.core.speculative.config import MAX_SPECULATIVE_TOKENS
-from pagedserve.worker.runner.lora.lora_linear import LoraStep, add_updates, layer_keys
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata
-from pagedserve.worker.runner.models.layers import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from pagedserve.worker.runner.cpu.prepack import PanelLinear
 from pagedserve.worker.runner.cpu.quantized_linear import Int8Linear
+from pagedserve.worker.runner.lora.lora_linear import LoraStep, add_updates, layer_keys
+from pagedserve.worker.runner.models.layers import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ on the device at once at the model's dtype, least recently used first out, never
 step needs, plus one copy of the current step's adapters stacked for the batched products (the
 scheduler keeps a step to ``max_loras`` adapters; one that needs more still gets them, with a
 warning). The C
-decode stack (``native_stack.py``) adds the same updates after its matrices, so a decode step with
+decode stack (``worker/runner/cpu/native_stack.py``) adds the same updates after its matrices, so a decode step with
 adapter rows stays on it.
 """
 

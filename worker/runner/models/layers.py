@@ -20,9 +20,9 @@ from torch.nn import functional as F
 
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.runner.models.vocab_parallel import VocabSlice
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.runner.models.rope import Rotaries, RotaryEmbedding
+from pagedserve.worker.runner.models.vocab_parallel import VocabSlice
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

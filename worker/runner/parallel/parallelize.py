@@ -1,13 +1,13 @@
 """A loaded rank's model wired to its ranks: every attention and feed-forward block sums its
 partial output over the ranks (one all-reduce each), the embedding and the head go through the
-vocabulary slices (``vocab.py``)."""
+vocabulary slices (``worker/runner/models/vocab_parallel.py``)."""
 
 from __future__ import annotations
 
+from pagedserve.worker.runner.models.layers import CausalLM
+from pagedserve.worker.runner.models.vocab_parallel import VocabSlice
 from pagedserve.worker.runner.parallel.group import RankGroup
 from pagedserve.worker.runner.parallel.shard import Shard
-from pagedserve.worker.runner.models.vocab_parallel import VocabSlice
-from pagedserve.worker.runner.models.layers import CausalLM
 
 
 def parallelize(model: CausalLM, group: RankGroup, vocab_size: int) -> CausalLM:

@@ -21,9 +21,9 @@ import torch
 from pagedserve.kernels.kv_format import KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
+from pagedserve.worker.runner.attention.step_inputs import step_inputs
 from pagedserve.worker.runner.kv_cache.pool import layer_caches, pool_shape, zeroed_pool
 from pagedserve.worker.runner.models.layers import CausalLM
-from pagedserve.worker.runner.attention.step_inputs import step_inputs
 
 CATCH_UP_CHUNK = 1024  # tokens of a row's draft context taken in per forward
 
