@@ -8,7 +8,7 @@ whether the tokens equal those without speculation (greedy and seeded rows must)
     python -m pagedserve.bench.speculative [--model PATH] [--count 4] [--max-tokens 128] [--k 6] [--lookup-min 2] [--only NAME] [--repeats 3]
         [--draft PATH|same --draft-quantization int4 --draft-k 4 [--no-ngram]]
 
-With ``--draft`` a draft model's guesses are timed too (``same``: the model itself with its weights
+With ``--draft`` a draft model's drafts are timed too (``same``: the model itself with its weights
 quantized, a draft with the target's tokenizer where no smaller one is at hand).
 """
 
@@ -158,7 +158,7 @@ def configurations(args) -> list[tuple[str, dict | None]]:
 
 def paired_runs(engines, prompts, params, at_once: bool, repeats: int) -> dict[str, list[dict]]:
     """Each configuration's runs of one workload, the configurations alternating (each repeat a pair
-    within a minute), with the guessed and kept tokens each run added."""
+    within a minute), with the drafted and kept tokens each run added."""
     runs: dict[str, list[dict]] = {label: [] for label, _ in engines}
     for _ in range(repeats):
         for label, llm in engines:

@@ -38,7 +38,7 @@ class KVFormat:
     name: str
     code: torch.dtype | None = None  # the element type of the one-byte codes; None: not quantized
     largest: float = 0.0  # the largest magnitude a code holds
-    turns_values: bool = False  # values turned too (evenly spaced codes gain; fp8's relative steps lose)
+    rotation_values: bool = False  # values turned too (evenly spaced codes gain; fp8's relative steps lose)
 
     @property
     def quantized(self) -> bool:
@@ -83,7 +83,7 @@ class KVFormat:
 
     def rotation(self, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """float32 ``[head_dim, head_dim]``, orthogonal: what q and k (and v where
-        ``turns_values``; the output then by its transpose) are multiplied by before a quantized cache
+        ``rotation_values``; the output then by its transpose) are multiplied by before a quantized cache
         stores them (None at the model's dtype). The same on every machine (seeded,
         made on the CPU), so the same tokens still give the same blocks."""
         return _rotation(head_dim, torch.device(device)) if self.quantized else None
@@ -115,7 +115,7 @@ def _rotation(head_dim: int, device: torch.device) -> torch.Tensor:
 
 FORMATS = {
     "auto": KVFormat("auto"),
-    "int8": KVFormat("int8", torch.int8, 127.0, turns_values=True),
+    "int8": KVFormat("int8", torch.int8, 127.0, rotation_values=True),
     "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0),
 }

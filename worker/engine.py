@@ -36,7 +36,7 @@ from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.core.scheduling.plan import StepResult
 from pagedserve.worker.core.scheduling.request import Request
 from pagedserve.worker.core.scheduling.scheduler import Scheduler
-from pagedserve.worker.core.speculative.config import prices_guesses
+from pagedserve.worker.core.speculative.config import prices_drafts
 from pagedserve.worker.runner.attention.key_rotation import calibration_text
 from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier, tier_fingerprint
@@ -236,7 +236,7 @@ class Engine:
         return self.scheduler.cached_hashes()
 
     def spec_counts(self) -> list[int]:
-        """Speculative guesses accepted, by position in the draft (empty when it is off)."""
+        """Speculative drafts accepted, by position in the draft (empty when it is off)."""
         spec = self.scheduler.config.speculative
         return self.scheduler.applier.spec_stats.accepted_by_position[: spec.num_speculative_tokens] if spec else []
 
@@ -290,9 +290,9 @@ class Engine:
             self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
             result = StepResult()
         self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, time.perf_counter() - started)
-        if self.scheduler.step_cost is not None and plan.seqs and all(map(prices_guesses, plan.seqs)):
-            guessed = any(s.num_draft for s in plan.seqs)
-            self.scheduler.step_cost.observe(len(plan.seqs), plan.num_tokens, self.last_forward.seconds, guessed,
+        if self.scheduler.step_cost is not None and plan.seqs and all(map(prices_drafts, plan.seqs)):
+            drafted = any(s.num_draft for s in plan.seqs)
+            self.scheduler.step_cost.observe(len(plan.seqs), plan.num_tokens, self.last_forward.seconds, drafted,
                                              result.draft_rounds, result.draft_seconds)
         return self.scheduler.update(plan, result)
 

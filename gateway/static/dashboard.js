@@ -179,7 +179,7 @@
     if (f.host_total !== undefined) rows.push(["host tier", `${f.host_used} / ${f.host_total} blocks`]);
     if (f.disk_max_bytes !== undefined) rows.push(["disk tier", `${(f.disk_bytes / 2 ** 20).toFixed(1)} / ${(f.disk_max_bytes / 2 ** 20).toFixed(0)} MiB`]);
     if (f.tier_hit_tokens !== undefined) rows.push(["prompt tokens from the tiers", f.tier_hit_tokens]);
-    if (f.spec_draft_tokens !== undefined) rows.push(["guessed tokens kept", `${f.spec_accepted_tokens} / ${f.spec_draft_tokens} (${pct(f.spec_accepted_tokens, f.spec_draft_tokens)})`]);
+    if (f.spec_draft_tokens !== undefined) rows.push(["drafted tokens kept", `${f.spec_accepted_tokens} / ${f.spec_draft_tokens} (${pct(f.spec_accepted_tokens, f.spec_draft_tokens)})`]);
     drawPaging(w.view.root.querySelector(".paging .bars"), f);
     w.view.figures.innerHTML = "";
     for (const [name, value] of rows) {

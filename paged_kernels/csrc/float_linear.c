@@ -185,7 +185,7 @@ PAIR_ROWS(7)
 PAIR_ROWS(8)
 
 /* The panels' tiles of rows, for one panel: up to 8 rows at a time, a tile of every size so that a
- * step of 2-7 rows (a guess being checked, a short chunk) reads each line once (PANEL_ROWS, PAIR_ROWS),
+ * step of 2-7 rows (draft tokens being checked, a short chunk) reads each line once (PANEL_ROWS, PAIR_ROWS),
  * then each output's sum plus its bias rounded to T. x: float32 rows of `in` (f32) or bfloat16 rows of
  * 2 * `steps` (bf16, padded to whole pairs). */
 #define PANEL_TILES(W, T, STEP_FN, XT, XSTRIDE, LOAD, STORE)                               \

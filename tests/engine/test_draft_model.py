@@ -1,6 +1,6 @@
-"""Speculative decoding with a draft model (``{"model": ...}``): its guesses are checked as prompt
+"""Speculative decoding with a draft model (``{"model": ...}``): its drafts are checked as prompt
 lookup's are, so the tokens never change; and its own KV, kept on the target's block ids, is right
-where it is used: a draft that is the target itself has (nearly) every guess kept, through
+where it is used: a draft that is the target itself has (nearly) every draft kept, through
 preemption by recompute and by swap, which a draft reading stale KV would not."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def kept_share(llm) -> float:
 @pytest.mark.parametrize("small", [{}, dict(num_gpu_blocks=12, max_num_seqs=6),
                                    dict(num_gpu_blocks=12, max_num_seqs=6, preemption_mode="swap", swap_space=1 << 24)],
                          ids=["roomy", "recompute", "swap"])
-def test_the_target_as_its_own_draft_has_its_guesses_kept(zoo, small):
+def test_the_target_as_its_own_draft_has_its_drafts_kept(zoo, small):
     batch = random_batch(8, seed=len(small))
     params = [SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True)] * len(batch)
     spec = engine(zoo, draft(zoo), **small)
@@ -44,13 +44,13 @@ def test_the_target_as_its_own_draft_has_its_guesses_kept(zoo, small):
         assert spec.engine.scheduler.stats.num_preemptions > 0
 
 
-def test_another_models_guesses_change_no_token_greedy_or_seeded(zoo):
+def test_another_models_drafts_change_no_token_greedy_or_seeded(zoo):
     batch = random_batch(6, seed=11)
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=0.7, seed=i, max_tokens=24, ignore_eos=True, logprobs=1) for i in range(len(batch))]
     spec = engine(zoo, draft(zoo, "llama-mha", k=3))
     assert outputs(spec, batch, params) == outputs(engine(zoo), batch, params)
-    assert kept_share(spec) < 0.5  # random weights of its own: its guesses are mostly wrong
+    assert kept_share(spec) < 0.5  # random weights of its own: its drafts are mostly wrong
 
 
 def test_a_quantized_draft_and_a_long_context_to_catch_up(zoo):
@@ -86,21 +86,21 @@ def test_a_draft_quantization_the_kernels_lack_is_refused_before_loading():
 
 def test_a_batch_makes_no_first_pass_before_its_steps_are_priced():
     """Several rows and a step cost not yet fitted: a draft model's first pass over a prompt (a
-    prefill's cost) waits; a row whose draft KV is nearly caught up still guesses, one token."""
+    prefill's cost) waits; a row whose draft KV is nearly caught up still drafts, one token."""
     from pagedserve.worker.core.scheduling.config import SchedulerConfig
-    from pagedserve.worker.core.scheduling.drafts import row_guess
+    from pagedserve.worker.core.scheduling.drafts import row_draft
     from pagedserve.worker.core.scheduling.request import Request, Sequence
     from pagedserve.worker.core.speculative.config import SpeculativeConfig
 
     config = SchedulerConfig(num_gpu_blocks=64, speculative=SpeculativeConfig(method="draft_model", model="d"))
 
-    def guess(draft_computed: int, blind: bool):
+    def draft(draft_computed: int, blind: bool):
         seq = Sequence(0, list(range(10, 110)), prompt_len=100, num_computed=99, draft_computed=draft_computed)
         req = Request("r", list(seq.token_ids), SamplingParams(temperature=0.0, max_tokens=20), 0.0, 0, seqs=[seq])
-        return row_guess(config, req, seq, 1, 10, 0.0, None, blind)
+        return row_draft(config, req, seq, 1, 10, 0.0, None, blind)
 
-    assert guess(0, blind=True) is None
-    made = guess(0, blind=False)
+    assert draft(0, blind=True) is None
+    made = draft(0, blind=False)
     assert made.tokens == (0, 0, 0, 0) and made.draft_context == tuple(range(10, 109))
-    caught_up = guess(95, blind=True)
+    caught_up = draft(95, blind=True)
     assert caught_up.draft_context == tuple(range(105, 109)) and caught_up.tokens == (0,)

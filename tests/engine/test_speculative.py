@@ -1,9 +1,9 @@
 """Speculative decoding by prompt lookup on the real engine: greedy output is token for token what
-the engine gives without it (and what transformers gives), with guesses accepted, under
+the engine gives without it (and what transformers gives), with drafts accepted, under
 preemption, beside sampled rows, with stops and ``max_tokens`` landing inside an accepted run;
 seeded sampled rows (penalties, logprobs) and structured outputs get their tokens unchanged too,
-with guesses kept; the block manager's invariants hold after every step and nothing leaks. Each
-row paces its guesses: one whose guesses keep failing guesses rarely."""
+with drafts kept; the block manager's invariants hold after every step and nothing leaks. Each
+row paces its drafts: one whose drafts keep failing drafts rarely."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.structured import StructuredOutputs
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
-from pagedserve.worker.core.scheduling.drafts import row_guess
+from pagedserve.worker.core.scheduling.drafts import row_draft
 from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
 from pagedserve.worker.core.scheduling.request import Request, Sequence
 from pagedserve.worker.core.speculative.config import MAX_DRAFT_WAIT, DraftPace, SpeculativeConfig
@@ -37,8 +37,8 @@ def prompts(count: int, seed: int = 5) -> list[list[int]]:
 
 
 def engine(zoo, speculative=None, **kwargs) -> LLM:
-    """With speculation, rows guess as their pace allows whatever a step costs (no ``StepCost``:
-    which guesses pay off on this machine's timings is tested on its own, below)."""
+    """With speculation, rows draft as their pace allows whatever a step costs (no ``StepCost``:
+    which drafts pay off on this machine's timings is tested on its own, below)."""
     llm = LLM(zoo.path(MODEL), device="cpu", dtype="float32", seed=0, speculative_config=speculative, **kwargs)
     llm.engine.scheduler.step_cost = None
     return llm
@@ -46,11 +46,11 @@ def engine(zoo, speculative=None, **kwargs) -> LLM:
 
 def slots_match_tokens(engine) -> None:
     """After a step every running sequence holds slots for its computed tokens only: a rejected
-    guess's slot went back, and a block it alone used went back to the pool."""
+    draft's slot went back, and a block it alone used went back to the pool."""
     blocks = engine.scheduler.blocks
     for req in engine.scheduler.running:
         for seq in req.live_seqs:
-            assert blocks.num_slots(seq.seq_id) == seq.num_computed, f"seq {seq.seq_id} kept a rejected guess's slot"
+            assert blocks.num_slots(seq.seq_id) == seq.num_computed, f"seq {seq.seq_id} kept a rejected draft's slot"
             assert len(blocks.block_table(seq.seq_id)) == blocks.blocks_for(seq.num_computed)
 
 
@@ -67,7 +67,7 @@ def accepted(llm: LLM) -> int:
     return llm.engine.scheduler.applier.spec_stats.accepted_tokens
 
 
-def test_greedy_tokens_are_the_engines_and_transformers_with_guesses_accepted(zoo):
+def test_greedy_tokens_are_the_engines_and_transformers_with_drafts_accepted(zoo):
     batch = prompts(6)
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(batch)
     spec = engine(zoo, NGRAM)
@@ -132,12 +132,12 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
 
 
 def test_seeded_sampled_rows_keep_their_tokens_and_logprobs_with_penalties(zoo):
-    """A guess is checked by the row's own seeded draw at each position, with the guesses before it
+    """A draft is checked by the row's own seeded draw at each position, with the drafts before it
     as history: the same tokens as one step at a time, and the target's logprobs."""
     batch = prompts(8, seed=21)
     params = [SamplingParams(temperature=0.8 if i % 2 else 0.02, top_k=0 if i % 2 else 5, top_p=0.9, seed=i,
                              max_tokens=32, ignore_eos=True, logprobs=2, repetition_penalty=1.0 + 0.05 * (i % 3),
-                             frequency_penalty=0.1 * (i % 4 > 1)) for i in range(8)]  # near greedy: guesses kept
+                             frequency_penalty=0.1 * (i % 4 > 1)) for i in range(8)]  # near greedy: drafts kept
     spec = engine(zoo, NGRAM)
     ours, plain = finished(spec, batch, params), finished(engine(zoo), batch, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in plain]
@@ -150,9 +150,9 @@ def test_seeded_sampled_rows_keep_their_tokens_and_logprobs_with_penalties(zoo):
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 
 
-def test_structured_rows_guess_only_what_their_grammar_allows(zoo):
-    """JSON under a schema repeats its keys and punctuation: guesses are cut where the grammar
-    refuses, every position is masked, and the seeded outputs are the ones without guesses."""
+def test_structured_rows_draft_only_what_their_grammar_allows(zoo):
+    """JSON under a schema repeats its keys and punctuation: drafts are cut where the grammar
+    refuses, every position is masked, and the seeded outputs are the ones without drafts."""
     schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["page", "block"]},
                                                         "minItems": 3, "maxItems": 6}},
               "required": ["tags"], "additionalProperties": False}
@@ -165,7 +165,7 @@ def test_structured_rows_guess_only_what_their_grammar_allows(zoo):
     assert all(o.finish_reason == "stop" for o in ours) and accepted(spec) > 0
 
 
-def test_a_row_whose_guesses_fail_guesses_less_and_less_often():
+def test_a_row_whose_drafts_fail_drafts_less_and_less_often():
     pace = DraftPace(limit=6)
     waits = []
     for _ in range(7):
@@ -182,25 +182,25 @@ def test_a_row_whose_guesses_fail_guesses_less_and_less_often():
     assert pace.length == 6
 
 
-def test_the_pace_skips_steps_and_caps_the_guess():
+def test_the_pace_skips_steps_and_caps_the_draft():
     spec = SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=2)
     config = SchedulerConfig(num_gpu_blocks=8, speculative=spec)
     seq = Sequence(0, [1, 2, 3, 4, 5, 6, 1, 2], prompt_len=8)
     req = Request("r", list(seq.token_ids), SamplingParams(max_tokens=20), 0.0, 0, seqs=[seq])
 
-    def guess(budget=11):
-        made = row_guess(config, req, seq, 1, budget, 0.0)
+    def draft(budget=11):
+        made = row_draft(config, req, seq, 1, budget, 0.0)
         return made.tokens if made else ()
 
     seq.num_computed = 7
-    assert guess() == (3, 4, 5, 6, 1)
+    assert draft() == (3, 4, 5, 6, 1)
     seq.draft_pace.checked(5, 0)  # nothing kept: the next step waits, then one token
-    assert guess() == () and guess() == (3,)
+    assert draft() == () and draft() == (3,)
     seq.draft_pace = None
-    assert guess(budget=2) == (3,)  # the step's budget caps it
+    assert draft(budget=2) == (3,)  # the step's budget caps it
 
 
-def test_a_guess_is_only_as_long_as_its_tokens_pay_for_themselves():
+def test_a_draft_is_only_as_long_as_its_tokens_pay_for_themselves():
     pace = DraftPace(limit=6)
     assert pace.kept_rate == 0.5 and pace.worth(0.0) == 6 and pace.worth(1.0) == 0
     assert pace.worth(0.3) == 1  # 0.5 > 0.3 > 0.25: the second token would be kept too rarely
@@ -214,7 +214,7 @@ def test_a_guess_is_only_as_long_as_its_tokens_pay_for_themselves():
 
 def test_the_step_cost_share_grows_with_the_rows_a_step_carries():
     cost = StepFit()
-    assert cost.token_share(16) == 0.0  # nothing seen: guess freely
+    assert cost.token_share(16) == 0.0  # nothing seen: draft freely
     for tokens in [1, 4, 16, 64, 100, 3, 30] * 3:
         cost.observe(tokens, 0.030 + 0.002 * tokens)  # 30 ms fixed, 2 ms a token
     assert abs(cost.token_share(1) - 0.002 / 0.032) < 1e-6
@@ -226,24 +226,24 @@ def test_the_step_cost_share_grows_with_the_rows_a_step_carries():
     assert flat.token_share(64) < 1e-9
 
 
-def test_a_draft_round_is_priced_and_steps_all_alike_ask_for_one_without_guesses():
+def test_a_draft_round_is_priced_and_steps_all_alike_ask_for_one_without_drafts():
     cost = StepCost()
-    for _ in range(10):  # 16 rows guessing 4 each: 80 tokens, 0.26 s of target and 4 draft rounds of 0.01 s
-        cost.observe(16, 80, 0.30, guessed=True, draft_rounds=4, draft_seconds=0.04)
+    for _ in range(10):  # 16 rows drafting 4 each: 80 tokens, 0.26 s of target and 4 draft rounds of 0.01 s
+        cost.observe(16, 80, 0.30, drafted=True, draft_rounds=4, draft_seconds=0.04)
     assert cost.share(16) == (1.0, False)  # a plain step, please
     cost.observe(16, 16, 0.086)  # the plain step it asked for: 16 rows, 0.086 s
     share, blind = cost.share(16)
     per_token = (0.26 - 0.086) / 64
     assert not blind and abs(share - (16 * per_token + 0.01) / 0.086) < 1e-6
     never = StepCost()
-    for _ in range(10):  # steps that never guessed, all alike: guess freely, ask for nothing
+    for _ in range(10):  # steps that never drafted, all alike: draft freely, ask for nothing
         never.observe(1, 1, 0.05)
     assert never.share(1) == (0.0, False)
 
 
 def test_each_batch_size_is_priced_by_its_own_steps():
     """One-row steps that read (a token costs nothing) do not price a 16-row step that computes;
-    until its own steps do, a batch is blind (one guessed token at most)."""
+    until its own steps do, a batch is blind (one drafted token at most)."""
     cost = StepCost()
     for tokens in [1, 7, 1, 4] * 4:
         cost.observe(1, tokens, 0.030 + 0.0001 * tokens)  # one row: a token costs 0.3% of a step
@@ -271,7 +271,7 @@ class FrozenCost(StepCost):
         pass
 
 
-def test_the_engine_fits_its_step_cost_and_guesses_nothing_where_a_token_costs_a_step(zoo):
+def test_the_engine_fits_its_step_cost_and_drafts_nothing_where_a_token_costs_a_step(zoo):
     llm = LLM(zoo.path(MODEL), device="cpu", dtype="float32", seed=0, speculative_config=NGRAM)
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 6
     outputs(llm, prompts(6), params)
@@ -281,12 +281,12 @@ def test_the_engine_fits_its_step_cost_and_guesses_nothing_where_a_token_costs_a
     llm.engine.scheduler.step_cost = FrozenCost()
     assert llm.engine.scheduler.step_cost.share(6)[0] > 0.95
     assert outputs(llm, prompts(6, seed=7), params) == outputs(engine(zoo), prompts(6, seed=7), params)
-    assert stats.draft_tokens == before  # no guess pays for itself there
+    assert stats.draft_tokens == before  # no draft pays for itself there
 
 
 def test_a_new_row_starts_from_what_recent_rows_of_its_kind_kept():
-    """Sampled rows whose guesses were rejected make the next sampled row skip its first guess
-    where a token costs half a step; a greedy row still guesses."""
+    """Sampled rows whose drafts were rejected make the next sampled row skip its first draft
+    where a token costs half a step; a greedy row still drafts."""
     from pagedserve.worker.core.speculative.config import SpecStats
 
     spec = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2)
@@ -296,24 +296,24 @@ def test_a_new_row_starts_from_what_recent_rows_of_its_kind_kept():
         stats.record(2, 0, greedy=False)
         stats.record(2, 2, greedy=True)
 
-    def first_guess(params: SamplingParams) -> tuple[int, ...]:
+    def first_draft(params: SamplingParams) -> tuple[int, ...]:
         seq = Sequence(0, [1, 2, 3, 4, 5, 6, 1, 2], prompt_len=8, num_computed=7)
         req = Request("r", list(seq.token_ids), params, 0.0, 0, seqs=[seq])
-        made = row_guess(config, req, seq, 1, 10, 0.5, stats.lately)
+        made = row_draft(config, req, seq, 1, 10, 0.5, stats.lately)
         return made.tokens if made else ()
 
-    assert first_guess(SamplingParams(temperature=1.0, max_tokens=20)) == ()
-    assert first_guess(SamplingParams(temperature=0.0, max_tokens=20)) == (3, 4, 5, 6)
+    assert first_draft(SamplingParams(temperature=1.0, max_tokens=20)) == ()
+    assert first_draft(SamplingParams(temperature=0.0, max_tokens=20)) == (3, 4, 5, 6)
     assert stats.lately[False].value < 0.1 < 0.9 < stats.lately[True].value
 
 
-def test_a_blind_batch_guesses_one_token_at_most():
-    """Several rows whose step cost is not priced: lookup's guess is cut to one token."""
+def test_a_blind_batch_drafts_one_token_at_most():
+    """Several rows whose step cost is not priced: lookup's draft is cut to one token."""
     config = SchedulerConfig(num_gpu_blocks=8, speculative=SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=2))
 
-    def guess(blind: bool) -> tuple[int, ...]:
+    def draft(blind: bool) -> tuple[int, ...]:
         seq = Sequence(0, [1, 2, 3, 4, 5, 6, 1, 2], prompt_len=8, num_computed=7)
         req = Request("r", list(seq.token_ids), SamplingParams(temperature=0.0, max_tokens=20), 0.0, 0, seqs=[seq])
-        return row_guess(config, req, seq, 1, 10, 0.0, None, blind).tokens
+        return row_draft(config, req, seq, 1, 10, 0.0, None, blind).tokens
 
-    assert guess(blind=False) == (3, 4, 5, 6) and guess(blind=True) == (3,)
+    assert draft(blind=False) == (3, 4, 5, 6) and draft(blind=True) == (3,)

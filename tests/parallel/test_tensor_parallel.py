@@ -129,8 +129,8 @@ def test_lora_adapters_under_tp2_give_the_tp1_tokens_mixed_preempted_and_loaded_
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_speculation_under_tp2_keeps_the_plain_tokens(zoo, method):
-    """Guesses from the prompt (the scheduler's) or from a draft model (rank 0 alone runs it, and the
-    plan goes out with its guesses in): the greedy tokens are the engine's without speculation."""
+    """Drafts from the prompt (the scheduler's) or from a draft model (rank 0 alone runs it, and the
+    plan goes out with its drafts in): the greedy tokens are the engine's without speculation."""
     path = zoo.path("llama-gqa")
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1} \
         if method == "ngram" else {"model": str(path), "num_speculative_tokens": 3}
@@ -140,14 +140,14 @@ def test_speculation_under_tp2_keeps_the_plain_tokens(zoo, method):
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     llm = LLM(path, device="cpu", dtype="float32", num_gpu_blocks=64, tensor_parallel_size=2, speculative_config=spec)
     try:
-        got = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]  # one stream guesses freely
+        got = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]  # one stream drafts freely
         accepted = sum(llm.engine.spec_counts())
         # bytes per token over both ranks: each holds half the target's heads, rank 0 alone the draft (the target itself)
         assert llm.engine.kv_bytes_per_token == (2 if method == "draft" else 1) * plain.engine.kv_bytes_per_token
     finally:
         llm.engine.close()
     assert got == want
-    assert accepted > 0  # guesses were made and kept (else nothing was tested)
+    assert accepted > 0  # drafts were made and kept (else nothing was tested)
 
 
 def test_prefixes_evicted_to_the_host_tier_come_back_under_tp2(zoo):

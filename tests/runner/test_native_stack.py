@@ -2,7 +2,7 @@
 as the module path it replaces (the same kernels and matrices, in the same order), with int8
 matrices on the C kernel and any other form (prepacked float32, int4, bf16) through its module;
 taken only where every layer's small operations are the kernels' and the step's rows are decodes or a
-few tokens each (a guess checked: each token then gets the bits of a decode step of its own), and the
+few tokens each (a draft checked: each token then gets the bits of a decode step of its own), and the
 real model's greedy text unchanged by it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.runner.cpu.native_stack import SHORT_ROW, NativeStack
-from tests.engine.test_speculative import prompts as guessing_prompts
+from tests.engine.test_speculative import prompts as drafting_prompts
 
 
 def _decode_steps(llm: LLM, prompts: list[list[int]], tokens: int = 3) -> list[tuple]:
@@ -76,18 +76,18 @@ def test_a_step_with_a_long_prefill_chunk_takes_the_module_path_and_short_rows_t
 
 
 @pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("float32", "int8"), ("bfloat16", "none")])
-def test_checked_guesses_get_the_bits_of_one_decode_step_a_token(zoo, dtype, quantization):
-    """Rows of a few tokens (speculative decoding's guesses, checked in one forward) run through the
+def test_checked_drafts_get_the_bits_of_one_decode_step_a_token(zoo, dtype, quantization):
+    """Rows of a few tokens (speculative decoding's drafts, checked in one forward) run through the
     stack, each token as a decode of its own: greedy tokens and logprobs with prompt lookup are, to the
-    bit, the engine's without it, with guesses kept, rows decoding beside them and rows that guess
+    bit, the engine's without it, with drafts kept, rows decoding beside them and rows that draft
     more than one block's worth."""
-    batch = guessing_prompts(6)
+    batch = drafting_prompts(6)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
     def run(speculative):
         llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype=dtype, quantization=quantization, block_size=4,
                   num_gpu_blocks=256, seed=0, speculative_config=speculative)
-        llm.engine.scheduler.step_cost = None  # guess whatever a step costs
+        llm.engine.scheduler.step_cost = None  # draft whatever a step costs
         stack, short = llm.engine.runner.model.native_stack, []
         takes = stack.takes
 
@@ -101,9 +101,9 @@ def test_checked_guesses_get_the_bits_of_one_decode_step_a_token(zoo, dtype, qua
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sum(short), llm
 
     plain, _, _ = run(None)
-    guessed, short_steps, llm = run({"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3})
+    drafted, short_steps, llm = run({"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 3})
     assert short_steps > 0 and llm.engine.scheduler.applier.spec_stats.accepted_tokens > 0
-    assert guessed == plain
+    assert drafted == plain
 
 
 @pytest.mark.parametrize("options", [dict(quantization="int8", kv_cache_dtype="int8"),

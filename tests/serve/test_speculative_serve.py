@@ -1,7 +1,7 @@
 """Speculative decoding as a service: a worker with ``--speculative-config`` answers through the
-gateway with the tokens the offline engine gives without speculation (plain and streamed, guesses
+gateway with the tokens the offline engine gives without speculation (plain and streamed, drafts
 kept), and when a speculative worker is SIGKILLed mid-stream every stream it held ends on the other
-worker with all its tokens, in order, numbered without a gap (a step that keeps a run of guesses
+worker with all its tokens, in order, numbered without a gap (a step that keeps a run of drafts
 sends several tokens at once; a resumed stream must not count them twice)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pagedserve import LLM
 from pagedserve.runtime.client import QueueClient
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.sampling import SamplingParams
-from tests.engine.test_speculative import prompts as guessing_prompts
+from tests.engine.test_speculative import prompts as drafting_prompts
 from tests.gateway_stack import running_stack
 from tests.serve.test_worker_recovery import start_worker_process, stream_is_clean, wait_alive
 from tests.service_helpers import MODEL_NAME, apoll, collect
@@ -28,7 +28,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 def test_a_speculative_worker_answers_through_the_gateway_as_the_engine_without_it(tmp_path_factory, zoo):
     path = zoo.path("llama-gqa")
-    prompts = guessing_prompts(4)
+    prompts = drafting_prompts(4)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     want = [o.outputs[0].text for o in LLM(path, device="cpu", dtype="float32", num_gpu_blocks=64)
             .generate(prompts, params, use_tqdm=False)]
@@ -46,7 +46,7 @@ def test_a_speculative_worker_answers_through_the_gateway_as_the_engine_without_
 @pytest.mark.slow
 def test_a_speculative_worker_sigkilled_mid_stream_leaves_every_stream_whole(redis_server, zoo):
     path = zoo.path("llama-gqa")
-    prompts = [[30 + i % 7, 40 + i % 5] * (4 + i % 6) for i in range(16)]  # they repeat: lookup finds guesses
+    prompts = [[30 + i % 7, 40 + i % 5] * (4 + i % 6) for i in range(16)]  # they repeat: lookup finds drafts
     params = [SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.0) if i % 2 else
               SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.8, seed=i) for i in range(16)]
     expected = [o.outputs[0].token_ids for o in LLM(path, device="cpu", dtype="float32", num_gpu_blocks=512)
@@ -76,11 +76,11 @@ def test_a_speculative_worker_sigkilled_mid_stream_leaves_every_stream_whole(red
             await apoll(lambda: stream_is_clean(r), 10, "the dead worker's entries to be acknowledged")
             survivor = next(w for w in workers if w != victim)
 
-            async def survivor_guessed() -> bool:  # its latest metrics, written at each heartbeat
+            async def survivor_drafted() -> bool:  # its latest metrics, written at each heartbeat
                 kept = await r.hget(KEYS.metrics(MODEL_NAME, survivor), "spec_decode_num_accepted_tokens_total")
                 return kept is not None and float(kept) > 0
 
-            await apoll(survivor_guessed, 10, "the surviving worker's metrics to show guesses kept")
+            await apoll(survivor_drafted, 10, "the surviving worker's metrics to show drafts kept")
             return results, held[victim]
         finally:
             for proc in workers.values():

@@ -41,7 +41,7 @@ class StepLogits:
     logits: torch.Tensor  # float32 [num_rows, vocab]
     items: tuple[ScheduledSeq, ...]  # the sampling sequence of each row
     prompt: dict[int, tuple[SampledToken, ...]] = field(default_factory=dict)  # prompt_logprobs, by seq id
-    drafts: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logits [num_draft, vocab] before each guess
+    drafts: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> logits [num_draft, vocab] before each draft
     draft_rounds: int = 0  # the draft model's forwards before this one (drafter.py)
     draft_seconds: float = 0.0
     pooled: dict[int, tuple[list[float], int]] = field(default_factory=dict)  # embeddings, by seq id (StepResult.pooled)
@@ -146,10 +146,10 @@ class ModelRunner:
             items = [step.items[i] for i in sampled]
             drawn = self.sampler.sample(step.logits[sampled], items)
             samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
-        guessing = [i for i, item in enumerate(step.items) if item.num_draft]
-        if guessing:  # speculative rows: every guessed position checked, all rows in one sampler call
-            items = [step.items[i] for i in guessing]
-            checked = check_drafts(self.sampler, items, [step.drafts[item.seq_id] for item in items], step.logits[guessing])
+        drafting = [i for i, item in enumerate(step.items) if item.num_draft]
+        if drafting:  # speculative rows: every drafted position checked, all rows in one sampler call
+            items = [step.items[i] for i in drafting]
+            checked = check_drafts(self.sampler, items, [step.drafts[item.seq_id] for item in items], step.logits[drafting])
             samples.update((item.seq_id, tokens) for item, tokens in zip(items, checked))
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
@@ -164,7 +164,7 @@ class ModelRunner:
             started = time.perf_counter()
             seqs, draft_rounds = self.drafter.draft(plan.seqs)  # its rounds read their picks: the time is spent
             plan, draft_seconds = replace(plan, seqs=seqs), time.perf_counter() - started
-        if self.announce is not None:  # the other ranks run the same forward, the draft model's guesses in it
+        if self.announce is not None:  # the other ranks run the same forward, the draft model's drafts in it
             self.announce(plan)
         # Single-token work (decodes, and one-token chunks) goes first, prefill chunks after.
         items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
@@ -184,7 +184,7 @@ class ModelRunner:
                   for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
         pooled = {s.seq_id: pooled for s, last in zip(items, last_index) if s.pool_from is not None
                   if (pooled := _pool(hidden, last - s.num_tokens + 1, s)) is not None} if wants_prompt else {}
-        # Speculative rows: the logits before each guess too (the positions ahead of a row's last), in the
+        # Speculative rows: the logits before each draft too (the positions ahead of a row's last), in the
         # same head call as the sampling rows' (one read of the head's weights).
         spans = [(s.seq_id, last - s.num_draft, last) for s, last in zip(items, last_index) if s.num_draft]
         if spans:

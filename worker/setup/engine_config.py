@@ -81,9 +81,9 @@ class EngineConfig:
                                       kind=non_negative(int))
     speculative_config: str | dict | None = flag(
         None, 'speculative decoding, as vLLM spells it (JSON): {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} guesses a row\'s next tokens from its own history '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} drafts a row\'s next tokens from its own history '
         'and checks them in one forward; {"model": DRAFT, "num_speculative_tokens": 4, "quantization": "int4"} '
-        "guesses with a small draft model of the same vocabulary (default: off)", metavar="JSON")
+        "drafts with a small draft model of the same vocabulary (default: off)", metavar="JSON")
     enable_lora: bool = flag(False, "serve LoRA adapters on the base model (--lora-modules; requests name one as their "
                              "model)", switch="on")
     lora_modules: tuple[str, ...] = flag((), "adapters loaded at start, NAME=PATH each (a PEFT adapter directory)",

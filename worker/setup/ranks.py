@@ -45,7 +45,7 @@ def rank_threads(size: int) -> int:
 def follower_plan(plan: StepPlan) -> StepPlan:
     """What another rank needs of a step's plan: its forward's inputs (no grammar state, no
     token history for penalties: only rank 0 samples; no draft context: only rank 0 holds the
-    draft model, and the plan comes with its guesses in)."""
+    draft model, and the plan comes with its drafts in)."""
     seqs = tuple(replace(s, grammar=None, draft_grammars=(), prompt_ids=(), output_ids=(), draft_context=None)
                  for s in plan.seqs)
     return replace(plan, seqs=seqs)

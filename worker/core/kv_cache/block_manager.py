@@ -264,7 +264,7 @@ class BlockManager:
         return copies
 
     def rewind(self, seq_id: int, num_slots: int) -> None:
-        """Give back the seq's slots past ``num_slots`` (speculative guesses rejected); a block left
+        """Give back the seq's slots past ``num_slots`` (speculative drafts rejected); a block left
         without a slot goes back to the pool. Those slots were never published (not computed)."""
         table = self._tables[seq_id]
         if not 0 <= num_slots <= self._num_slots[seq_id]:

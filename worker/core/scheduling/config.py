@@ -27,7 +27,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     sliding_window: int = 0  # > 0: every layer sees only its last W positions, so older blocks are released
     rope_switch: int = 0  # > 0 (long-rope): a sequence growing past this length has its KV recomputed
-    speculative: SpeculativeConfig | None = None  # prompt-lookup guesses, checked in one forward (worker/core/speculative/config.py)
+    speculative: SpeculativeConfig | None = None  # prompt-lookup drafts, checked in one forward (worker/core/speculative/config.py)
     max_loras: int = 0  # LoRA adapters among the running requests at most (0: no limit; worker/runner/lora/)
 
     def __post_init__(self) -> None:

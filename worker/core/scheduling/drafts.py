@@ -1,12 +1,12 @@
-"""Which rows guess this step, and what: the scheduler's half of speculative decoding.
+"""Which rows draft this step, and what: the scheduler's half of speculative decoding.
 
-A row guesses when it decodes one token of one sequence (no fork, no beam search; not under a
-sliding window or long-rope's switch), its pace allows (``DraftPace``), and its guessed tokens pay
-for themselves at this step's size (``StepCost``). Prompt lookup's guess is cut before the first
-token the row's grammar refuses, and carries the grammar's state at each guessed position for the
-runner's check (``worker/runner/speculative/draft_check.py``). A draft model's guess is its length alone: the
+A row drafts when it decodes one token of one sequence (no fork, no beam search; not under a
+sliding window or long-rope's switch), its pace allows (``DraftPace``), and its drafted tokens pay
+for themselves at this step's size (``StepCost``). Prompt lookup's draft is cut before the first
+token the row's grammar refuses, and carries the grammar's state at each drafted position for the
+runner's check (``worker/runner/speculative/draft_check.py``). A draft model's draft is its length alone: the
 runner's drafter (``worker/runner/speculative/draft_model.py``) makes the tokens, after catching its own KV up on the
-tokens before the row's (``draft_context``); rows with a grammar get no draft-model guess.
+tokens before the row's (``draft_context``); rows with a grammar get no draft-model draft.
 """
 
 from __future__ import annotations
@@ -15,24 +15,24 @@ from dataclasses import dataclass
 
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.request import Request, Sequence
-from pagedserve.worker.core.scheduling.structured_state import guess_states
+from pagedserve.worker.core.scheduling.structured_state import draft_states
 from pagedserve.worker.core.speculative.config import MAX_DRAFT_WAIT, DraftPace, KeptRate
 
 
 @dataclass(frozen=True)
-class Guess:
+class Draft:
     tokens: tuple[int, ...]
-    grammars: tuple = ()  # with a grammar: its state before each guessed token and after the last
-    draft_context: tuple[int, ...] | None = None  # a draft model's guess (tokens all 0 until it makes them)
+    grammars: tuple = ()  # with a grammar: its state before each drafted token and after the last
+    draft_context: tuple[int, ...] | None = None  # a draft model's draft (tokens all 0 until it makes them)
 
 
-NO_GUESS = Guess(())  # a row that decodes plainly
+NO_DRAFT = Draft(())  # a row that decodes plainly
 
 
-def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, budget: int, token_share: float,
-              lately: dict[bool, KeptRate] | None = None, blind: bool = False) -> Guess | None:
-    """The guess for ``seq``'s step of ``count`` tokens, at most ``budget - 1`` tokens, within its
-    ``max_tokens`` and the context; None where it makes none. A row's first guess starts from the
+def row_draft(config: SchedulerConfig, req: Request, seq: Sequence, count: int, budget: int, token_share: float,
+              lately: dict[bool, KeptRate] | None = None, blind: bool = False) -> Draft | None:
+    """The draft for ``seq``'s step of ``count`` tokens, at most ``budget - 1`` tokens, within its
+    ``max_tokens`` and the context; None where it makes none. A row's first draft starts from the
     kept rate of recent rows of its kind, greedy or sampled (``lately``, ``SpecStats``). ``blind``
     (several rows, and the step cost of that many not priced yet): one token at most, and no draft
     model's first pass over a prompt (a prefill's cost), which a batch must not pay for every row
@@ -52,9 +52,9 @@ def row_guess(config: SchedulerConfig, req: Request, seq: Sequence, count: int, 
     if spec.model is not None:
         if seq.grammar is not None or length <= 0 or (blind and seq.num_computed - seq.draft_computed > MAX_DRAFT_WAIT + 1):
             return None
-        return Guess((0,) * length, draft_context=tuple(seq.token_ids[seq.draft_computed : seq.num_computed]))
+        return Draft((0,) * length, draft_context=tuple(seq.token_ids[seq.draft_computed : seq.num_computed]))
     tokens = spec.propose(seq.token_ids, length)
-    states = guess_states(seq.grammar, tokens)
+    states = draft_states(seq.grammar, tokens)
     if states:
         tokens = tokens[: len(states) - 1]
-    return Guess(tokens, states) if tokens else None
+    return Draft(tokens, states) if tokens else None

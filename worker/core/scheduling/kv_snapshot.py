@@ -12,7 +12,7 @@ two pictures, ``MAX_REQUESTS`` rows of ``ROW_BYTES`` and ``MAX_TABLE_ENTRIES`` e
 ``figures.unpaged`` is what the running requests would reserve without paging (``unpaged_blocks``),
 to set against ``used`` (what they hold) and ``logical`` (what their tables name: without sharing).
 With tiers under the prefix cache, ``figures`` also has their occupancy (``tier_figures``); with
-speculative decoding, the guessed and kept tokens (``spec_figures``).
+speculative decoding, the drafted and kept tokens (``spec_figures``).
 
 A request row: ``id``, ``state`` (running / swapped / waiting), ``prompt`` and ``generated``
 tokens (over its sequences), ``age`` in seconds, ``blocks`` (distinct blocks it holds), ``device``
@@ -76,7 +76,7 @@ def tier_figures(tiers, hit_tokens: int) -> dict:
 
 
 def spec_figures(scheduler) -> dict:
-    """Speculative decoding, when it is on: guessed tokens checked and kept so far."""
+    """Speculative decoding, when it is on: drafted tokens checked and kept so far."""
     if scheduler.config.speculative is None:
         return {}
     spec = scheduler.applier.spec_stats

@@ -34,9 +34,9 @@ class ScheduledSeq:
     grammar: object = None  # the sequence's GrammarState when its output is constrained (sampling rows only)
     seq_len: int = 0  # the sequence's length now, computed or not (rope that changes with length reads it)
     prompt_targets: tuple[int, ...] = ()  # prompt_logprobs: the prompt token after each of the first positions
-    num_draft: int = 0  # speculative decoding: the last num_draft of token_ids are guesses the runner checks
-    draft_grammars: tuple = ()  # with a grammar: its state before each guess and after the last
-    draft_context: tuple[int, ...] | None = None  # a draft model guesses (its guesses here are 0 until then): the tokens before start it has no KV for
+    num_draft: int = 0  # speculative decoding: the last num_draft of token_ids are drafts the runner checks
+    draft_grammars: tuple = ()  # with a grammar: its state before each draft and after the last
+    draft_context: tuple[int, ...] | None = None  # a draft model drafts (its drafts here are 0 until then): the tokens before start it has no KV for
     pool_from: int | None = None  # an embedding (params.pooling): positions before this are pooled already
     adapter: str | None = None  # the LoRA adapter its request runs under (worker/runner/lora/); None: the base model
 

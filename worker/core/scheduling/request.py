@@ -42,7 +42,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # one entry per output token when asked
     cumulative_logprob: float = 0.0
     grammar: object = None  # this sequence's GrammarState (worker.core.grammar) when the output is constrained
-    draft_pace: object = None  # speculative decoding: its DraftPace (worker.core.speculative), once it guessed
+    draft_pace: object = None  # speculative decoding: its DraftPace (worker.core.speculative), once it drafted
     draft_computed: int = 0  # a draft model's KV is valid for positions before this (0 after preemption)
 
     @property

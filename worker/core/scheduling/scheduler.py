@@ -30,7 +30,7 @@ from pagedserve.worker.core.kv_cache.events import KvEvents
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
-from pagedserve.worker.core.scheduling.drafts import NO_GUESS, Guess, row_guess
+from pagedserve.worker.core.scheduling.drafts import NO_DRAFT, Draft, row_draft
 from pagedserve.worker.core.scheduling.output_builder import OutputBuilder
 from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
@@ -73,7 +73,7 @@ class Scheduler:
         self.running, self.swapped = self.table.running, self.table.swapped
         self.stats = SchedulerStats()
         self.applier = StepApplier(self.table, self.eos_token_ids, config)
-        self.step_cost = StepCost() if config.speculative else None  # what a guessed token costs (Engine.step feeds it)
+        self.step_cost = StepCost() if config.speculative else None  # what a drafted token costs (Engine.step feeds it)
         self.outputs = OutputBuilder(self.table, detokenizer)
         self._orders = itertools.count()
 
@@ -183,34 +183,34 @@ class Scheduler:
         self.running.sort(key=lambda r: r.sort_key)
         queue = list(self.running)
         share, rows, blind = 0.0, sum(len(r.live_seqs) for r in queue), False
-        if self.step_cost is not None:  # what a guessed token costs in a step of this many rows
+        if self.step_cost is not None:  # what a drafted token costs in a step of this many rows
             share, blind = self.step_cost.share(rows)
         while queue and step.budget > 0:
             req = queue.pop(0)
             if self._crossed_rope_switch(req):
                 continue
             sizes = self._chunk_sizes(req, step.budget)
-            guess = self._guess(req, sizes, step.budget, share, blind)
-            if guess:  # only into free blocks: a guess never preempts anyone
-                guessed = [(seq_id, count + len(guess.tokens)) for seq_id, count in sizes]
-                if self.blocks.cost_to_grow(guessed) <= self.blocks.num_free_blocks:
-                    sizes = guessed
+            draft = self._draft(req, sizes, step.budget, share, blind)
+            if draft:  # only into free blocks: a draft never preempts anyone
+                drafted = [(seq_id, count + len(draft.tokens)) for seq_id, count in sizes]
+                if self.blocks.cost_to_grow(drafted) <= self.blocks.num_free_blocks:
+                    sizes = drafted
                 else:
-                    guess = None
+                    draft = None
             while self.blocks.cost_to_grow(sizes) > self.blocks.num_free_blocks:
                 victim = queue.pop() if queue else req
                 self._preempt(victim, step)
                 if victim is req:
                     break
             else:
-                self._emit(req, sizes, step, guess or NO_GUESS)
+                self._emit(req, sizes, step, draft or NO_DRAFT)
 
-    def _guess(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float, blind: bool) -> Guess | None:
-        """Speculative decoding: a one-sequence request's guess (``worker/core/scheduling/drafts.py``)."""
+    def _draft(self, req: Request, sizes: list[tuple[int, int]], budget: int, share: float, blind: bool) -> Draft | None:
+        """Speculative decoding: a one-sequence request's draft (``worker/core/scheduling/drafts.py``)."""
         if self.config.speculative is None or len(sizes) != 1:
             return None
         (seq_id, count), = sizes
-        return row_guess(self.config, req, self.table.seq(seq_id), count, budget, share, self.applier.spec_stats.lately, blind)
+        return row_draft(self.config, req, self.table.seq(seq_id), count, budget, share, self.applier.spec_stats.lately, blind)
 
     def _crossed_rope_switch(self, req: Request) -> bool:
         """Long-rope: a sequence that grew past ``rope_switch`` holds KV rotated with the short
@@ -313,8 +313,8 @@ class Scheduler:
             req.first_scheduled = self.clock()
         self.running.append(req)
 
-    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder, guess: Guess = NO_GUESS) -> None:
-        """Grow the seqs' tables (a guess's slots too: one sequence's) and add their work to the step."""
+    def _emit(self, req: Request, sizes: list[tuple[int, int]], step: StepBuilder, draft: Draft = NO_DRAFT) -> None:
+        """Grow the seqs' tables (a draft's slots too: one sequence's) and add their work to the step."""
         for seq_id, count in sizes:
             if count <= 0:
                 continue
@@ -322,11 +322,11 @@ class Scheduler:
             copies = self.blocks.grow(seq_id, count)
             self.stats.cow_copies += len(copies)
             step.copies.extend(copies)
-            step.seqs.append(self._scheduled(req, seq, count - len(guess.tokens), guess))
+            step.seqs.append(self._scheduled(req, seq, count - len(draft.tokens), draft))
             step.budget -= count
 
-    def _scheduled(self, req: Request, seq: Sequence, count: int, guess: Guess = NO_GUESS) -> ScheduledSeq:
-        """The work and everything the runner needs to sample it, without asking back; a guess's
+    def _scheduled(self, req: Request, seq: Sequence, count: int, draft: Draft = NO_DRAFT) -> ScheduledSeq:
+        """The work and everything the runner needs to sample it, without asking back; a draft's
         tokens follow the row's own (the runner checks them)."""
         p, start = req.params, seq.num_computed
         samples = 0
@@ -334,12 +334,12 @@ class Scheduler:
             samples = p.num_seqs if req.needs_fork else 1
         history = samples and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
         return ScheduledSeq(
-            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + guess.tokens, start,
+            seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + draft.tokens, start,
             self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
             seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
-            len(guess.tokens), guess.grammars, guess.draft_context, req.pooled_upto if p.pooling else None, req.adapter,
+            len(draft.tokens), draft.grammars, draft.draft_context, req.pooled_upto if p.pooling else None, req.adapter,
         )
 
     @staticmethod

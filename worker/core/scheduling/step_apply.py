@@ -71,16 +71,16 @@ class StepApplier:
         return list(touched.values())
 
     def _apply_drafted(self, req: Request, seq: Sequence, item, tokens: tuple[SampledToken, ...]) -> None:
-        """Speculative decoding: the guesses the runner accepted (their KV is computed) and its own
+        """Speculative decoding: the drafts the runner accepted (their KV is computed) and its own
         next token, each appended as a step of its own would (stops included: a stop inside the run
-        ends it there); the rejected guesses' slots go back (a block left empty to the pool)."""
+        ends it there); the rejected drafts' slots go back (a block left empty to the pool)."""
         if not 1 <= len(tokens) <= item.num_draft + 1:
             raise ValueError(f"seq {item.seq_id}: {len(tokens)} tokens for a draft of {item.num_draft}")
         self.spec_stats.record(item.num_draft, len(tokens) - 1, req.params.greedy)
         if seq.draft_pace is not None:
             seq.draft_pace.checked(item.num_draft, len(tokens) - 1)
-        self.table.blocks.rewind(seq.seq_id, item.start + len(tokens))  # the row's own token and the accepted guesses
-        if item.draft_context is not None:  # the draft model took in the row's token and its guesses but the last
+        self.table.blocks.rewind(seq.seq_id, item.start + len(tokens))  # the row's own token and the accepted drafts
+        if item.draft_context is not None:  # the draft model took in the row's token and its drafts but the last
             seq.draft_computed = item.start + min(len(tokens), item.num_draft)
         seq.num_computed = item.start + 1
         key = self.config.prefix_key(req.extra_key, seq.num_tokens)
@@ -90,7 +90,7 @@ class StepApplier:
             if seq.finished:
                 return
             if index < len(tokens) - 1:
-                seq.num_computed += 1  # an accepted guess: its KV was computed this step
+                seq.num_computed += 1  # an accepted draft: its KV was computed this step
         self._publish(req, seq, key)
 
     def _publish(self, req: Request, seq: Sequence, key) -> None:

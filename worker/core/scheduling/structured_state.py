@@ -38,10 +38,10 @@ def start_state(pristine: GrammarState, output_ids: list[int]) -> GrammarState:
     return state
 
 
-def guess_states(state: GrammarState | None, tokens: tuple[int, ...]) -> tuple:
-    """A speculative guess under a grammar: the state before each of the longest start of
+def draft_states(state: GrammarState | None, tokens: tuple[int, ...]) -> tuple:
+    """A speculative draft under a grammar: the state before each of the longest start of
     ``tokens`` the grammar accepts from ``state``, and after its last (copies, the sequence's own
-    state untouched); the guess is cut to one fewer token than there are states. () without a grammar."""
+    state untouched); the draft is cut to one fewer token than there are states. () without a grammar."""
     if state is None:
         return ()
     states = [state]

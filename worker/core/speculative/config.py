@@ -1,4 +1,4 @@
-"""Speculative decoding: guess a row's next tokens, by prompt lookup (n-gram) from its own history or
+"""Speculative decoding: draft a row's next tokens, by prompt lookup (n-gram) from its own history or
 with a small draft model, let one forward check them all, keep the ones the model would have produced.
 
 ``--speculative-config`` takes vLLM's JSON: ``{"method": "ngram", "num_speculative_tokens": k,
@@ -8,15 +8,15 @@ sequence (``n`` tokens down to ``m``) that occurred earlier in it and proposes t
 followed its latest earlier occurrence: text that copies from its prompt (code edits, quotes,
 summaries that cite) gets long runs accepted; text that does not gets no proposal and costs nothing.
 
-Rows of one sequence guess (greedy or sampled, with or without a grammar; not forks, not beam
-search). The runner checks a guess with the row's own sampler at each position
-(``worker/runner/speculative/draft_check.py``: rejection sampling for a one-token guess), so every token comes
+Rows of one sequence draft (greedy or sampled, with or without a grammar; not forks, not beam
+search). The runner checks a draft with the row's own sampler at each position
+(``worker/runner/speculative/draft_check.py``: rejection sampling for a one-token draft), so every token comes
 from the distribution a step of its own would use, and a greedy or seeded row gets exactly the
-tokens it gets without speculation. Each sequence paces its guesses (``DraftPace``): a row whose
-guesses are rejected guesses less often, so text that does not repeat costs almost nothing; and a
-guess is only as long as its tokens pay for themselves at what a checked token costs in a step of
+tokens it gets without speculation. Each sequence paces its drafts (``DraftPace``): a row whose
+drafts are rejected drafts less often, so text that does not repeat costs almost nothing; and a
+draft is only as long as its tokens pay for themselves at what a checked token costs in a step of
 this size (``StepCost``, ``worker/core/speculative/draft_cost.py``: fitted to the engine's own steps of that size). A draft model
-(``worker/runner/speculative/draft_model.py``) guesses greedily with its own KV pool on the target's block ids.
+(``worker/runner/speculative/draft_model.py``) drafts greedily with its own KV pool on the target's block ids.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from typing import Sequence
 
 MAX_SPECULATIVE_TOKENS = 16
 METHODS = ("ngram", "draft_model")
-MAX_DRAFT_WAIT = 31  # steps a row whose guesses keep failing waits, at most, before it guesses again
+MAX_DRAFT_WAIT = 31  # steps a row whose drafts keep failing waits, at most, before it drafts again
 RATE_DECAY = 0.9  # a row's kept rate: each older check weighs this much as the next
 
 
 @dataclass
 class KeptRate:
-    """The chance a guessed token is kept given the one before it was: kept tokens over checked
+    """The chance a drafted token is kept given the one before it was: kept tokens over checked
     ones (the tokens up to the first rejected one), each older check weighing ``RATE_DECAY`` as
     much as the next; 1/2 before the first check, unless it starts from what similar rows kept."""
     kept: float = 1.0
@@ -56,11 +56,11 @@ class KeptRate:
 
 @dataclass
 class DraftPace:
-    """One sequence's guessing: how long its next guess may be, how many of its steps to skip
-    before it, and how often its guessed tokens are kept (``KeptRate``). A guess with anything kept
+    """One sequence's drafting: how long its next draft may be, how many of its steps to skip
+    before it, and how often its drafted tokens are kept (``KeptRate``). A draft with anything kept
     lets the next be ``limit`` long (how much of it pays is ``worth``'s to say, from the kept rate
     and the step's cost); one with nothing kept makes the next a single token, after 1, 3, 7, ...
-    steps without guessing (at most ``MAX_DRAFT_WAIT``)."""
+    steps without drafting (at most ``MAX_DRAFT_WAIT``)."""
     limit: int
     length: int = 0
     wait: int = 0
@@ -75,7 +75,7 @@ class DraftPace:
         return self.rate.value
 
     def ready(self) -> bool:
-        """Whether this step may guess (a step that may not counts down the wait)."""
+        """Whether this step may draft (a step that may not counts down the wait)."""
         if self.wait:
             self.wait -= 1
             return False
@@ -91,7 +91,7 @@ class DraftPace:
         self.length = self.limit
 
     def worth(self, token_share: float) -> int:
-        """How many guessed tokens pay for themselves when checking one costs ``token_share`` of
+        """How many drafted tokens pay for themselves when checking one costs ``token_share`` of
         a step's time per row: the j-th is kept with chance ``kept_rate ** j`` and, kept, saves a
         row's share of a step (1); it costs ``token_share`` either way."""
         rate = self.kept_rate
@@ -102,20 +102,20 @@ class DraftPace:
         return min(self.length, int(math.log(token_share) / math.log(rate)))
 
 
-def prices_guesses(row) -> bool:
-    """Whether a step's row (a ``ScheduledSeq``) lets its step price guessed tokens (``StepCost``,
-    ``worker/core/speculative/draft_cost.py``): a decode, with or without a guess, whose draft model catches up
+def prices_drafts(row) -> bool:
+    """Whether a step's row (a ``ScheduledSeq``) lets its step price drafted tokens (``StepCost``,
+    ``worker/core/speculative/draft_cost.py``): a decode, with or without a draft, whose draft model catches up
     on no more than the steps a pace may skip. A prefill chunk's tokens, or a draft's first pass over a whole prompt, cost what
-    they cost once, not what a guessed token costs."""
+    they cost once, not what a drafted token costs."""
     return row.num_tokens == 1 + row.num_draft and len(row.draft_context or ()) <= MAX_DRAFT_WAIT + 1
 
 
 @dataclass
 class SpecStats:
-    """vLLM's ``spec_decode`` counters: rows that carried a draft, guessed tokens, accepted ones,
+    """vLLM's ``spec_decode`` counters: rows that carried a draft, drafted tokens, accepted ones,
     and accepted ones by position in the draft; and the kept rate of recent greedy and sampled
-    rows, which a new row of that kind starts from (``lately[greedy]``): rows whose guesses are
-    rarely kept (text sampled at a high temperature) stop paying for first guesses."""
+    rows, which a new row of that kind starts from (``lately[greedy]``): rows whose drafts are
+    rarely kept (text sampled at a high temperature) stop paying for first drafts."""
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -206,8 +206,8 @@ class SpeculativeConfig:
             return ()
         start = best_end + 1
         period = length - start  # the suffix recurs this far back: past the end, the text repeats with this period
-        guess: list[int] = []
+        draft: list[int] = []
         for i in range(limit):
-            guess.append(tokens[start + i] if start + i < length else guess[i - period])
-        return tuple(guess)
+            draft.append(tokens[start + i] if start + i < length else draft[i - period])
+        return tuple(draft)
 

@@ -1,13 +1,13 @@
-"""What a guessed token costs: the engine's own step times, fitted per batch size.
+"""What a drafted token costs: the engine's own step times, fitted per batch size.
 
-A guessed token is worth checking when its chance of being kept beats what checking it costs, as a
+A drafted token is worth checking when its chance of being kept beats what checking it costs, as a
 share of the step (``DraftPace.worth``). That share depends on the batch: one row's step reads the
 weights and a few more tokens cost little; sixteen rows' step on a CPU computes, and every token
 costs nearly what a generated one does. So each batch size (rows bucketed by powers of two: 1, 2,
 3-4, 5-8, ...) has its own fit (``StepFit``), fed only by its own steps: a fit of one-row steps
-never prices a sixteen-row step. Until a bucket of several rows is priced, its rows guess one token
+never prices a sixteen-row step. Until a bucket of several rows is priced, its rows draft one token
 at most and make no draft model's first pass (``blind``): enough to price the bucket, not enough to
-lose a batch's steps to guesses nobody knows pay.
+lose a batch's steps to drafts nobody knows pay.
 """
 
 from __future__ import annotations
@@ -22,24 +22,24 @@ MIN_COST_STEPS = 8  # steps seen before a fit is used
 class StepFit:
     """One batch size's step time as a fixed part and a part per token, fitted over its recent
     steps (least squares, each older step weighing ``COST_DECAY`` as much as the next), and a draft
-    model's time per round (its forward over the step's guessing rows), averaged alike.
+    model's time per round (its forward over the step's drafting rows), averaged alike.
     ``token_share(rows)``: the part of a step of ``rows`` one-token rows that one more token each
-    costs, per row the price of checking a guessed token (and drafting it) against what a kept one
-    saves. 0 (guess freely) until the fit has seen 8 steps whose sizes differ by a tenth; near 1
+    costs, per row the price of checking a drafted token (and drafting it) against what a kept one
+    saves. 0 (draft freely) until the fit has seen 8 steps whose sizes differ by a tenth; near 1
     where the forward's cost grows with every token or a draft round costs nearly a step. While the
-    recent steps are all of one size and guessed (every row guessing the same),
-    ``wants_plain_step`` asks for a step without guesses."""
+    recent steps are all of one size and drafted (every row drafting the same),
+    ``wants_plain_step`` asks for a step without drafts."""
     sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, xx, xy
     draft: list[float] = field(default_factory=lambda: [0.0, 0.0])  # draft rounds, their seconds
-    guessed: float = 0.0  # the steps that carried guesses, weighed as ``sums[0]``
+    drafted: float = 0.0  # the steps that carried drafts, weighed as ``sums[0]``
 
-    def observe(self, tokens: int, seconds: float, guessed: bool = False, draft_rounds: int = 0,
+    def observe(self, tokens: int, seconds: float, drafted: bool = False, draft_rounds: int = 0,
                 draft_seconds: float = 0.0) -> None:
         """A step: its tokens and seconds, of which ``draft_seconds`` were a draft model's rounds."""
         seconds -= draft_seconds
         w, x, y, xx, xy = (v * COST_DECAY for v in self.sums)
         self.sums = [w + 1, x + tokens, y + seconds, xx + tokens * tokens, xy + tokens * seconds]
-        self.guessed = COST_DECAY * self.guessed + guessed
+        self.drafted = COST_DECAY * self.drafted + drafted
         if draft_rounds:
             rounds, spent = (v * COST_DECAY for v in self.draft)
             self.draft = [rounds + draft_rounds, spent + draft_seconds]
@@ -58,9 +58,9 @@ class StepFit:
         return self._fit() is not None
 
     def wants_plain_step(self) -> bool:
-        """Whether the recent steps all carried guesses and were all of one size: the fit cannot
-        tell what a guessed token costs until a step without them is seen."""
-        return self.sums[0] >= MIN_COST_STEPS and self.guessed > self.sums[0] / 2 and self._fit() is None
+        """Whether the recent steps all carried drafts and were all of one size: the fit cannot
+        tell what a drafted token costs until a step without them is seen."""
+        return self.sums[0] >= MIN_COST_STEPS and self.drafted > self.sums[0] / 2 and self._fit() is None
 
     def token_share(self, rows: int) -> float:
         fit, (rounds, spent) = self._fit(), self.draft
@@ -83,13 +83,13 @@ class StepCost:
     def fit(self, rows: int) -> StepFit:
         return self.fits.setdefault(self.bucket(rows), StepFit())
 
-    def observe(self, rows: int, tokens: int, seconds: float, guessed: bool = False, draft_rounds: int = 0,
+    def observe(self, rows: int, tokens: int, seconds: float, drafted: bool = False, draft_rounds: int = 0,
                 draft_seconds: float = 0.0) -> None:
         """A step of ``rows`` rows (``StepFit.observe``)."""
-        self.fit(rows).observe(tokens, seconds, guessed, draft_rounds, draft_seconds)
+        self.fit(rows).observe(tokens, seconds, drafted, draft_rounds, draft_seconds)
 
     def share(self, rows: int) -> tuple[float, bool]:
-        """(token share, blind) for a step of ``rows`` rows: share 1 (guess nothing) when its fit
+        """(token share, blind) for a step of ``rows`` rows: share 1 (draft nothing) when its fit
         asks for a plain step; blind when several rows run and their fit is not priced yet."""
         fit = self.fit(rows)
         if fit.wants_plain_step():

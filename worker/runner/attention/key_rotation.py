@@ -1,6 +1,6 @@
-"""Calibrated turns of q and k for a quantized KV cache: per layer and KV head, one matrix for keys and
-one for queries, exact for the scores and chosen so that rounding the stored keys moves the scores
-as little as it can.
+"""Calibrated rotations of q and k for a quantized KV cache (a stretch, then the format's fixed
+turn): per layer and KV head, one matrix for keys and one for queries, exact for the scores and
+chosen so that rounding the stored keys moves the scores as little as it can.
 
 A key stored as ``k T_k`` and read by a query turned as ``q T_q`` gives the same score whenever
 ``T_q T_k^T = I``: with ``T_k = A R`` and ``T_q = A^-1 R`` (``A`` symmetric positive definite,
@@ -34,7 +34,7 @@ def calibration_text() -> str:
 
 
 @dataclass(frozen=True)
-class KeyTurns:
+class KeyRotation:
     """float32 ``[kv_heads, head_dim, head_dim]`` each: queries are multiplied by ``q`` (each by its
     group's KV head's), keys by ``k``; ``q[h] @ k[h].T`` is the identity for every head."""
 
@@ -50,7 +50,7 @@ class KeyTurns:
         return qt.reshape(t, hq, d).to(q.dtype), kt.to(k.dtype)
 
 
-class TurnStats:
+class RotationStats:
     """Second moments of one layer's turned-to-be queries and keys, per KV head (float64 sums)."""
 
     def __init__(self, kv_heads: int, head_dim: int, device: torch.device) -> None:
@@ -67,14 +67,14 @@ class TurnStats:
         self.k += torch.einsum("thd,the->hde", kd, kd)
         self.rows += t
 
-    def turns(self, rotation: torch.Tensor) -> KeyTurns:
+    def turns(self, rotation: torch.Tensor) -> KeyRotation:
         """The turns that least move the scores under rounding (module docstring), after ``rotation``."""
         if self.rows == 0:
             raise ValueError("no rows observed: the calibration text ran through no layer")
         stretch = torch.stack([_stretch(_shrunk(sq / self.rows), _shrunk(sk / self.rows))
                                for sq, sk in zip(self.q, self.k)])
         r = rotation.double()
-        return KeyTurns(q=(torch.linalg.inv(stretch) @ r).float(), k=(stretch @ r).float())
+        return KeyRotation(q=(torch.linalg.inv(stretch) @ r).float(), k=(stretch @ r).float())
 
 
 def _shrunk(moment: torch.Tensor) -> torch.Tensor:
@@ -121,8 +121,8 @@ def calibrate(runner, ids: Sequence[int]) -> None:
     backends = [attention.ops for attention in attentions]
     reference = reference_ops(runner.ops.kv_format)
     for attention in attentions:
-        attention.key_turns, attention.ops = None, reference
-        attention.observer = TurnStats(model.num_kv_heads, model.head_dim, runner.device)
+        attention.key_rotation, attention.ops = None, reference
+        attention.observer = RotationStats(model.num_kv_heads, model.head_dim, runner.device)
     try:
         for start in range(0, len(ids), CHUNK):
             piece = tuple(ids[start : start + CHUNK])
@@ -133,4 +133,4 @@ def calibrate(runner, ids: Sequence[int]) -> None:
         for attention, ops in zip(attentions, backends):
             attention.observer, attention.ops = None, ops
     for attention, turn in zip(attentions, turns):
-        attention.key_turns = turn
+        attention.key_rotation = turn

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.ops import AttentionOps
-from pagedserve.worker.runner.attention.key_rotation import KeyTurns, TurnStats
+from pagedserve.worker.runner.attention.key_rotation import KeyRotation, RotationStats
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class PagedAttention:
         self.extra = {**({"window": window} if window > 0 else {}), **({"softcap": softcap} if softcap > 0 else {})}
         # A quantized cache's calibrated turns of q and k (worker/runner/attention/key_rotation.py), set once at
         # start like weights; until then (the calibration's own first pass), the format's fixed turn.
-        self.key_turns: KeyTurns | None = None
-        self.observer: TurnStats | None = None  # set only while the calibration text runs
+        self.key_rotation: KeyRotation | None = None
+        self.observer: RotationStats | None = None  # set only while the calibration text runs
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -58,14 +58,14 @@ class PagedAttention:
             return self._attend(q, k, v, kv_cache, meta)
         if self.observer is not None:
             self.observer.add(q, k)
-        if self.key_turns is not None:
-            q, k = self.key_turns.apply(q, k)  # scores unchanged: q Tq . k Tk = q . k
+        if self.key_rotation is not None:
+            q, k = self.key_rotation.apply(q, k)  # scores unchanged: q Tq . k Tk = q . k
         else:
-            q, k = _turned(q, rotation), _turned(k, rotation)  # scores unchanged: qR . kR = q . k
-        if not self.ops.kv_format.turns_values:
+            q, k = _rotated(q, rotation), _rotated(k, rotation)  # scores unchanged: qR . kR = q . k
+        if not self.ops.kv_format.rotation_values:
             return self._attend(q, k, v, kv_cache, meta)
         # The output over turned values is sum(p vR) = (sum p v) R: turned back.
-        return _turned(self._attend(q, k, _turned(v, rotation), kv_cache, meta), rotation.T)
+        return _rotated(self._attend(q, k, _rotated(v, rotation), kv_cache, meta), rotation.T)
 
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -91,6 +91,6 @@ class PagedAttention:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _turned(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """``x @ rotation`` over the last dimension, in float32, back at ``x``'s dtype."""
     return (x.float() @ rotation).to(x.dtype)

@@ -9,7 +9,7 @@ checks, views, an allocation per result) around ~80 us of kernels (SmolLM2, int8
 docs/benchmarks.md). Here the checks run once per step, the results go to buffers allocated once per
 step, and each layer is a few C calls, the matrices and two in-place adds: the same kernels on the
 same inputs in the same order, so the same bits as the module path (tested). A step whose rows are
-a few tokens each (a speculative guess being checked) runs here too, each token as a decode of its
+a few tokens each (a speculative draft being checked) runs here too, each token as a decode of its
 own: the bits one decode step a token gives. Anything else (a longer prefill chunk in the step, a
 quantized cache, another rotary, a layer with a norm the kernels do not run) takes the module path:
 ``NativeStack.of`` answers None for a model it cannot run, and a call answers None for a step it
@@ -83,7 +83,7 @@ class _ModuleMatrix:
         return self.module.forward(source)
 
 
-SHORT_ROW = 1 + MAX_SPECULATIVE_TOKENS  # the longest row the stack takes: a token and the longest guess
+SHORT_ROW = 1 + MAX_SPECULATIVE_TOKENS  # the longest row the stack takes: a token and the longest draft
 Matrix = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input rows, a buffer it may fill) -> output rows
 
 
@@ -210,7 +210,7 @@ class NativeStack:
 
     def takes(self, x: torch.Tensor, tables: dict, meta: AttentionMetadata, kv_caches: list) -> bool:
         """Whether this step is one the stack runs: decodes, and rows of at most ``SHORT_ROW`` tokens
-        (a guess being checked), at the model's dtype, a whole-head rotary, caches the kernels read."""
+        (a draft being checked), at the model's dtype, a whole-head rotary, caches the kernels read."""
         t = x.shape[0]
         if (t == 0 or (meta.num_decodes != t and meta.prefill_max_query_len > SHORT_ROW) or x.dtype != self.dtype
                 or x.device.type != "cpu"):

@@ -1,14 +1,14 @@
-"""Speculative decoding's check: which of a row's guessed tokens the model keeps.
+"""Speculative decoding's check: which of a row's drafted tokens the model keeps.
 
-At each guessed position the row's own sampler draws a token, with the guesses before it as the
+At each drafted position the row's own sampler draws a token, with the drafts before it as the
 row's history (penalties, ``min_tokens``, the grammar state the scheduler advanced over them, and
-a seeded row's draw for that output index); the row keeps the guesses up to the first one the draw
-disagrees with, then the draw there (or after the last guess). A guess (from prompt lookup, or a
+a seeded row's draw for that output index); the row keeps the drafts up to the first one the draw
+disagrees with, then the draw there (or after the last draft). A draft (from prompt lookup, or a
 draft model's greedy pick) is one token, not a distribution, so this is rejection sampling for it:
-the guess is kept with the target's probability of it, and a rejected position's token is the
-target's distribution without the guess, renormalised. Every token is therefore drawn from exactly
+the draft is kept with the target's probability of it, and a rejected position's token is the
+target's distribution without the draft, renormalised. Every token is therefore drawn from exactly
 the distribution a step of its own would use; a greedy or seeded row gets the very tokens it gets
-without speculation, and the logprobs are the target's. All the step's guessing rows are checked
+without speculation, and the logprobs are the target's. All the step's drafting rows are checked
 with one sampler call.
 """
 
@@ -24,8 +24,8 @@ from pagedserve.worker.runner.sampling.sampler import Sampler
 
 def check_drafts(sampler: Sampler, items: list[ScheduledSeq], draft_logits: list[torch.Tensor],
                  last_logits: torch.Tensor) -> list[tuple[SampledToken, ...]]:
-    """For each guessing row: ``draft_logits`` ``[num_draft, vocab]`` (the logits before each
-    guess) and its row of ``last_logits`` (after the last) -> the accepted guesses and the row's
+    """For each drafting row: ``draft_logits`` ``[num_draft, vocab]`` (the logits before each
+    draft) and its row of ``last_logits`` (after the last) -> the accepted drafts and the row's
     own next token."""
     rows, logits = [], []
     for item, before, last in zip(items, draft_logits, last_logits):
@@ -44,8 +44,8 @@ def check_drafts(sampler: Sampler, items: list[ScheduledSeq], draft_logits: list
 
 
 def _position_rows(item: ScheduledSeq) -> list[ScheduledSeq]:
-    """The row as it samples at each guessed position and after the last: one output further, the
-    guesses before it in its history, its grammar advanced over them."""
+    """The row as it samples at each drafted position and after the last: one output further, the
+    drafts before it in its history, its grammar advanced over them."""
     draft = item.token_ids[-item.num_draft :]
     states = item.draft_grammars or (None,) * (item.num_draft + 1)
     history = bool(item.output_ids or item.prompt_ids)  # filled only when penalties read them

@@ -1,15 +1,15 @@
-"""Speculative decoding's draft model: a small model of the same vocabulary guesses a row's next
-tokens greedily, one forward per guessed token, batched over the step's guessing rows.
+"""Speculative decoding's draft model: a small model of the same vocabulary drafts a row's next
+tokens greedily, one forward per drafted token, batched over the step's drafting rows.
 
 Its KV lives in a pool of its own laid out on the **target's block ids**: a row's block table
 holds the draft's KV at the same slots as the target's, so the draft needs no block manager, and a
-guess's slots (given by the scheduler from free blocks) hold both models' KV for the guessed
+draft's slots (given by the scheduler from free blocks) hold both models' KV for the drafted
 positions. The scheduler tracks how far each sequence's draft KV is valid (``Sequence.draft_computed``;
 0 after a preemption, whose blocks go or move without the draft's KV) and sends the tokens before
 the row's own that the draft has not taken in (``ScheduledSeq.draft_context``); the first round
 takes them in with the row's token (a prefill, in pieces of ``CATCH_UP_CHUNK``), each later round
-one guess. A wrong draft KV (a prefix block another row's draft wrote, a block reused) can only
-make guesses worse, never tokens wrong: the target checks every guess (``draft_check.py``).
+one draft. A wrong draft KV (a prefix block another row's draft wrote, a block reused) can only
+make drafts worse, never tokens wrong: the target checks every draft (``draft_check.py``).
 """
 
 from __future__ import annotations
@@ -37,20 +37,20 @@ class Drafter:
 
     @torch.inference_mode()
     def draft(self, seqs: tuple[ScheduledSeq, ...]) -> tuple[tuple[ScheduledSeq, ...], int]:
-        """The step's rows with every draft-model guess made (the rows with ``draft_context``), and
-        how many rounds (forwards over the guessing rows, catch-up pieces aside) that took."""
+        """The step's rows with every draft-model draft made (the rows with ``draft_context``), and
+        how many rounds (forwards over the drafting rows, catch-up pieces aside) that took."""
         rows = {s.seq_id: s for s in seqs if s.draft_context is not None}
-        guesses: dict[int, list[int]] = {seq_id: [] for seq_id in rows}
+        drafts: dict[int, list[int]] = {seq_id: [] for seq_id in rows}
         current = self._catch_up([replace(s, token_ids=s.draft_context + s.token_ids[: -s.num_draft],
                                           start=s.start - len(s.draft_context)) for s in rows.values()])
         rounds = 0
         while current:
             rounds += 1
             for seq_id, token in self._greedy(current).items():
-                guesses[seq_id].append(token)
-            current = [replace(s, token_ids=(guesses[s.seq_id][-1],), start=s.start + len(guesses[s.seq_id]))
-                       for s in rows.values() if len(guesses[s.seq_id]) < s.num_draft]
-        return tuple(replace(s, token_ids=s.token_ids[: -s.num_draft] + tuple(guesses[s.seq_id])) if s.seq_id in rows else s
+                drafts[seq_id].append(token)
+            current = [replace(s, token_ids=(drafts[s.seq_id][-1],), start=s.start + len(drafts[s.seq_id]))
+                       for s in rows.values() if len(drafts[s.seq_id]) < s.num_draft]
+        return tuple(replace(s, token_ids=s.token_ids[: -s.num_draft] + tuple(drafts[s.seq_id])) if s.seq_id in rows else s
                      for s in seqs), rounds
 
     def _catch_up(self, rows: list[ScheduledSeq]) -> list[ScheduledSeq]:

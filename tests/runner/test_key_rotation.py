@@ -9,13 +9,13 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.kernels.kv_format import kv_format
-from pagedserve.worker.runner.attention.key_rotation import TurnStats, calibrate, calibration_text
+from pagedserve.worker.runner.attention.key_rotation import RotationStats, calibrate, calibration_text
 
 HEADS, KV_HEADS, DIM = 4, 2, 32
 
 
-def stats_of(q: torch.Tensor, k: torch.Tensor) -> TurnStats:
-    stats = TurnStats(KV_HEADS, DIM, torch.device("cpu"))
+def stats_of(q: torch.Tensor, k: torch.Tensor) -> RotationStats:
+    stats = RotationStats(KV_HEADS, DIM, torch.device("cpu"))
     stats.add(q, k)
     return stats
 
@@ -41,8 +41,8 @@ def test_the_turns_keep_every_score():
     generator = torch.Generator().manual_seed(0)
     q, k = sample(generator)
     turns = stats_of(q, k).turns(kv_format("int8").rotation(DIM))
-    q_turned, k_turned = turns.apply(q[:64], k[:64])
-    torch.testing.assert_close(scores(q_turned, k_turned), scores(q[:64], k[:64]), rtol=1e-4, atol=1e-5)
+    q_rotated, k_rotated = turns.apply(q[:64], k[:64])
+    torch.testing.assert_close(scores(q_rotated, k_rotated), scores(q[:64], k[:64]), rtol=1e-4, atol=1e-5)
     for head in range(KV_HEADS):
         torch.testing.assert_close(turns.q[head] @ turns.k[head].T, torch.eye(DIM), rtol=0, atol=1e-4)
 
@@ -60,9 +60,9 @@ def test_calibrated_turns_move_the_scores_less_than_the_fixed_one(name):
     q_test, k_test = q_test[:256], k_test[:256]
     exact = scores(q_test, k_test)
 
-    def error(q_turned: torch.Tensor, k_turned: torch.Tensor) -> float:
-        stored = fmt.dequantize(fmt.quantize(k_turned))
-        return (scores(q_turned, stored) - exact).pow(2).mean().sqrt().item()
+    def error(q_rotated: torch.Tensor, k_rotated: torch.Tensor) -> float:
+        stored = fmt.dequantize(fmt.quantize(k_rotated))
+        return (scores(q_rotated, stored) - exact).pow(2).mean().sqrt().item()
 
     fixed = error(q_test @ rotation, k_test @ rotation)
     calibrated = error(*turns.apply(q_test, k_test))
@@ -71,11 +71,11 @@ def test_calibrated_turns_move_the_scores_less_than_the_fixed_one(name):
 
 def test_no_rows_is_a_clear_error():
     with pytest.raises(ValueError, match="no rows observed"):
-        TurnStats(KV_HEADS, DIM, torch.device("cpu")).turns(torch.eye(DIM))
+        RotationStats(KV_HEADS, DIM, torch.device("cpu")).turns(torch.eye(DIM))
 
 
-def turns_of(llm: LLM) -> list[torch.Tensor]:
-    return [layer.self_attn.attn.key_turns.k for layer in llm.engine.runner.model.model.layers]
+def rotations_of(llm: LLM) -> list[torch.Tensor]:
+    return [layer.self_attn.attn.key_rotation.k for layer in llm.engine.runner.model.model.layers]
 
 
 def test_engines_of_one_model_turn_alike_whatever_their_pool_and_budget(zoo):
@@ -84,22 +84,22 @@ def test_engines_of_one_model_turn_alike_whatever_their_pool_and_budget(zoo):
     small = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", kv_cache_dtype="int8", block_size=7,
                 num_gpu_blocks=12, max_num_batched_tokens=32)
     large = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", kv_cache_dtype="int8", num_gpu_blocks=512)
-    for a, b in zip(turns_of(small), turns_of(large), strict=True):
+    for a, b in zip(rotations_of(small), rotations_of(large), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     auto = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64)
-    assert all(layer.self_attn.attn.key_turns is None for layer in auto.engine.runner.model.model.layers)
+    assert all(layer.self_attn.attn.key_rotation is None for layer in auto.engine.runner.model.model.layers)
 
 
 def test_calibration_names_the_device_of_every_tensor(zoo):
     """Run again under a meta default device: a tensor made without its device would land there."""
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", kv_cache_dtype="int8", num_gpu_blocks=64)
-    before = turns_of(llm)
+    before = rotations_of(llm)
     ids = llm.tokenizer.encode(calibration_text(), add_special_tokens=False)[:200]
     torch.set_default_device("meta")
     try:
         calibrate(llm.engine.runner, ids)
     finally:
         torch.set_default_device(None)
-    after = turns_of(llm)
+    after = rotations_of(llm)
     assert all(t.device.type == "cpu" for t in after)
     assert not torch.equal(before[0], after[0])  # fitted anew, on 200 tokens instead of the whole text
