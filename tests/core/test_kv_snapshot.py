@@ -82,6 +82,6 @@ def test_a_million_blocks_and_thousands_of_requests_stay_within_the_budget():
     entries = sum(len(t) for row in snap["requests"] for t in row["tables"])
     assert entries == MAX_TABLE_ENTRIES and any(row["cut"] for row in snap["requests"])
     assert all(len(row["id"]) <= 64 for row in snap["requests"])
-    # The worst pools (no two cells alike) are bounded in test_pool_picture; add them at full size.
+    # The worst pools (no two cells alike) are bounded in test_pool_map; add them at full size.
     worst_pools = 2 * (3 * 2 * 8192 + 16) - len(msgpack.packb(snap["gpu"])) - len(msgpack.packb(snap["cpu"]))
     assert len(msgpack.packb(snap)) + worst_pools <= SNAPSHOT_BUDGET
