@@ -40,7 +40,7 @@ class AttentionOps:
     backend: str = "torch"  # "triton" kernels can be captured in CUDA graphs; the reference cannot
     kv_format: KVFormat = AUTO  # how store_kv writes the cache and the attention ops read it
     layer: NativeLayerOps | None = None  # a layer's norms, rotary + K/V store and SiLU in C (CPU), else torch
-    lora: Callable | None = None  # (y, x, A, B, slots) -> y: LoRA updates per row (Triton); None: worker/lora's grouped products
+    lora: Callable | None = None  # (y, x, A, B, slots) -> y: LoRA updates per row (Triton); None: worker/runner/lora's grouped products
 
 
 def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path | None = None,

@@ -1,4 +1,5 @@
-"""The worker: ``core`` (bookkeeping, no torch) -> ``runner`` (torch) -> ``engine`` -> ``serve`` (Redis).
+"""The worker: ``core`` (bookkeeping, no torch) -> ``runner`` (torch, reading ``source`` for the model) ->
+``setup`` (how the engine is built) -> ``engine`` -> ``serve`` (Redis); docs/architecture.md maps every file.
 
 The documented offline API is ``from pagedserve import LLM, SamplingParams``; this package keeps
 ``from pagedserve.worker import LLM`` working (loaded lazily, so ``pagedserve.worker.core`` imports without torch).

@@ -48,7 +48,7 @@ from pagedserve.worker.runner.models.rope import rope_switch
 from pagedserve.worker.runner.parallel.group import RankFailure
 from pagedserve.worker.runner.sampling.structured_masks import GrammarCompiler
 from pagedserve.worker.runner.simulated import SimulatedRunner
-from pagedserve.worker.runner.simulated_cost import StepCost
+from pagedserve.worker.runner.simulated_cost import SimulatedCost
 from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.setup.ranks import Ranks
 from pagedserve.worker.setup.runner_build import build_runner
@@ -81,7 +81,7 @@ class Engine:
         self.ranks: Ranks | None = None  # the other tensor-parallel ranks (--tensor-parallel-size)
         if config.simulate:  # no weights: the pool is bookkeeping only
             block_bytes, num_gpu, num_cpu = 0, config.num_gpu_blocks or 4096, config.num_cpu_blocks or 0
-            self.runner = SimulatedRunner(StepCost.parse(config.simulate), info.config.vocab_size, eos)
+            self.runner = SimulatedRunner(SimulatedCost.parse(config.simulate), info.config.vocab_size, eos)
         else:
             with device_guard(device):  # --device cuda:N: loading, profiling and capture on N
                 built = build_runner(config, info, device, eos, max_len, self._calibration_ids)

@@ -1,5 +1,5 @@
 """The Triton LoRA update (``paged_kernels/lora_update.py``) against a per-adapter loop and against
-the CPU's grouped path (``worker/lora/lora_linear.add_updates``): rows of several adapters and of
+the CPU's grouped path (``worker/runner/lora/lora_linear.py``: ``add_updates``): rows of several adapters and of
 the base model mixed, ranks padded, widths that are not multiples of the tiles. Under
 TRITON_INTERPRET=1 on the CPU, and on CUDA (``gpu`` marker) when a device is present."""
 

@@ -1,2 +1,3 @@
-"""Torch execution of a StepPlan: the model runner, paged attention, sampling, beam search, the
-weight loader and the model definitions."""
+"""Torch execution of a StepPlan: the model runner and the loader on top; under them speculative
+decoding's checks, the CPU's forms, the device, tensor parallel and LoRA; then sampling, the KV cache's
+bytes, the models and, at the bottom, paged attention (docs/architecture.md)."""

@@ -3,7 +3,7 @@ GPUs: each step takes the time the real model would (a sleep from a calibrated c
 every sampling row gets a token made from its sequence, so the scheduler, block manager, prefix
 cache, KV events and Redis I/O all run for real while the forward pass costs no CPU.
 
-``StepCost`` (``worker/runner/simulated_cost.py``): ``base + per_seq * sequences + per_token * tokens``
+``SimulatedCost`` (``worker/runner/simulated_cost.py``): ``base + per_seq * sequences + per_token * tokens``
 seconds per step, fitted to the real model by ``bench/scale.py --calibrate``. Beam search is not simulated (its requests fail).
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import time
 
 from pagedserve.worker.core.scheduling.plan import SampledToken, StepPlan, StepResult
-from pagedserve.worker.runner.simulated_cost import StepCost
+from pagedserve.worker.runner.simulated_cost import SimulatedCost
 
 FIRST_TOKEN = 10  # simulated tokens stay clear of the special ids at the start of the vocabulary
 
 
 class SimulatedRunner:
-    def __init__(self, cost: StepCost, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, cost: SimulatedCost, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self.cost = cost
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class StepCost:
+class SimulatedCost:
     base_s: float
     per_seq_s: float
     per_token_s: float
 
     @classmethod
-    def parse(cls, text: str) -> "StepCost":
+    def parse(cls, text: str) -> "SimulatedCost":
         """``"BASE,PER_SEQ,PER_TOKEN"`` in seconds."""
         try:
             base, per_seq, per_token = (float(part) for part in text.split(","))

@@ -16,7 +16,7 @@ from pagedserve.runtime.env import checked, fraction, non_negative, positive
 from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE
 from pagedserve.worker.core.scheduling.config import PREEMPTION_MODES, PreemptionMode
 from pagedserve.worker.core.speculative.config import SpeculativeConfig
-from pagedserve.worker.runner.simulated_cost import StepCost
+from pagedserve.worker.runner.simulated_cost import SimulatedCost
 
 CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
 GIB = 1 << 30
@@ -42,7 +42,7 @@ def flag(default: Any, help: str = "", **how) -> Any:
 
 def _is_step_cost(text: str) -> bool:
     try:
-        StepCost.parse(text)
+        SimulatedCost.parse(text)
     except ValueError:
         return False
     return True

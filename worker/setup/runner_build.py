@@ -1,6 +1,6 @@
 """What makes the engine's ``ModelRunner``: the model loaded with its ops and KV format, the key
 turns of a quantized cache calibrated, the pool sized, the runner made. Under tensor parallel every
-rank holds a ``RunnerBuild`` over its slice of the model (``worker/parallel/``) and makes the same
+rank holds a ``RunnerBuild`` over its slice of the model (``worker/runner/parallel/``) and makes the same
 calls in the same order (rank 0 announces each, ``build_runner``), so the collectives inside meet.
 """
 

@@ -118,7 +118,7 @@ class Attention(nn.Module):
         softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.attn = PagedAttention(ops, (scalar or self.head_dim) ** -0.5, window, softcap)
         self.kernels: NativeLayerOps | None = None  # set by use_layer_kernels where q, k and v need nothing but the rotary
-        self.reduce: Reduce | None = None  # tensor parallel: the sum of the ranks' partial outputs (worker/parallel/)
+        self.reduce: Reduce | None = None  # tensor parallel: the sum of the ranks' partial outputs (worker/runner/parallel/)
 
     @property
     def plain(self) -> bool:
