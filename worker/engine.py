@@ -25,8 +25,8 @@ from pagedserve.shared.prompts import check_token_ids
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.shared.sampling_defaults import generation_defaults
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
-from pagedserve.worker.core.kv_cache.events import KvEvents
 from pagedserve.worker.core.kv_cache.host_tier import HostTier
+from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.detokenizer import Detokenizer

@@ -112,7 +112,7 @@ class Sampling(BaseModel):
     beam_width: bounded("beam_width") = None
     length_penalty: bounded("length_penalty") = None
     early_stopping: Union[bool, Literal["never"], None] = None
-    # structured outputs (gateway/bodies/structured.py): at most one of these per request
+    # structured outputs (gateway/bodies/structured_fields.py): at most one of these per request
     response_format: Union[FormatKind, FormatSchema, None] = None
     structured_outputs: Optional[StructuredChoice] = None
     guided_json: Union[dict, str, None] = None

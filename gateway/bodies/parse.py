@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.gateway.answers.tool_calls import ToolRequest, template_messages, tool_request
-from pagedserve.gateway.bodies.errors import validated
 from pagedserve.gateway.bodies.openai import ChatRequest, CompletionRequest, StreamOptions
-from pagedserve.gateway.bodies.structured import structured_outputs
+from pagedserve.gateway.bodies.structured_fields import structured_outputs
+from pagedserve.gateway.bodies.validation import validated
 from pagedserve.gateway.http.api_error import ApiError
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from pagedserve.gateway.answers.text import Pieces, parsed_tools, whole_answer
 from pagedserve.gateway.bodies.anthropic import MessagesRequest
-from pagedserve.gateway.bodies.errors import validated
 from pagedserve.gateway.bodies.parse import ParsedRequest, joined_text, parse
+from pagedserve.gateway.bodies.validation import validated
 from pagedserve.gateway.http import sse
 from pagedserve.gateway.http.api_error import ApiError
 from pagedserve.gateway.routes.answer_parts import Collected, deltas

@@ -13,9 +13,9 @@ import time
 
 from aiohttp import web
 
-from pagedserve.gateway.bodies.errors import validated
 from pagedserve.gateway.bodies.openai import EmbeddingsRequest
 from pagedserve.gateway.bodies.parse import ParsedRequest, prompt_count
+from pagedserve.gateway.bodies.validation import validated
 from pagedserve.gateway.http.api_error import ApiError
 from pagedserve.gateway.service.generation import STATE, account, generation, read_json
 from pagedserve.shared.sampling import SamplingParams

@@ -14,9 +14,9 @@ import time
 
 from aiohttp import web
 
-from pagedserve.gateway.bodies.errors import validated
 from pagedserve.gateway.bodies.openai import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from pagedserve.gateway.bodies.parse import ApiError
+from pagedserve.gateway.bodies.validation import validated
 from pagedserve.gateway.service.generation import STATE, read_json
 
 WAIT_S = 30.0  # for every worker to follow the registry (a heartbeat, and reading the adapter)

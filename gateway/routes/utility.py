@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from pagedserve.gateway.bodies.errors import validated
 from pagedserve.gateway.bodies.openai import DetokenizeRequest, TokenizeRequest
 from pagedserve.gateway.bodies.parse import ApiError, chat_messages
+from pagedserve.gateway.bodies.validation import validated
 from pagedserve.gateway.service.generation import STATE, read_json
 from pagedserve.runtime.version import installed_version
 from pagedserve.shared.errors import InvalidRequestError

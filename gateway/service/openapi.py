@@ -12,10 +12,10 @@ from pydantic.json_schema import models_json_schema
 
 from pagedserve.gateway.bodies.answers import ANSWERS
 from pagedserve.gateway.bodies.anthropic import MessagesRequest
-from pagedserve.gateway.bodies.errors import REQUESTS
 from pagedserve.gateway.bodies.openai import TOKEN_ID, ChatRequest, CompletionRequest
 from pagedserve.gateway.bodies.parse import Limits
 from pagedserve.gateway.bodies.responses import ResponsesRequest
+from pagedserve.gateway.bodies.validation import REQUESTS
 from pagedserve.shared.sampling import MAX_TOKEN_ID
 
 _ERROR_CODES = ("400", "401", "404", "413", "429", "503", "504")

@@ -12,8 +12,8 @@ from pagedserve.gateway.routing.kv_index import KvIndex
 from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
-from pagedserve.worker.core.kv_cache.events import KvEvents
 from pagedserve.worker.core.kv_cache.host_tier import HostTier
+from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.request import FinishReason

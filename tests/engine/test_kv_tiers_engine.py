@@ -100,7 +100,7 @@ def test_damaged_files_are_recomputed_never_served(zoo, tmp_path):
 def test_the_kv_events_say_which_blocks_left_the_device_for_a_tier(zoo, tmp_path):
     """What prefix routing learns: evicted blocks the host tier keeps are lowered, not dropped, and
     a resync lists them apart from the device's."""
-    from pagedserve.worker.core.kv_cache.events import KvEvents
+    from pagedserve.worker.core.kv_cache.kv_events import KvEvents
     from pagedserve.worker.serve.loop import EngineLoop
 
     llm = tiered(zoo, num_host_blocks=32)

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from pagedserve.shared.keys import Keys
 from pagedserve.shared.kv_wire import KvEvent
-from pagedserve.worker.core.kv_cache.events import KvChanges
+from pagedserve.worker.core.kv_cache.kv_events import KvChanges
 from pagedserve.worker.serve import kv_publisher
 from pagedserve.worker.serve.bridge import RedisBridge
 from pagedserve.worker.serve.kv_publisher import KvPublisher

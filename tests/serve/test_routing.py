@@ -25,7 +25,7 @@ from pagedserve.shared.keys import Keys
 from pagedserve.shared.kv_wire import KvEvent
 from pagedserve.shared.protocol import ReplyTarget, WireRequest, pack
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 from pagedserve.worker.engine import Engine
 from pagedserve.worker.setup.engine_config import EngineConfig
 from tests.gateway_stack import gateway_settings

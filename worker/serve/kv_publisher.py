@@ -15,7 +15,7 @@ import structlog
 
 from pagedserve.runtime.redis_io import REDIS_DOWN
 from pagedserve.shared.kv_wire import KvEvent
-from pagedserve.worker.core.kv_cache.events import KvChanges, KvEvents
+from pagedserve.worker.core.kv_cache.kv_events import KvChanges, KvEvents
 from pagedserve.worker.serve.bridge import RedisBridge
 
 log = structlog.get_logger("pagedserve.worker")

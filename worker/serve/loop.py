@@ -19,7 +19,7 @@ import structlog
 
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.protocol import WireRequest
-from pagedserve.worker.core.kv_cache.events import KvChanges, KvEvents
+from pagedserve.worker.core.kv_cache.kv_events import KvChanges, KvEvents
 from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.engine import Engine
 

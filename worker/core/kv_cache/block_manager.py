@@ -31,7 +31,7 @@ from typing import Hashable, Sequence
 from pagedserve.shared.block_hash import block_hash
 from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE, BlockPool
 from pagedserve.worker.core.kv_cache.block_tables import NO_BLOCK, count_unique, live_blocks, move_tables
-from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 from pagedserve.worker.core.kv_cache.tiers import NO_TIER_MOVES, PENDING, KvTiers, LowerHit, TierMoves
 
 

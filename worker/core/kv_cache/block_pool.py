@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from pagedserve.worker.core.kv_cache.errors import OutOfBlocksError
-from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 
 BLOCK_SIZE = 16  # tokens per KV block unless configured otherwise
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
-from pagedserve.worker.core.kv_cache.events import KvEvents
 from pagedserve.worker.core.kv_cache.host_tier import HostEntry, HostTier
+from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Callable, Hashable, Sequence as Seq
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_cache.block_manager import NO_HIT, BlockManager, PrefixHit
-from pagedserve.worker.core.kv_cache.events import KvEvents
+from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
