@@ -1,1 +1,2 @@
-"""Answers as clients read them: OpenAI's response and chunk objects, an answer's thinking, text and tool calls."""
+"""Answers as clients read them: OpenAI's response and chunk objects, an answer's thinking, text and
+tool calls."""

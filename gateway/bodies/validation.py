@@ -1,4 +1,5 @@
-"""A request body checked against its model (``gateway/bodies/openai.py``, ``gateway/bodies/responses.py``, ``gateway/bodies/anthropic.py``):
+"""A request body checked against its model (``gateway/bodies/openai.py``,
+``gateway/bodies/responses.py``, ``gateway/bodies/anthropic.py``):
 the first problem as a 400 that names the field and the place inside it."""
 
 from __future__ import annotations

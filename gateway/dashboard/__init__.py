@@ -1,1 +1,2 @@
-"""The KV dashboard's gateway side: the Redis feed fanned out to every open page, and the last minute of latencies."""
+"""The KV dashboard's gateway side: the Redis feed fanned out to every open page, and the last
+minute of latencies."""

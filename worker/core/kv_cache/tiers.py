@@ -25,10 +25,11 @@ from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 
 @dataclass(frozen=True)
 class TierMoves:
-    """One step's copies between the device pool and the tiers under it (``worker/core/kv_cache/host_tier.py``,
-    ``disk_tier.py``; the plan carries them to the runner), applied before every other block move: spills (host slots, or device blocks
-    when there is no host tier, written to disk), demotions (device block -> host slot), then, after
-    the swap-outs, promotions (host slot -> device block) and loads (a disk payload -> device block)."""
+    """One step's copies between the device pool and the tiers under it (``host_tier.py``,
+    ``disk_tier.py``; the plan carries them to the runner), applied before every other block move:
+    spills (host slots, or device blocks when there is no host tier, written to disk), demotions
+    (device block -> host slot), then, after the swap-outs, promotions (host slot -> device block)
+    and loads (a disk payload -> device block)."""
 
     spills: tuple[tuple[str, int, int, tuple], ...] = ()  # ("host" | "gpu", slot or block, hash, key)
     demotions: tuple[tuple[int, int], ...] = ()  # (device block, host slot)

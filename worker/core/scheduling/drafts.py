@@ -1,12 +1,13 @@
 """Which rows draft this step, and what: the scheduler's half of speculative decoding.
 
-A row drafts when it decodes one token of one sequence (no fork, no beam search; not under a
-sliding window or long-rope's switch), its pace allows (``DraftPace``), and its drafted tokens pay
-for themselves at this step's size (``StepCost``). Prompt lookup's draft is cut before the first
-token the row's grammar refuses, and carries the grammar's state at each drafted position for the
-runner's check (``worker/runner/speculative/draft_check.py``). A draft model's draft is its length alone: the
-runner's drafter (``worker/runner/speculative/draft_model.py``) makes the tokens, after catching its own KV up on the
-tokens before the row's (``draft_context``); rows with a grammar get no draft-model draft.
+A row drafts when it decodes one token of one sequence (no fork, no beam search; not under a sliding
+window or long-rope's switch), its pace allows (``DraftPace``), and its drafted tokens pay for
+themselves at this step's size (``StepCost``). Prompt lookup's draft is cut before the first token
+the row's grammar refuses, and carries the grammar's state at each drafted position for the runner's
+check (``worker/runner/speculative/draft_check.py``). A draft model's draft is its length alone: the
+runner's drafter (``worker/runner/speculative/draft_model.py``) makes the tokens, after catching its
+own KV up on the tokens before the row's (``draft_context``); rows with a grammar get no draft-model
+draft.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class ScheduledSeq:
     prompt_targets: tuple[int, ...] = ()  # prompt_logprobs: the prompt token after each of the first positions
     num_draft: int = 0  # speculative decoding: the last num_draft of token_ids are drafts the runner checks
     draft_grammars: tuple = ()  # with a grammar: its state before each draft and after the last
-    draft_context: tuple[int, ...] | None = None  # a draft model drafts (its drafts here are 0 until then): the tokens before start it has no KV for
+    draft_context: tuple[int, ...] | None = None  # a draft model proposes (the drafts here are 0 until then): the tokens before start it has no KV for
     pool_from: int | None = None  # an embedding (params.pooling): positions before this are pooled already
     adapter: str | None = None  # the LoRA adapter its request runs under (worker/runner/lora/); None: the base model
 
