@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the first N requests of W64 (bench_vllm.py --num-requests N runs the same ones)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool (default: what fits)")
-    ap.add_argument("--quantization", default="none", choices=QUANTIZATIONS)
+    ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     ap.add_argument("--wl", default=None, help="n,seed,pmin,pmax,omin,omax as bench_llamacpp.py --wl (default: W64)")
     ap.add_argument("--one-at-a-time", action="store_true", help="one request at a time (bench_llamacpp.py --parallel 1)")
     args = ap.parse_args(argv)

@@ -147,7 +147,7 @@ def configurations(args) -> list[tuple[str, dict | None]]:
         configs.append((f"ngram k={args.k}", {"method": "ngram", "num_speculative_tokens": args.k,
                                                "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}))
     if args.draft:
-        from pagedserve.worker.source.default_model import packaged_model_file
+        from pagedserve.worker.source.packaged_models import packaged_model_file
 
         path = (args.model or str(packaged_model_file(download=False))) if args.draft == "same" else args.draft
         k = args.draft_k or args.k

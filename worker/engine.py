@@ -50,6 +50,7 @@ from pagedserve.worker.runner.sampling.structured_masks import GrammarCompiler
 from pagedserve.worker.runner.simulated import SimulatedRunner
 from pagedserve.worker.runner.simulated_cost import SimulatedCost
 from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.setup.kv_budget import KvBudget
 from pagedserve.worker.setup.ranks import Ranks
 from pagedserve.worker.setup.runner_build import build_runner
 
@@ -89,8 +90,17 @@ class Engine:
             block_bytes, num_gpu, num_cpu = built.block_bytes, built.num_gpu, built.num_cpu
             if self.ranks is not None:
                 weakref.finalize(self, self.ranks.close)  # an engine dropped unclosed (the offline LLM) stops them too
-        tiers = None if config.simulate else self._kv_tiers(block_bytes)
         self.kv_bytes_per_token = block_bytes // config.block_size
+        budget = KvBudget(num_gpu, config.block_size, self.kv_bytes_per_token)
+        fitted = budget.fit_context(max_len, asked=bool(config.max_model_len), window=release_window(info.config))
+        if fitted < max_len:
+            log.warning("max_model_len capped to what the KV budget holds (set --max-model-len, or raise "
+                        "--kv-cache-memory to serve the model's whole context)", model_context=max_len,
+                        max_model_len=fitted, kv_blocks=num_gpu)
+            max_len = fitted
+        log.info("kv budget", tokens=budget.tokens, max_model_len=max_len,
+                 full_length_sequences=budget.full_sequences(max_len))
+        tiers = None if config.simulate else self._kv_tiers(block_bytes)
         self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(

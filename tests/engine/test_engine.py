@@ -180,12 +180,38 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(zoo):
 def test_a_max_model_len_past_the_models_context_is_capped_with_a_warning(zoo):
     from structlog.testing import capture_logs
 
-    context = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8).engine.scheduler.config.max_model_len
+    from pagedserve.worker.runner.loader import inspect_model
+
+    context = inspect_model(zoo.path("llama-gqa"), "float32").max_model_len
+    blocks = -(-context // 16)  # the whole context fits the pool
     with capture_logs() as logs:
-        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8, max_model_len=context * 50)
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=blocks, max_model_len=context * 50)
     assert llm.engine.scheduler.config.max_model_len == context
     warned = [e for e in logs if "max_model_len capped" in e["event"]]
     assert warned and warned[0]["asked"] == context * 50 and warned[0]["max_model_len"] == context
     with capture_logs() as logs:
-        LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8, max_model_len=context)
+        LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=blocks, max_model_len=context)
     assert not [e for e in logs if "max_model_len capped" in e["event"]]
+
+
+def test_a_context_the_kv_budget_cannot_hold_is_refused_when_asked_and_capped_when_not(zoo):
+    """As vLLM: one sequence of ``--max-model-len`` must fit the pool. Asked for, a start that cannot
+    hold it is refused with the numbers and the flags; not asked for, the model's context is capped
+    to what the pool holds, and the log says so and how many full-length sequences fit."""
+    from structlog.testing import capture_logs
+
+    from pagedserve.worker.setup.kv_budget import ContextDoesNotFit
+
+    with pytest.raises(ContextDoesNotFit, match=r"max_model_len 200 needs 13 KV blocks .* holds 8 blocks \(128 "
+                                                 r"tokens.*--kv-cache-memory.*--max-model-len to at most 128"):
+        LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8, max_model_len=200)
+    with capture_logs() as logs:
+        llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8)
+    assert llm.engine.scheduler.config.max_model_len == 128
+    capped = [e for e in logs if "capped to what the KV budget holds" in e["event"]]
+    assert capped and capped[0]["max_model_len"] == 128 and capped[0]["model_context"] > 128
+    budget = [e for e in logs if e["event"] == "kv budget"]
+    assert budget == [{**budget[0], "tokens": 128, "max_model_len": 128, "full_length_sequences": 1}]
+    with capture_logs() as logs:
+        LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8, max_model_len=64)
+    assert [e["full_length_sequences"] for e in logs if e["event"] == "kv budget"] == [2]

@@ -104,7 +104,7 @@ def test_embeddings_are_int8_groups_and_a_tied_head_gets_its_own_codes():
     assert bool(((rows - weight[ids]).abs() <= step[ids] * 0.51).all())
     assert isinstance(model.other, Int8Embedding)
     torch.testing.assert_close(model.other(torch.tensor([7])), other[[7]], atol=float(other.abs().max()) / 200, rtol=0)
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4"):
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8, int4, gguf"):
         quantize_linears(model, "int3", torch.device("cpu"))
     with pytest.raises(ValueError, match="runs on the CPU so far"):
         quantize_linears(nn.Sequential(nn.Linear(64, 64)), "int8", torch.device("cuda"))

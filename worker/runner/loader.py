@@ -26,12 +26,14 @@ from tqdm.auto import tqdm
 
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.runner.cpu.fused_projections import fuse_projections, use_layer_kernels
+from pagedserve.worker.runner.cpu.gguf_linear import DecodeScratch, GgufEmbedding, GgufLinear, GgufMatrix, runs_as_stored
 from pagedserve.worker.runner.cpu.native_stack import NativeStack
-from pagedserve.worker.runner.cpu.prepack import fast_cpu_linears
+from pagedserve.worker.runner.cpu.prepack import bf16_in_hardware, fast_cpu_linears
 from pagedserve.worker.runner.cpu.quantized_linear import quantize_linears
 from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.parallel.shard import Shard
+from pagedserve.worker.source.gguf_dir import quantized_formats
 from pagedserve.worker.source.gguf_file import open_gguf
 from pagedserve.worker.source.gguf_weights import gguf_tensors
 from pagedserve.worker.source.model_types import CAUSAL_LM, supported
@@ -66,12 +68,17 @@ def inspect_model(model: str | Path | None, dtype: str | torch.dtype = "auto") -
         raise UnsupportedModelError(
             f"unsupported model {config.model_type!r} ({', '.join(names) or 'no architectures'}); supported: {supported()}"
         )
-    return ModelInfo(path, config, family, _resolve_dtype(dtype, config), max_model_len(config), _eos_ids(path, config))
+    return ModelInfo(path, config, family, _resolve_dtype(dtype, config, path), max_model_len(config),
+                     _eos_ids(path, config))
 
 
-def _resolve_dtype(dtype: str | torch.dtype, config) -> torch.dtype:
+def _resolve_dtype(dtype: str | torch.dtype, config, path: Path) -> torch.dtype:
+    """``auto``: the config's dtype; for a quantized GGUF (which names none) bfloat16 where the CPU
+    multiplies bf16 in hardware (the weights run as stored, the activations at bf16), else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto" and quantized_formats(path):
+        return torch.bfloat16 if bf16_in_hardware() else torch.float32
     if dtype == "auto":
         found = getattr(config, "dtype", None) if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
         found = str(found).replace("torch.", "") if found else "float32"
@@ -94,12 +101,27 @@ def _eos_ids(path: Path, config) -> frozenset[int]:
     return frozenset([ids] if isinstance(ids, int) else ids)
 
 
-def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quantization: str = "none",
+def weight_form(quantization: str, info: ModelInfo, device: torch.device, ops: AttentionOps,
+                shard: Shard | None = None) -> str:
+    """``--quantization`` resolved: ``auto`` is ``gguf`` (the file's quantized blocks run as stored,
+    ``worker/runner/cpu/gguf_linear.py``) for a quantized GGUF on a CPU whose C kernels built, without
+    tensor parallel; else ``none``. ``gguf`` asked where it cannot run is a clear error."""
+    stored_ok = bool(quantized_formats(info.path)) and device.type == "cpu" and ops.layer is not None and shard is None
+    if quantization == "auto":
+        return "gguf" if stored_ok else "none"
+    if quantization == "gguf" and not stored_ok:
+        raise ValueError("--quantization gguf runs a quantized GGUF file's blocks as stored, on a CPU with the C kernels "
+                         f"and without tensor parallel; {info.path} on {device.type} is not that: use auto or none")
+    return quantization
+
+
+def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quantization: str = "auto",
                  shard: Shard | None = None) -> CausalLM:
     """Build the model without initialising it, then fill every parameter from the checkpoint;
-    ``quantization`` (``worker/runner/cpu/quantized_linear.py``): its linear layers' weights then int8 or int4;
-    ``shard``: only this tensor-parallel rank's slice of each (``worker/runner/parallel/shard.py``), read alone
-    from safetensors.
+    ``quantization`` (``weight_form``): ``gguf``, a GGUF's quantized matrices kept in their blocks and
+    run as stored (``worker/runner/cpu/gguf_linear.py``); ``int8``/``int4``, the linear layers' weights
+    quantized (``worker/runner/cpu/quantized_linear.py``); ``shard``: only this tensor-parallel rank's
+    slice of each (``worker/runner/parallel/shard.py``), read alone from safetensors.
 
     Each decoder layer takes its final form (projections fused, quantized or laid out for the CPU
     kernels) as soon as its last tensor arrives, and its checkpoint-precision weights go: at most one
@@ -107,13 +129,15 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     docs/engine.md)."""
     if shard is not None:
         shard.check(info.config)
+    quantization = weight_form(quantization, info, device, ops, shard)
     model, full_shapes = _on_meta(info, ops, shard)
     if quantization != "none" and device.type != "cpu":
         quantize_linears(model, quantization, device)  # the clear error, before any weight is read
     expected = set(full_shapes) - ({"lm_head.weight"} if model.tie_word_embeddings else set())
     finish = partial(_finish_layers, ops=ops, device=device, dtype=info.dtype, quantization=quantization)
     layers = _LayerTracker(model, expected, finish)
-    _put_checkpoint(info, layers, full_shapes, expected, shard, device)
+    stored = _StoredForm(ops.layer, info.dtype) if quantization == "gguf" else None
+    _put_checkpoint(info, layers, full_shapes, expected, shard, device, stored)
     missing = sorted(expected - layers.loaded)
     if missing:
         raise ValueError(f"checkpoint {info.path} lacks {len(missing)} weights, e.g. {missing[:3]}")
@@ -121,9 +145,12 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     quantized, form = layers.finish_all()
     if shard is None:  # the C stack runs whole layers: a rank's need a sum across ranks inside each
         model.native_stack = NativeStack.of(model, ops.layer, ops.kv_format.quantized)  # last: it holds the modules
-    structlog.get_logger("pagedserve.loader").info(
-        "linear layers", form=form, quantization=quantization, quantized_layers=quantized,
-        decode_stack=model.native_stack is not None)
+    log = structlog.get_logger("pagedserve.loader")
+    if stored is not None and stored.dequantized:
+        log.warning("no kernel runs these GGUF formats as stored: dequantized to the model's dtype",
+                    formats=dict(sorted(stored.dequantized.items())), dtype=str(info.dtype).replace("torch.", ""))
+    log.info("linear layers", form=form, quantization=quantization, quantized_layers=quantized,
+             stored_as_file=stored.kept if stored is not None else 0, decode_stack=model.native_stack is not None)
     return model.eval()
 
 
@@ -137,11 +164,46 @@ def _on_meta(info: ModelInfo, ops: AttentionOps, shard: Shard | None) -> tuple[C
         return model, _shapes(model if shard is None else family.model(info.config, family.arch, ops, family.feed_forward))
 
 
+class _StoredForm:
+    """The weight form ``gguf``: a linear layer's or embedding's weight that the file stores in blocks
+    the C kernel runs becomes a module over those blocks (``worker/runner/cpu/gguf_linear.py``); the
+    formats it cannot run are counted (dequantized as usual, and said once)."""
+
+    def __init__(self, kernels, dtype: torch.dtype) -> None:
+        self.kernels, self.dtype = kernels, dtype
+        self.scratch = DecodeScratch()  # one for the model: its layers run one at a time
+        self.kept = 0
+        self.dequantized: dict[str, int] = {}
+
+    def module(self, model: nn.Module, target: str, load) -> nn.Module | None:
+        """The module that runs ``target``'s blocks as stored; None where the tensor takes the usual way."""
+        if not getattr(load, "quantized", False) or not target.endswith(".weight"):
+            return None
+        module = model.get_submodule(target.removesuffix(".weight"))
+        if type(module) not in (nn.Linear, nn.Embedding):
+            return None
+        if not runs_as_stored(load.gguf_type, load.width):
+            name = load.tensor.tensor_type.name
+            self.dequantized[name] = self.dequantized.get(name, 0) + 1
+            return None
+        matrix = GgufMatrix(load.gguf_type, load.blocks(), load.width)
+        rows, width = (module.out_features, module.in_features) if type(module) is nn.Linear else \
+            (module.num_embeddings, module.embedding_dim)
+        if (matrix.rows, matrix.width) != (rows, width):
+            raise ValueError(f"{target}: the file stores {matrix.rows} x {matrix.width}, the model expects {rows} x {width}")
+        self.kept += 1
+        if type(module) is nn.Embedding:
+            return GgufEmbedding(matrix, self.kernels, self.scratch, self.dtype)
+        return GgufLinear.replacing(module, matrix, self.kernels, self.scratch)
+
+
 def _put_checkpoint(info: ModelInfo, layers: _LayerTracker, full_shapes: dict[str, tuple[int, ...]],
-                    expected: set[str], shard: Shard | None, device: torch.device) -> None:
+                    expected: set[str], shard: Shard | None, device: torch.device,
+                    stored: _StoredForm | None = None) -> None:
     """Every checkpoint tensor the model expects (``expected``) into ``layers`` (this rank's part of
     each, under tensor parallel), at the model's dtype on ``device``: fused tensors split by their
-    parts' sizes, the experts' matrices stacked once all are read."""
+    parts' sizes, the experts' matrices stacked once all are read; with ``stored``, the matrices it
+    runs as stored become their modules instead."""
     family = info.family
     read = _whole if shard is None else partial(shard.piece, config=info.config)  # (name, load) -> this rank's tensor
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -158,7 +220,11 @@ def _put_checkpoint(info: ModelInfo, layers: _LayerTracker, full_shapes: dict[st
                     layers.put(part, read(part, partial(_same, piece)).to(device=device, dtype=info.dtype))
                     bar.update(1)
             elif target in expected:
-                layers.put(target, read(target, load).to(device=device, dtype=info.dtype))
+                module = stored.module(layers.model, target, load) if stored is not None else None
+                if module is not None:
+                    layers.put_module(target, module)
+                else:
+                    layers.put(target, read(target, load).to(device=device, dtype=info.dtype))
                 bar.update(1)
         for name, tensor in _stack_experts(experts, device, info.dtype).items():
             layers.put(name, tensor)
@@ -181,6 +247,15 @@ class _LayerTracker:
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         self.model.load_state_dict({name: tensor}, strict=False, assign=True)
+        self._arrived(name)
+
+    def put_module(self, name: str, module: nn.Module) -> None:
+        """The weight ``name`` arrives as the module that owns it (``_StoredForm``)."""
+        parent, _, child = name.removesuffix(".weight").rpartition(".")
+        setattr(self.model.get_submodule(parent), child, module)
+        self._arrived(name)
+
+    def _arrived(self, name: str) -> None:
         self.loaded.add(name)
         unit = self._unit(name)
         remaining = self.waiting.get(unit)

@@ -63,8 +63,10 @@ class EngineConfig:
                                choices=KV_CACHE_DTYPES)
     kv_cache_memory: int | None = flag(None, "bytes for the KV pool (default: on CUDA what --gpu-memory-utilization "
                                        "leaves; on a CPU a quarter of the available RAM, at most 1 GiB)", kind=positive(int))
-    quantization: str = flag("none", "the linear layers' weights: none (the model's dtype), int8 (a scale per output "
-                             "channel) or int4 (a scale and zero per 32 inputs); CPU only so far", choices=QUANTIZATIONS)
+    quantization: str = flag("auto", "the linear layers' weights: auto (gguf for a quantized GGUF file on a CPU, else "
+                             "none), gguf (the file's Q4_K/Q6_K/Q8_0 blocks run as stored), none (the model's dtype), "
+                             "int8 (a scale per output channel) or int4 (a scale and zero per 32 inputs); CPU only so "
+                             "far", choices=QUANTIZATIONS)
     num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (default: what --kv-cache-memory holds)",
                                       kind=positive(int))
     swap_space: int = flag(GIB, "GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)",

@@ -17,13 +17,16 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from pagedserve.worker.source.gguf_file import GGUFFile, open_gguf
 from pagedserve.worker.source.model_types import CAUSAL_LM
 
-FORMAT = 1  # bumped when what is written here changes
+FORMAT = 2  # bumped when what is written here changes
 LINK = "model.gguf"
+WEIGHTS = "weights.json"  # the block formats of the file's matrices, counted (stored_weight_types)
+PLAIN_FORMATS = frozenset({"F32", "F16", "BF16"})  # formats that are not quantized
 SAMPLING = {  # llama.cpp's general.sampling.* -> generation_config.json
     "temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "penalty_repeat": "repetition_penalty",
 }
@@ -63,7 +66,21 @@ def _write(gguf: GGUFFile, out: Path) -> None:
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps(_generation_config(gguf, config), indent=2) + "\n")
+    counts = Counter(tensor.tensor_type.name for tensor in gguf.tensors if len(tensor.shape) >= 2)
+    (out / WEIGHTS).write_text(json.dumps(dict(sorted(counts.items()))) + "\n")
     (out / LINK).symlink_to(gguf.path)
+
+
+def stored_weight_types(model_dir: Path) -> dict[str, int]:
+    """How many matrices of each block format a GGUF model directory's file stores (``{"Q4_K": 197,
+    "Q6_K": 29}``); empty for any other model directory."""
+    found = model_dir / WEIGHTS
+    return json.loads(found.read_text()) if found.is_file() else {}
+
+
+def quantized_formats(model_dir: Path) -> list[str]:
+    """The quantized block formats among a model directory's matrices (none for a float model)."""
+    return sorted(set(stored_weight_types(model_dir)) - PLAIN_FORMATS)
 
 
 def _complete_config(config, gguf: GGUFFile):

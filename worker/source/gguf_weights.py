@@ -54,33 +54,30 @@ CHUNK_ELEMENTS = 1 << 21  # raw values dequantized at a time
 
 def gguf_tensors(gguf: GGUFFile) -> Iterator[tuple[str, Load]]:
     """``(checkpoint name, load)`` for every tensor of the file that has a checkpoint name; ``load``
-    dequantizes it (float32) when called. Tensors without one (llama.cpp-only extras) are skipped.
-    The reader's metadata is let go before the first tensor is read: ``gguf`` holds every value as
-    numpy arrays, a tokenizer's vocabulary and merges included (157 MiB for SmolLM2's 49,152 tokens,
-    more than the model's int8 weights), and the weights need none of it."""
+    dequantizes it (float32) when called (and gives its blocks as stored: ``GgufTensor``). Tensors
+    without one (llama.cpp-only extras) are skipped."""
     layer = {**LAYER, **LAYER_BY_FAMILY.get(gguf.family, {})}
     experts = EXPERTS["mixtral" if gguf.family == "mixtral" else "qwen_moe"]
     heads = gguf.value("{arch}.attention.head_count")
     kv_heads = gguf.value("{arch}.attention.head_count_kv", heads)
-    tensors = [(tensor, _fix(gguf, tensor.name, heads, kv_heads)) for tensor in gguf.reader.tensors]
+    tensors = [(tensor, _fix(gguf, tensor.name, heads, kv_heads)) for tensor in gguf.tensors]
     path = gguf.path
-    del gguf  # the only reference to the reader: its metadata goes with it
     for tensor, fix in tensors:
         found = _NAME.fullmatch(tensor.name)
         if found is None:
             base, _, suffix = tensor.name.rpartition(".")
             if base in GLOBAL:
-                yield f"{GLOBAL[base]}.{suffix}", _loader(path, tensor, fix)
+                yield f"{GLOBAL[base]}.{suffix}", GgufTensor(path, tensor, fix)
             continue
         block, part, suffix = found.groups()
         expert_part = _EXPERTS.fullmatch(part)
         if expert_part:
             template, parts = experts
-            stacked = _loader(path, tensor, fix)
+            stacked = GgufTensor(path, tensor, fix)
             yield from _per_expert(f"model.layers.{block}.{template}{parts[expert_part[1]]}.{suffix}", stacked,
                                    int(tensor.shape[-1]))
         elif part in layer:
-            yield f"model.layers.{block}.{layer[part]}.{suffix}", _loader(path, tensor, fix)
+            yield f"model.layers.{block}.{layer[part]}.{suffix}", GgufTensor(path, tensor, fix)
 
 
 def _fix(gguf: GGUFFile, name: str, heads: int, kv_heads: int) -> Callable[[np.ndarray], np.ndarray]:
@@ -100,27 +97,42 @@ def unpermute_rope(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _loader(path: Path, tensor, fix: Callable[[np.ndarray], np.ndarray]) -> Load:
-    """The tensor's bytes read from the file (not through the reader's memory map, whose pages would
-    stay resident, counted in the worker's RSS, until the whole file had been read), dequantized a
-    few rows at a time (the ``gguf`` dequantizers hold several float32 copies of what they are given:
-    for a vocabulary-sized table, hundreds of MiB at once)."""
-    def load() -> torch.Tensor:
+class GgufTensor:
+    """One tensor of the file: called, its values dequantized (float32) from the file's bytes (not
+    through the reader's memory map, whose pages would stay resident, counted in the worker's RSS,
+    until the whole file had been read), a few rows at a time (the ``gguf`` dequantizers hold several
+    float32 copies of what they are given: for a vocabulary-sized table, hundreds of MiB at once);
+    ``blocks()``: a quantized matrix's bytes as stored, a row of blocks per output (the weight form
+    that runs them, ``worker/runner/cpu/gguf_linear.py``)."""
+
+    def __init__(self, path: Path, tensor, fix: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.path, self.tensor, self.fix = path, tensor, fix
+        self.gguf_type = int(tensor.tensor_type)
+        self.quantized = tensor.raw_dtype == np.uint8 and len(tensor.raw_shape) == 2
+        self.width = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+
+    def _raw(self) -> np.ndarray:
+        tensor = self.tensor
+        count = int(np.prod(tensor.raw_shape, dtype=np.int64))
+        return np.fromfile(self.path, dtype=tensor.raw_dtype, count=count, offset=tensor.data_offset).reshape(tensor.raw_shape)
+
+    def blocks(self) -> torch.Tensor:
+        """uint8 ``[rows, row bytes]``: the file's blocks (rows reordered where the converter permuted them)."""
+        return torch.from_numpy(np.ascontiguousarray(self.fix(self._raw())))
+
+    def __call__(self) -> torch.Tensor:
         from gguf import dequantize
         from gguf.quants import quant_shape_from_byte_shape
 
-        raw = np.fromfile(path, dtype=tensor.data.dtype, count=tensor.data.size, offset=tensor.data_offset)
-        raw = raw.reshape(tensor.data.shape)
-        if raw.ndim < 2 or raw.dtype != np.uint8:  # vectors and plain floats: converted as they are
-            data = dequantize(raw, tensor.tensor_type)
+        raw = self._raw()
+        if not self.quantized:  # vectors and plain floats: converted as they are
+            data = dequantize(raw, self.tensor.tensor_type)
         else:  # quantized blocks, a byte row per row
-            data = np.empty(quant_shape_from_byte_shape(raw.shape, tensor.tensor_type), dtype=np.float32)
+            data = np.empty(quant_shape_from_byte_shape(raw.shape, self.tensor.tensor_type), dtype=np.float32)
             step = max(1, CHUNK_ELEMENTS // raw[0].size)
             for start in range(0, raw.shape[0], step):
-                data[start:start + step] = dequantize(raw[start:start + step], tensor.tensor_type)
-        return torch.from_numpy(np.require(fix(data), np.float32, ["C", "W"]))
-
-    return load
+                data[start:start + step] = dequantize(raw[start:start + step], self.tensor.tensor_type)
+        return torch.from_numpy(np.require(self.fix(data), np.float32, ["C", "W"]))
 
 
 def _per_expert(template: str, stacked: Load, count: int) -> Iterator[tuple[str, Load]]:

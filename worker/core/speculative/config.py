@@ -138,7 +138,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     method: str = "ngram"
     model: str | None = None  # method "draft_model": the draft's path (a model directory or a .gguf)
-    quantization: str = "none"  # the draft's linear layers' weights, as --quantization
+    quantization: str = "auto"  # the draft's linear layers' weights, as --quantization
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

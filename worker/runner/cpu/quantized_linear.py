@@ -124,11 +124,11 @@ def dequantized_int4(layer: Int4Linear) -> torch.Tensor:
 def quantize_linears(model: nn.Module, quantization: str, device: torch.device,
                      kernels: NativeLayerOps | None = None) -> int:
     """Replace the ``nn.Linear`` layers of ``model`` by quantized ones; how many were replaced.
-    ``none`` replaces nothing; a quantization off the CPU is a clear error (no kernels there yet).
+    ``none`` and ``gguf`` replace nothing; a quantization off the CPU is a clear error (no kernels there yet).
     ``kernels``: the C layer kernels, which run the int8 layers where given."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
-    if quantization == "none":
+    if quantization in ("none", "gguf"):  # gguf: the file's blocks already run as stored (cpu/gguf_linear.py)
         return 0
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} runs on the CPU so far (torch's int8/int4 CPU kernels); "

@@ -191,7 +191,10 @@ class MLP(nn.Module):
 
 
 def concatenated(*linears: nn.Linear) -> nn.Linear:
-    """One ``nn.Linear`` computing the given ones' outputs side by side (their weights stacked)."""
+    """One ``nn.Linear`` computing the given ones' outputs side by side (their weights stacked); layers
+    of another form stack themselves (``stacked_with``: a GGUF file's blocks kept as stored)."""
+    if hasattr(linears[0], "stacked_with"):
+        return linears[0].stacked_with(list(linears[1:]))
     bias = linears[0].bias is not None
     fused = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears), bias=bias, device="meta")
     fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
@@ -261,7 +264,11 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            table = self.model.embed_tokens
+            if hasattr(table, "as_linear"):  # a table in another form gives its own head (GgufEmbedding)
+                self.lm_head = table.as_linear()
+            else:
+                self.lm_head.weight = table.weight
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[KVCache]

@@ -1,0 +1,414 @@
+/* A linear layer whose weight is a GGUF file's quantized blocks, executed as stored
+ * (paged_kernels/native_gguf_ops.py, worker/runner/cpu/gguf_linear.py): out[m, n] = sum_k w[n, k] * x[m, k]
+ * (+ bias[n]), w[n, :] one row of the file's blocks (Q4_K, Q6_K or Q8_0; ggml's type ids), untouched.
+ *
+ * Each row of x is taken to int16 per super-block of 256 inputs (absmax / 32767, as csrc/int8_linear.c
+ * does: every value within 1/65534 of its group's largest), so a block's sum of products is integer
+ * arithmetic: a super-block's weights are decoded to int16 with their sub-block scales folded in
+ * (Q4_K: scale * q, at most 63 * 15; Q6_K: scale * (q - 32), at most 128 * 32), multiplied pairwise
+ * with the input and summed in int32 lanes (exact: a lane's 16 products stay under 2^31), then
+ * scaled once per super-block in float (Q8_0: once per block of 32). Q4_K's minimums are a
+ * sub-block's input sum times dmin * min, from sums of each row's inputs taken once per row.
+ * So a row's result depends on that row alone: the same for a row alone or in a batch.
+ *
+ * Rows of x are taken a tile at a time against each output row, whose blocks stay in the L1 cache
+ * across tiles: the weights are read from memory once per call, decoded once per tile. With AVX-512
+ * (BW, VNNI) a decoded super-block is eight registers of 32 int16 and vpdpwssd multiplies them with
+ * the input; elsewhere plain C.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "paged_common.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define GGUF_VNNI512 1
+#include <immintrin.h>
+#endif
+
+enum { TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14 }; /* ggml's ids, as the file stores them */
+#define SUPER 256                                       /* inputs per int16 scale of x, and per K-quant block */
+#define SUBS (SUPER / 32)                               /* sub-blocks of 32 per super-block */
+#define TILE 4         /* rows of x whose sums stay in registers (8 spills: slower) */
+#define MANY 16        /* rows of x against one decoded super-block, their sums in the L1 cache */
+#define PREFETCH 2048  /* bytes of weights ahead of the block decoded, asked of memory (1.5B, one row:
+                          108 -> 65 ms for all matrices; 1,024 and 4,096 slower) */
+
+/* The bytes one super-block's worth (256 weights) takes; 0: a type this file does not run. */
+int64_t gguf_super_bytes(int type) {
+    switch (type) {
+    case TYPE_Q4_K: return 144;
+    case TYPE_Q6_K: return 210;
+    case TYPE_Q8_0: return 8 * 34;
+    default: return 0;
+    }
+}
+
+static inline float half_load(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else { /* subnormal: value mant * 2^-24 */
+        float f = (float)mant * 5.9604644775390625e-08f;
+        return (h & 0x8000) ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Q4_K's twelve bytes of 6-bit scales and minimums, sub-blocks 0..7. */
+static inline void q4k_scales(const uint8_t *s, uint8_t sc[SUBS], uint8_t mn[SUBS]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+/* One super-block decoded to int16 with its sub-block scales folded in (w[256], in input order),
+ * the float factor of each sub-block of 32 (fac[8]) and what each sub-block's input sum is multiplied
+ * by and taken off (mins[8]: Q4_K's dmin * min, else 0). */
+static __attribute__((unused)) void decode_plain(int type, const uint8_t *blk, int16_t *w, float *fac, float *mins) {
+    if (type == TYPE_Q4_K) {
+        const float d = half_load(blk), dmin = half_load(blk + 2);
+        uint8_t sc[SUBS], mn[SUBS];
+        q4k_scales(blk + 4, sc, mn);
+        const uint8_t *qs = blk + 16;
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                w[64 * j + l] = (int16_t)(sc[2 * j] * (qs[32 * j + l] & 0xF));
+                w[64 * j + 32 + l] = (int16_t)(sc[2 * j + 1] * (qs[32 * j + l] >> 4));
+            }
+        for (int j = 0; j < SUBS; j++) {
+            fac[j] = d;
+            mins[j] = dmin * mn[j];
+        }
+    } else if (type == TYPE_Q6_K) {
+        const float d = half_load(blk + 208);
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+            const int8_t *s = sc + 8 * h;
+            int16_t *o = w + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                o[l] = (int16_t)(s[is] * (((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32));
+                o[l + 32] = (int16_t)(s[is + 2] * (((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32));
+                o[l + 64] = (int16_t)(s[is + 4] * (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32));
+                o[l + 96] = (int16_t)(s[is + 6] * (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32));
+            }
+        }
+        for (int j = 0; j < SUBS; j++) {
+            fac[j] = d;
+            mins[j] = 0.0f;
+        }
+    } else { /* Q8_0: eight blocks of a half scale and 32 int8 */
+        for (int j = 0; j < SUBS; j++) {
+            const uint8_t *b = blk + 34 * j;
+            fac[j] = half_load(b);
+            mins[j] = 0.0f;
+            for (int l = 0; l < 32; l++) w[32 * j + l] = (int8_t)b[2 + l];
+        }
+    }
+}
+
+/* A row of x in int16 per super-block: xq[in], xs[supers] scales, xsum[supers * SUBS] each sub-block's
+ * sum of inputs times its scale (float; Q4_K's minimums multiply it). */
+#define QUANTIZE_ROW(NAME, T, LOAD)                                                                     \
+    static void NAME(const T *x, int16_t *xq, float *xs, float *xsum, int64_t in) {                    \
+        for (int64_t b = 0; b < in / SUPER; b++) {                                                    \
+            float top = 0.0f;                                                                         \
+            for (int k = 0; k < SUPER; k++) top = fmaxf(top, fabsf(LOAD(x + b * SUPER + k)));         \
+            const float scale = top > 0.0f ? top / 32767.0f : 1.0f, inv = 1.0f / scale;               \
+            xs[b] = scale;                                                                            \
+            for (int j = 0; j < SUBS; j++) {                                                          \
+                int32_t sum = 0;                                                                      \
+                for (int l = 0; l < 32; l++) {                                                        \
+                    const int64_t k = b * SUPER + j * 32 + l;                                         \
+                    const float v = nearbyintf(LOAD(x + k) * inv);                                   \
+                    xq[k] = (int16_t)(v > 32767.0f ? 32767.0f : (v < -32767.0f ? -32767.0f : v));     \
+                    sum += xq[k];                                                                     \
+                }                                                                                     \
+                xsum[b * SUBS + j] = (float)sum * scale;                                              \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+QUANTIZE_ROW(quantize_row_f32, float, f32_load)
+QUANTIZE_ROW(quantize_row_bf16, uint16_t, bf16_load)
+
+#if GGUF_VNNI512
+static inline __m512i dpwssd16(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b)); /* in place (see csrc/int8_linear.c) */
+    return acc;
+}
+
+static inline __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* Q4_K's scales and minimums as 16 int16 (lanes 0-7: scales, 8-15: minimums), from their twelve
+ * bytes (words u0 u1 u2) in vector registers: scales 0-3 = u0 & 0x3F.., 4-7 = (u2 & 0x0F..) | the top
+ * two bits of u0's bytes at bits 4-5; minimums 0-3 = u1 & 0x3F.., 4-7 = (u2 >> 4 & 0x0F..) | u1's top
+ * bits. Reads four bytes past the twelve (the block's first quants). */
+static inline __m256i q4k_scales16(const uint8_t *s) {
+    const __m128i u = _mm_loadu_si128((const __m128i *)s);
+    const __m128i a = _mm_shuffle_epi32(u, _MM_SHUFFLE(2, 1, 2, 0)); /* u0 u2 u1 u2 */
+    const __m128i b = _mm_shuffle_epi32(u, _MM_SHUFFLE(1, 1, 0, 0)); /* u0 u0 u1 u1 */
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                      _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F));
+    const __m128i top = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm256_cvtepu8_epi16(_mm_or_si128(low, top));
+}
+
+/* Lane `j` of 16 int16 (a ymm) in all 32 lanes of a zmm; `pick[k]`: the index vector of lane k. */
+static inline __m512i lane16(__m256i v, __m512i pick) {
+    return _mm512_permutexvar_epi16(pick, _mm512_castsi256_si512(v));
+}
+
+/* decode_plain's int16 weights in eight registers; fac[0] the super-block's factor (K-quants). `picks`:
+ * index vectors (K-quants' scale lanes). */
+static inline __attribute__((always_inline)) void decode_vnni(const int type, const uint8_t *blk, __m512i w[SUBS], float *fac, float *mins,
+                               const __m512i *picks) {
+    if (type == TYPE_Q4_K) {
+        const __m256i sm = q4k_scales16(blk + 4);
+        const __m512i low = _mm512_set1_epi16(0xF);
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = bytes16(blk + 16 + 32 * j);
+            w[2 * j] = _mm512_mullo_epi16(_mm512_and_si512(v, low), lane16(sm, picks[2 * j]));
+            w[2 * j + 1] = _mm512_mullo_epi16(_mm512_srli_epi16(v, 4), lane16(sm, picks[2 * j + 1]));
+        }
+        fac[0] = half_load(blk);
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(sm, 1)));
+        _mm256_storeu_ps(mins, _mm256_mul_ps(mn, _mm256_set1_ps(half_load(blk + 2))));
+    } else if (type == TYPE_Q6_K) {
+        const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m512i m4 = _mm512_set1_epi16(0xF), m3 = _mm512_set1_epi16(3), mc = _mm512_set1_epi16(0xC);
+        const __m512i m30 = _mm512_set1_epi16(0x30), bias = _mm512_set1_epi16(32);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+            const __m512i a = bytes16(ql), b = bytes16(ql + 32), hi = bytes16(qh);
+            const __m512i v0 = _mm512_or_si512(_mm512_and_si512(a, m4), _mm512_slli_epi16(_mm512_and_si512(hi, m3), 4));
+            const __m512i v1 = _mm512_or_si512(_mm512_and_si512(b, m4), _mm512_slli_epi16(_mm512_and_si512(hi, mc), 2));
+            const __m512i v2 = _mm512_or_si512(_mm512_srli_epi16(a, 4), _mm512_and_si512(hi, m30));
+            const __m512i v3 = _mm512_or_si512(_mm512_srli_epi16(b, 4), _mm512_and_si512(_mm512_srli_epi16(hi, 2), m30));
+            w[4 * h] = _mm512_mullo_epi16(_mm512_sub_epi16(v0, bias), lane16(sc, picks[SUBS + 4 * h]));
+            w[4 * h + 1] = _mm512_mullo_epi16(_mm512_sub_epi16(v1, bias), lane16(sc, picks[SUBS + 4 * h + 1]));
+            w[4 * h + 2] = _mm512_mullo_epi16(_mm512_sub_epi16(v2, bias), lane16(sc, picks[SUBS + 4 * h + 2]));
+            w[4 * h + 3] = _mm512_mullo_epi16(_mm512_sub_epi16(v3, bias), lane16(sc, picks[SUBS + 4 * h + 3]));
+        }
+        fac[0] = half_load(blk + 208);
+    } else {
+        for (int j = 0; j < SUBS; j++) {
+            fac[j] = half_load(blk + 34 * j);
+            w[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 34 * j + 2)));
+        }
+    }
+}
+
+/* The index vectors decode_vnni takes: [0, 8) Q4_K's scale j in every lane; [8, 16) Q6_K's register
+ * k of a half: scale 2k (of that half's eight) in lanes 0-15, 2k + 1 in lanes 16-31. */
+static void scale_picks(__m512i picks[2 * SUBS]) {
+    for (int j = 0; j < SUBS; j++) picks[j] = _mm512_set1_epi16((short)j);
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 4; k++)
+            picks[SUBS + 4 * h + k] = _mm512_mask_set1_epi16(_mm512_set1_epi16((short)(8 * h + 2 * k)), 0xFFFF0000u,
+                                                             (short)(8 * h + 2 * k + 1));
+}
+
+/* One output row against `rows` (<= `most`) rows of x: out[r] for r < rows (inlined per type and
+ * `most`, both constants: TILE rows' sums stay in registers, MANY rows' in the L1 cache, each
+ * super-block decoded once for all of them). */
+static inline __attribute__((always_inline)) void row_dot_of(const int type, const int most, const uint8_t *wrow,
+                                                             int64_t supers, const int16_t *xq, const float *xs,
+                                                             const float *xsum, int64_t in, int rows, float *out) {
+    __m512 f[most];
+    __m256 fm[most];
+    for (int r = 0; r < most; r++) {
+        f[r] = _mm512_setzero_ps();
+        fm[r] = _mm256_setzero_ps();
+    }
+    const int64_t bytes = gguf_super_bytes(type);
+    __m512i picks[2 * SUBS];
+    scale_picks(picks);
+    for (int64_t b = 0; b < supers; b++) {
+        __m512i w[SUBS];
+        float fac[SUBS] = {0}, mins[SUBS] = {0}; /* each type sets what it reads */
+        const uint8_t *ahead = wrow + b * bytes + PREFETCH; /* the stream of blocks, asked of memory early */
+        for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        decode_vnni(type, wrow + b * bytes, w, fac, mins, picks);
+        const __m256 mv = _mm256_loadu_ps(mins);
+        for (int r = 0; r < rows; r++) {
+            const int16_t *x = xq + r * in + b * SUPER;
+            if (type == TYPE_Q8_0) {
+                for (int j = 0; j < SUBS; j++) {
+                    const __m512i acc = _mm512_madd_epi16(w[j], _mm512_loadu_si512(x + 32 * j));
+                    f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(fac[j] * xs[r * (in / SUPER) + b]), f[r]);
+                }
+                continue;
+            }
+            __m512i acc = _mm512_madd_epi16(w[0], _mm512_loadu_si512(x)), acc1 = _mm512_madd_epi16(w[1], _mm512_loadu_si512(x + 32));
+            for (int j = 2; j < SUBS; j += 2) { /* two chains in flight */
+                acc = dpwssd16(acc, w[j], _mm512_loadu_si512(x + 32 * j));
+                acc1 = dpwssd16(acc1, w[j + 1], _mm512_loadu_si512(x + 32 * j + 32));
+            }
+            acc = _mm512_add_epi32(acc, acc1);
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(fac[0] * xs[r * (in / SUPER) + b]), f[r]);
+            if (type == TYPE_Q4_K) fm[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + r * (in / 32) + b * SUBS), fm[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m128 m = _mm_add_ps(_mm256_castps256_ps128(fm[r]), _mm256_extractf128_ps(fm[r], 1));
+        m = _mm_hadd_ps(m, m);
+        m = _mm_hadd_ps(m, m);
+        out[r] = _mm512_reduce_add_ps(f[r]) - _mm_cvtss_f32(m);
+    }
+}
+
+static void row_dot(int type, const uint8_t *wrow, int64_t supers, const int16_t *xq, const float *xs,
+                    const float *xsum, int64_t in, int rows, float *out) {
+#define ROW_DOT(TYPE, MOST) row_dot_of(TYPE, MOST, wrow, supers, xq, xs, xsum, in, rows, out)
+    if (rows <= TILE) {
+        switch (type) {
+        case TYPE_Q4_K: ROW_DOT(TYPE_Q4_K, TILE); break;
+        case TYPE_Q6_K: ROW_DOT(TYPE_Q6_K, TILE); break;
+        default: ROW_DOT(TYPE_Q8_0, TILE); break;
+        }
+    } else {
+        switch (type) {
+        case TYPE_Q4_K: ROW_DOT(TYPE_Q4_K, MANY); break;
+        case TYPE_Q6_K: ROW_DOT(TYPE_Q6_K, MANY); break;
+        default: ROW_DOT(TYPE_Q8_0, MANY); break;
+        }
+    }
+#undef ROW_DOT
+}
+#else
+static void row_dot(int type, const uint8_t *wrow, int64_t supers, const int16_t *xq, const float *xs,
+                    const float *xsum, int64_t in, int rows, float *out) {
+    float sums[MANY] = {0};
+    const int64_t bytes = gguf_super_bytes(type);
+    for (int64_t b = 0; b < supers; b++) {
+        int16_t w[SUPER];
+        float fac[SUBS], mins[SUBS];
+        decode_plain(type, wrow + b * bytes, w, fac, mins);
+        for (int r = 0; r < rows; r++) {
+            const int16_t *x = xq + r * in + b * SUPER;
+            for (int j = 0; j < SUBS; j++) {
+                int32_t acc = 0;
+                for (int l = 0; l < 32; l++) acc += (int32_t)w[32 * j + l] * x[32 * j + l];
+                sums[r] += (float)acc * (fac[j] * xs[r * (in / SUPER) + b]) - mins[j] * xsum[r * (in / 32) + b * SUBS + j];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = sums[r];
+}
+#endif
+
+/* One super-block's 256 weights as float, in input order (`picks`: scale_picks', with AVX-512). */
+#if GGUF_VNNI512
+static inline void super_values(int type, const uint8_t *blk, float *v, const __m512i *picks) {
+    __m512i w[SUBS];
+    float fac[SUBS] = {0}, mins[SUBS] = {0};
+    switch (type) { /* a constant type per call of decode_vnni: each inlined alone */
+    case TYPE_Q4_K: decode_vnni(TYPE_Q4_K, blk, w, fac, mins, picks); break;
+    case TYPE_Q6_K: decode_vnni(TYPE_Q6_K, blk, w, fac, mins, picks); break;
+    default: decode_vnni(TYPE_Q8_0, blk, w, fac, mins, picks); break;
+    }
+    for (int j = 0; j < SUBS; j++) {
+        const __m512 d = _mm512_set1_ps(type == TYPE_Q8_0 ? fac[j] : fac[0]), m = _mm512_set1_ps(-mins[j]);
+        const __m512i lo = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(w[j]));
+        const __m512i hi = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w[j], 1));
+        _mm512_storeu_ps(v + 32 * j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d, m));
+        _mm512_storeu_ps(v + 32 * j + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d, m));
+    }
+}
+#define PICKS_DECLARE __m512i picks[2 * SUBS]; scale_picks(picks)
+#define PICKS , picks
+#else
+static inline void super_values(int type, const uint8_t *blk, float *v) {
+    int16_t w[SUPER];
+    float fac[SUBS], mins[SUBS];
+    decode_plain(type, blk, w, fac, mins);
+    for (int k = 0; k < SUPER; k++) v[k] = fmaf(fac[k / 32], (float)w[k], -mins[k / 32]);
+}
+#define PICKS_DECLARE
+#define PICKS
+#endif
+
+/* Rows `ids` of a quantized matrix decoded (what the kernel multiplies by: the embedding table's
+ * lookups, and the tests' reference); `ids` NULL: rows 0..n-1 (a whole matrix, for a batch's GEMM). */
+#define DEQUANTIZE_ROWS(NAME, T, STORE)                                                                 \
+    void NAME(const uint8_t *wq, int type, const int64_t *ids, int64_t n, int64_t in, T *out, int threads) { \
+        const int64_t supers = in / SUPER, bytes = gguf_super_bytes(type), row_bytes = supers * bytes; \
+        _Pragma("omp parallel num_threads(threads)") {                                                \
+            PICKS_DECLARE;                                                                            \
+            float v[SUPER];                                                                           \
+            _Pragma("omp for schedule(static)")                                                       \
+            for (int64_t i = 0; i < n; i++) {                                                         \
+                const uint8_t *row = wq + (ids != NULL ? ids[i] : i) * row_bytes;                     \
+                for (int64_t b = 0; b < supers; b++) {                                                \
+                    super_values(type, row + b * bytes, v PICKS);                                     \
+                    T *dst = out + i * in + b * SUPER;                                                \
+                    for (int k = 0; k < SUPER; k++) STORE(dst + k, v[k]);                             \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    }
+
+DEQUANTIZE_ROWS(gguf_dequantize_rows_f32, float, f32_store)
+DEQUANTIZE_ROWS(gguf_dequantize_rows_bf16, uint16_t, bf16_store)
+
+/* x [rows, in] (in a multiple of 256) times wq [outs rows of the type's blocks] -> out [rows, outs]
+ * written with a row stride of `out_stride` (a fused layer's part writes its columns). Returns 0, -1
+ * where the scratch could not be had, -2 for a type or width it does not run. */
+#define GGUF_LINEAR(NAME, T, LOAD, STORE, QUANTIZE)                                                      \
+    int NAME(const T *x, const uint8_t *wq, int type, const T *bias, T *out, int64_t rows, int64_t in,   \
+             int64_t outs, int64_t out_stride, int threads) {                                            \
+        if (gguf_super_bytes(type) == 0 || in % SUPER != 0) return -2;                                 \
+        const int64_t supers = in / SUPER, row_bytes = supers * gguf_super_bytes(type);                \
+        int16_t *xq = malloc((size_t)(rows * in) * sizeof *xq);                                        \
+        float *xs = malloc((size_t)(rows * supers) * sizeof *xs);                                      \
+        float *xsum = malloc((size_t)(rows * (in / 32)) * sizeof *xsum);                               \
+        if (xq == NULL || xs == NULL || xsum == NULL) {                                                \
+            free(xq);                                                                                  \
+            free(xs);                                                                                  \
+            free(xsum);                                                                                \
+            return -1;                                                                                 \
+        }                                                                                              \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
+        for (int64_t r = 0; r < rows; r++)                                                             \
+            QUANTIZE(x + r * in, xq + r * in, xs + r * supers, xsum + r * (in / 32), in);              \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
+        for (int64_t n = 0; n < outs; n++) {                                                           \
+            const float b = bias != NULL ? LOAD(bias + n) : 0.0f;                                      \
+            for (int64_t r = 0; r < rows; r += MANY) {                                                 \
+                const int tile = rows - r < MANY ? (int)(rows - r) : MANY;                             \
+                float sums[MANY];                                                                      \
+                row_dot(type, wq + n * row_bytes, supers, xq + r * in, xs + r * supers,                \
+                        xsum + r * (in / 32), in, tile, sums);                                         \
+                for (int i = 0; i < tile; i++) STORE(out + (r + i) * out_stride + n, sums[i] + b);     \
+            }                                                                                          \
+        }                                                                                              \
+        free(xq);                                                                                      \
+        free(xs);                                                                                      \
+        free(xsum);                                                                                    \
+        return 0;                                                                                      \
+    }
+
+GGUF_LINEAR(gguf_linear_f32, float, f32_load, f32_store, quantize_row_f32)
+GGUF_LINEAR(gguf_linear_bf16, uint16_t, bf16_load, bf16_store, quantize_row_bf16)

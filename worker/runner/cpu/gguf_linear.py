@@ -1,0 +1,163 @@
+"""A GGUF file's quantized matrices executed as stored (the weight form ``gguf``, a quantized GGUF's
+default on the CPU): the file's Q4_K, Q6_K and Q8_0 blocks are kept byte for byte, one row of blocks
+per output, and ``csrc/gguf_linear.c`` multiplies by them (its input at int16 per 256 values, integer
+sums, one float scale per block: what gguf's dequantization of the blocks times the input gives,
+within the input's int16 rounding). No dequantized copy of a weight ever exists; a layer costs the
+file's bytes.
+
+A batch of ``GEMM_ROWS`` rows or more (a prefill chunk) is cheaper another way: each matrix decoded
+a slice at a time into a scratch buffer shared by the model's layers (``DecodeScratch``) and
+multiplied by oneDNN's GEMM (AMX or AVX-512 BF16 where the CPU has them): at bf16 the decoded weight
+is rounded to bf16, as transformers' bf16 reading of the file rounds it. (The 1.5B Q4_K_M's 196 layer
+matrices on a 2-core Xeon with AMX, bf16: 8 rows 138 ms row by row against 322 decoded and multiplied,
+24 rows 406 against 330, 64 rows 1,167 against 408, 256 rows 6,109 against 569; float32, whose GEMM
+has no AMX: crossing at ~48 rows.)
+
+A fused layer (q/k/v, gate/up) keeps each part's blocks apart, since a Q4_K_M file mixes formats
+within a layer (Q6_K for some v and down matrices), and each part writes its own columns of the
+result. The embedding table stays in its blocks too: a looked-up row is decoded (``GgufEmbedding``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.native_layer_ops import GGUF_KERNEL_TYPES, NativeLayerOps
+
+
+GEMM_ROWS = {torch.bfloat16: 24, torch.float32: 48}  # rows from which a matrix is decoded and multiplied
+SCRATCH_ELEMENTS = 1 << 24  # a decoded slice at most (32 MiB at bf16): a vocabulary-sized head goes in slices
+
+
+class DecodeScratch:
+    """The buffer a batch's GEMM decodes each matrix slice into, one per model (its layers run one at
+    a time), allocated on first use."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def matrix(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.buffer is None or self.buffer.dtype != dtype:
+            self.buffer = torch.empty(SCRATCH_ELEMENTS, dtype=dtype)
+        return self.buffer[:rows * width].view(rows, width)
+
+
+@dataclass(frozen=True)
+class GgufMatrix:
+    """A quantized matrix as the file stores it: ggml's type id and its rows of blocks (uint8
+    ``[rows, row bytes]``), ``width`` inputs per row."""
+
+    gguf_type: int
+    blocks: torch.Tensor
+    width: int
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
+
+
+def runs_as_stored(gguf_type: int, width: int) -> bool:
+    """Whether the C kernel runs this block format at this input width."""
+    return gguf_type in GGUF_KERNEL_TYPES.values() and width % 256 == 0
+
+
+class GgufLinear(nn.Module):
+    """``nn.Linear`` whose weight is one or more ``GgufMatrix`` parts stacked along the outputs."""
+
+    def __init__(self, parts: list[GgufMatrix], kernels: NativeLayerOps, scratch: DecodeScratch,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.scratch = scratch
+        widths = {part.width for part in parts}
+        if len(widths) != 1 or not all(runs_as_stored(p.gguf_type, p.width) for p in parts):
+            raise ValueError(f"GGUF parts the kernel cannot run together: {[(p.gguf_type, p.width) for p in parts]}")
+        self.kernels = kernels
+        self.parts = parts
+        self.in_features, self.out_features = parts[0].width, sum(part.rows for part in parts)
+        for i, part in enumerate(parts):  # buffers: .to(), state_dict() and memory accounting see them
+            self.register_buffer(f"blocks_{i}", part.blocks, persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear, part: GgufMatrix, kernels: NativeLayerOps,
+                  scratch: DecodeScratch) -> GgufLinear:
+        """One matrix in place of ``linear``, whose bias it takes over (loaded already, or still on
+        meta: the loader assigns it by name when it arrives)."""
+        layer = cls([part], kernels, scratch)
+        layer.bias = linear.bias
+        return layer
+
+    def stacked_with(self, others: list[GgufLinear]) -> GgufLinear:
+        """One layer computing this one's outputs and then ``others``' side by side."""
+        layers = [self, *others]
+        biases = [layer.bias for layer in layers]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        return GgufLinear([part for layer in layers for part in layer.parts], self.kernels, self.scratch, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 ``[out, in]``: the weight the kernel multiplies by (decoded by the kernels)."""
+        return torch.cat([self.kernels.gguf_rows(part.blocks, part.gguf_type, None, part.width, torch.float32)
+                          for part in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).contiguous()
+        out = torch.empty((flat.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        if flat.shape[0] >= GEMM_ROWS.get(x.dtype, flat.shape[0] + 1):
+            self._decoded_gemm(flat, out)
+            return out.view(*shape[:-1], self.out_features)
+        start = 0
+        for part in self.parts:
+            bias = None if self.bias is None else self.bias[start:start + part.rows]
+            if not self.kernels.gguf_linear(flat, part.blocks, part.gguf_type, bias, out[:, start:start + part.rows]):
+                raise TypeError(f"the GGUF kernel does not take a {x.dtype} input on {x.device}")
+            start += part.rows
+        return out.view(*shape[:-1], self.out_features)
+
+    def _decoded_gemm(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` = x times each part, decoded a slice of rows at a time and multiplied by torch's GEMM."""
+        start = 0
+        for part in self.parts:
+            step = max(1, SCRATCH_ELEMENTS // part.width)
+            for first in range(0, part.rows, step):
+                rows = min(step, part.rows - first)
+                weight = self.scratch.matrix(rows, part.width, x.dtype)
+                self.kernels.gguf_rows(part.blocks[first:first + rows], part.gguf_type, None, part.width, x.dtype, weight)
+                columns = out[:, start + first:start + first + rows]
+                if columns.is_contiguous():
+                    torch.mm(x, weight.t(), out=columns)
+                else:
+                    columns.copy_(x @ weight.t())
+            start += part.rows
+        if self.bias is not None:
+            out += self.bias
+
+    def extra_repr(self) -> str:
+        names = {v: k for k, v in GGUF_KERNEL_TYPES.items()}
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"blocks={'+'.join(names[p.gguf_type] for p in self.parts)}"
+
+
+class GgufEmbedding(nn.Module):
+    """``nn.Embedding`` whose table is a ``GgufMatrix``: a looked-up row is decoded at ``dtype``."""
+
+    def __init__(self, table: GgufMatrix, kernels: NativeLayerOps, scratch: DecodeScratch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.kernels, self.scratch, self.dtype = table, kernels, scratch, dtype
+        self.num_embeddings, self.embedding_dim = table.rows, table.width
+        self.register_buffer("blocks", table.blocks, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
+        rows = self.kernels.gguf_rows(self.table.blocks, self.table.gguf_type, ids, self.embedding_dim, self.dtype)
+        if rows is None:
+            raise TypeError(f"the GGUF kernel does not decode to {self.dtype}")
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def as_linear(self) -> GgufLinear:
+        """The same blocks as an output head (a model whose head is tied to its embedding)."""
+        return GgufLinear([self.table], self.kernels, self.scratch)
