@@ -74,7 +74,7 @@ def test_a_tool_call_comes_back_parsed_with_arguments_that_validate(client):
 
 def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, real_model):
     """lm-evaluation-harness's loglikelihood request: echo + logprobs; the prompt's tokens come back
-    with the logprobs the offline engine gives them on the same (int8) cache."""
+    with the logprobs the offline engine gives them with the same settings (an int8 cache)."""
     import httpx
 
     from pagedserve import LLM
@@ -91,7 +91,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, real_mo
     ids = real_model.tokenizer.encode(text, add_special_tokens=False)
     assert len(lp["tokens"]) == len(ids) + 1 and "".join(lp["tokens"][: len(ids)]) == text
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    offline = LLM(real_model.gguf, device="cpu", dtype="float32", kv_cache_dtype="int8", num_gpu_blocks=64)
+    offline = LLM(real_model.gguf, device="cpu", kv_cache_dtype="int8", num_gpu_blocks=64)  # the worker's defaults
     expected = offline.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
                                 use_tqdm=False)[0].prompt_logprobs
     assert max(abs(a - b.logprob) for a, b in zip(lp["token_logprobs"][1 : len(ids)], expected[1:])) < 1e-4
