@@ -27,8 +27,9 @@ CONFIGS = {  # name -> LLM options
 }
 
 
-def transformers_logprobs(gguf: Path, ids: list[int]) -> list[float]:
-    """Each position's logprob of the text's next token under transformers' float32 reading of the file."""
+def transformers_logprobs(gguf: Path, ids: list[int]) -> tuple[list[float], list[int]]:
+    """Each position's logprob of the text's next token, and its top-1 token, under transformers' float32
+    reading of the file."""
     import torch
     from transformers import AutoModelForCausalLM
 

