@@ -215,3 +215,14 @@ def test_a_context_the_kv_budget_cannot_hold_is_refused_when_asked_and_capped_wh
     with capture_logs() as logs:
         LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=8, max_model_len=64)
     assert [e["full_length_sequences"] for e in logs if e["event"] == "kv budget"] == [2]
+
+
+def test_loading_says_its_progress_in_the_log_where_no_terminal_shows_a_bar(zoo):
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64)
+    said = [e["tensors"] for e in logs if e["event"] == "loading weights"]
+    total = said[-1].split("/")[1]
+    assert len(said) == 4 and said[-1] == f"{total}/{total}"
+    assert [int(s.split("/")[0]) for s in said] == sorted(int(s.split("/")[0]) for s in said)

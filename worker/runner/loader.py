@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -164,6 +165,24 @@ def _on_meta(info: ModelInfo, ops: AttentionOps, shard: Shard | None) -> tuple[C
         return model, _shapes(model if shard is None else family.model(info.config, family.arch, ops, family.feed_forward))
 
 
+class _Progress:
+    """Loading's progress: tqdm's bar on a terminal; elsewhere (a service's log) a line at each quarter."""
+
+    QUARTERS = 4
+
+    def __init__(self, bar: tqdm, total: int) -> None:
+        self.bar, self.total, self.done, self.said = bar, total, 0, 0
+        self.started = time.monotonic()
+
+    def update(self, count: int) -> None:
+        self.bar.update(count)
+        self.done += count
+        if self.bar.disable and self.total and self.done * self.QUARTERS >= (self.said + 1) * self.total:
+            self.said = self.done * self.QUARTERS // self.total
+            structlog.get_logger("pagedserve.loader").info(
+                "loading weights", tensors=f"{self.done}/{self.total}", seconds=round(time.monotonic() - self.started, 1))
+
+
 class _StoredForm:
     """The weight form ``gguf``: a linear layer's or embedding's weight that the file stores in blocks
     the C kernel runs becomes a module over those blocks (``worker/runner/cpu/gguf_linear.py``); the
@@ -208,7 +227,8 @@ def _put_checkpoint(info: ModelInfo, layers: _LayerTracker, full_shapes: dict[st
     read = _whole if shard is None else partial(shard.piece, config=info.config)  # (name, load) -> this rank's tensor
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     # disable=None: a bar only on a terminal, never interleaved with a service's JSON log lines
-    with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False, disable=None) as bar:
+    with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False, disable=None) as shown:
+        bar = _Progress(shown, len(expected))
         for name, load in checkpoint_tensors(info.path):
             target = family.rename(name)
             if isinstance(target, tuple):  # one expert's matrix: stacked below
