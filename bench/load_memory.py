@@ -2,7 +2,7 @@
 KV budget), its peak resident set while loading (``VmHWM``) and its resident set once loaded, a
 generation run, plus what the imports alone hold; the ratios against the first configuration.
 
-    python -m pagedserve.bench.load_memory [--model M] [--configs float32 bfloat16 int8 int4]
+    python -m pagedserve.bench.load_memory [--model M] [--configs float32 bfloat16 int8 int4 gguf]
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import sys
 from pagedserve.bench.table import print_table
 
 CONFIGS = {  # name -> LLM options
-    "float32": {"dtype": "float32"},
-    "bfloat16": {"dtype": "bfloat16"},
+    "float32": {"dtype": "float32", "quantization": "none"},
+    "bfloat16": {"dtype": "bfloat16", "quantization": "none"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "int4": {"dtype": "float32", "quantization": "int4"},
+    "gguf": {"quantization": "gguf"},  # a quantized GGUF's blocks as stored, the default dtype
 }
 CHILD = """
 import json, sys
@@ -47,7 +48,7 @@ def measure(model: str | None, options: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="default: the default model")
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--configs", nargs="+", default=["float32", "bfloat16", "int8", "int4"], choices=CONFIGS)
     args = ap.parse_args(argv)
     rows = [{"config": name, **measure(args.model, CONFIGS[name])} for name in args.configs]
     for row in rows:

@@ -38,6 +38,8 @@ MODEL_SPECS = {
                           original_max_position_embeddings=48, rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
                                         "long_factor": [1.0, 3.0, 9.0, 27.0], "original_max_position_embeddings": 48}),
     "qwen2": dict(family="qwen2", num_heads=4, num_kv_heads=2),
+    # widths of whole 256-value super-blocks: a GGUF of it runs its Q8_0 blocks as stored
+    "qwen2-256": dict(family="qwen2", num_heads=4, num_kv_heads=2, hidden_size=256, intermediate_size=512, num_layers=2),
     "qwen3": dict(family="qwen3", num_heads=4, num_kv_heads=2),
     "mixtral": dict(family="mixtral", num_heads=4, num_kv_heads=2, initializer_range=0.2),  # experts that move the logits
     "phi3": dict(family="phi3", num_heads=4, num_kv_heads=2),

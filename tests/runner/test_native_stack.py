@@ -65,6 +65,23 @@ def test_a_decode_step_through_the_stack_has_the_module_paths_bits(zoo, name, qu
     assert torch.equal(*_both_paths(model, one))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gguf_run_as_stored_goes_through_the_stack_with_the_module_paths_bits(zoo, tmp_path, dtype):
+    """A Q8_0 GGUF's blocks as stored (the default for a quantized GGUF): the stack calls the kernel per
+    part of each fused layer, with q/k/v biases (qwen2), as ``GgufLinear`` does."""
+    from pagedserve.worker.runner.cpu.gguf_linear import GgufLinear
+    from tests.gguf_writer import write_gguf
+
+    gguf = write_gguf(zoo.path("qwen2-256"), tmp_path / "q8.gguf", quantize="Q8_0")
+    llm = LLM(gguf, device="cpu", dtype=dtype, block_size=8, num_gpu_blocks=64)
+    model = llm.engine.runner.model
+    assert isinstance(model.native_stack, NativeStack) and isinstance(model.model.layers[0].self_attn.qkv_proj, GgufLinear)
+    for layer in model.model.layers:  # the checkpoint's biases are zeros: give each part's columns their own
+        layer.self_attn.qkv_proj.bias.normal_()
+    for step in [s for s in _decode_steps(llm, [[5, 6, 7], list(range(20, 45)), [9]]) if s[2].num_decodes == s[0].shape[0]]:
+        assert torch.equal(*_both_paths(model, step))
+
+
 def test_a_step_with_a_long_prefill_chunk_takes_the_module_path_and_short_rows_the_stack(zoo):
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", quantization="int8", block_size=8,
               num_gpu_blocks=64)

@@ -1,8 +1,9 @@
 """A decode step's whole decoder stack as direct calls of the C kernels, where every layer's small
 operations are theirs: the RMSNorms, the rotary with the K/V store, the paged decode attention and
 SiLU; the matrices int8, float32 or bfloat16 on the C kernels (``csrc/int8_linear.c``,
-``csrc/float_linear.c``) or, in any other form (int4, oneDNN's prepacked layers where the kernels
-are not the model's), the layer's own module, called directly.
+``csrc/float_linear.c``), a GGUF's blocks as stored (``csrc/gguf_linear.c``) or, in any other form
+(int4, oneDNN's prepacked layers where the kernels are not the model's), the layer's own module,
+called directly.
 
 Through the modules, a layer of a one-token step costs ~90 us of Python (module calls, argument
 checks, views, an allocation per result) around ~80 us of kernels (SmolLM2, int8, 2 CPU cores,
@@ -30,6 +31,7 @@ from pagedserve.kernels.native_attention import chunk_tokens
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.worker.core.speculative.config import MAX_SPECULATIVE_TOKENS
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata
+from pagedserve.worker.runner.cpu.gguf_linear import GgufLinear
 from pagedserve.worker.runner.cpu.prepack import PanelLinear
 from pagedserve.worker.runner.cpu.quantized_linear import Int8Linear
 from pagedserve.worker.runner.lora.lora_linear import LoraStep, add_updates, layer_keys
@@ -70,6 +72,27 @@ class _FloatMatrix:
         if self.run(source.data_ptr(), self.panels, self.bias or None, target.data_ptr(), source.shape[0], self.width,
                     self.outs, self.npanels, torch.get_num_threads()):
             raise MemoryError("the float kernel could not allocate its scratch rows")
+        return target
+
+
+@dataclass(frozen=True)
+class _GgufMatrix:
+    """A GGUF file's blocks run as stored (``GgufLinear``): a kernel call per part, each writing its
+    columns of the output (the stack's rows are always under the layer's GEMM size: the row kernel)."""
+
+    run: object  # NativeLayerOps.raw("gguf_linear", dtype)
+    parts: tuple[tuple[int, int, int, int], ...]  # (blocks pointer, ggml type, first column, columns)
+    bias: int  # 0: none
+    width: int
+    outs: int
+    item: int  # bytes per output value
+
+    def __call__(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        for blocks, kind, first, count in self.parts:
+            bias = self.bias + first * self.item if self.bias else None
+            if self.run(source.data_ptr(), blocks, kind, bias, target.data_ptr() + first * self.item, source.shape[0],
+                        self.width, count, self.outs, torch.get_num_threads()):
+                raise MemoryError("the GGUF kernel could not allocate its scratch rows")
         return target
 
 
@@ -137,6 +160,14 @@ def _matrix(linear: nn.Module, kernels: NativeLayerOps, dtype: torch.dtype) -> M
         bias = linear.bias.data_ptr() if linear.bias is not None else 0
         return _FloatMatrix(kernels.raw("float_linear", dtype), linear.weight.data_ptr(), bias, linear.in_features,
                             linear.out_features, linear.weight.shape[0])
+    if type(linear) is GgufLinear and (linear.bias is None or linear.bias.dtype == dtype):
+        parts, first = [], 0
+        for part in linear.parts:
+            parts.append((part.blocks.data_ptr(), part.gguf_type, first, part.rows))
+            first += part.rows
+        bias = linear.bias.data_ptr() if linear.bias is not None else 0
+        return _GgufMatrix(kernels.raw("gguf_linear", dtype), tuple(parts), bias, linear.in_features, linear.out_features,
+                           torch.empty((), dtype=dtype).element_size())
     return _ModuleMatrix(linear)
 
 
