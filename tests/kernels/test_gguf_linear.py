@@ -11,21 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve.kernels.native_attention import NativeAttention
-from pagedserve.kernels.native_build import NativeKernelUnavailable
-from pagedserve.kernels.native_layer_ops import GGUF_KERNEL_TYPES, NativeLayerOps
+from pagedserve.kernels.native_layer_ops import GGUF_KERNEL_TYPES
 from pagedserve.worker.runner.cpu.gguf_linear import GEMM_ROWS, DecodeScratch, GgufEmbedding, GgufLinear, GgufMatrix
 
 gguf = pytest.importorskip("gguf")
 BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q8_0": 34}  # per 256 values for K-quants, per 32 for Q8_0
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory) -> NativeLayerOps:
-    try:
-        return NativeLayerOps(NativeAttention(tmp_path_factory.mktemp("kernels")).lib)
-    except NativeKernelUnavailable as err:
-        pytest.skip(f"no native kernels here: {err}")
 
 
 def blocks(kind: str, rows: int, width: int, seed: int = 0) -> np.ndarray:

@@ -10,21 +10,11 @@ import torch
 from torch.nn import functional as F
 
 from pagedserve.kernels import reference
-from pagedserve.kernels.native_attention import NativeAttention
-from pagedserve.kernels.native_build import NativeKernelUnavailable
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.worker.runner.models.layers import RMSNorm
 from pagedserve.worker.runner.models.rope import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory) -> NativeLayerOps:
-    try:
-        return NativeLayerOps(NativeAttention(tmp_path_factory.mktemp("kernels")).lib)
-    except NativeKernelUnavailable as err:
-        pytest.skip(f"no native kernels here: {err}")
 
 
 def _ulps(dtype: torch.dtype) -> float:
