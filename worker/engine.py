@@ -91,15 +91,8 @@ class Engine:
             if self.ranks is not None:
                 weakref.finalize(self, self.ranks.close)  # an engine dropped unclosed (the offline LLM) stops them too
         self.kv_bytes_per_token = block_bytes // config.block_size
-        budget = KvBudget(num_gpu, config.block_size, self.kv_bytes_per_token)
-        fitted = budget.fit_context(max_len, asked=bool(config.max_model_len), window=release_window(info.config))
-        if fitted < max_len:
-            log.warning("max_model_len capped to what the KV budget holds (set --max-model-len, or raise "
-                        "--kv-cache-memory to serve the model's whole context)", model_context=max_len,
-                        max_model_len=fitted, kv_blocks=num_gpu)
-            max_len = fitted
-        log.info("kv budget", tokens=budget.tokens, max_model_len=max_len,
-                 full_length_sequences=budget.full_sequences(max_len))
+        max_len = KvBudget(num_gpu, config.block_size, self.kv_bytes_per_token).context(
+            max_len, asked=bool(config.max_model_len), window=release_window(info.config))
         tiers = None if config.simulate else self._kv_tiers(block_bytes)
         self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(

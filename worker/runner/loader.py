@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -27,7 +26,8 @@ from tqdm.auto import tqdm
 
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.runner.cpu.fused_projections import fuse_projections, use_layer_kernels
-from pagedserve.worker.runner.cpu.gguf_linear import DecodeScratch, GgufEmbedding, GgufLinear, GgufMatrix, runs_as_stored
+from pagedserve.worker.runner.cpu.gguf_linear import StoredForm
+from pagedserve.worker.runner.load_progress import LoadProgress
 from pagedserve.worker.runner.cpu.native_stack import NativeStack
 from pagedserve.worker.runner.cpu.prepack import bf16_in_hardware, fast_cpu_linears
 from pagedserve.worker.runner.cpu.quantized_linear import quantize_linears
@@ -137,7 +137,7 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     expected = set(full_shapes) - ({"lm_head.weight"} if model.tie_word_embeddings else set())
     finish = partial(_finish_layers, ops=ops, device=device, dtype=info.dtype, quantization=quantization)
     layers = _LayerTracker(model, expected, finish)
-    stored = _StoredForm(ops.layer, info.dtype) if quantization == "gguf" else None
+    stored = StoredForm(ops.layer, info.dtype) if quantization == "gguf" else None
     _put_checkpoint(info, layers, full_shapes, expected, shard, device, stored)
     missing = sorted(expected - layers.loaded)
     if missing:
@@ -165,60 +165,9 @@ def _on_meta(info: ModelInfo, ops: AttentionOps, shard: Shard | None) -> tuple[C
         return model, _shapes(model if shard is None else family.model(info.config, family.arch, ops, family.feed_forward))
 
 
-class _Progress:
-    """Loading's progress: tqdm's bar on a terminal; elsewhere (a service's log) a line at each quarter."""
-
-    QUARTERS = 4
-
-    def __init__(self, bar: tqdm, total: int) -> None:
-        self.bar, self.total, self.done, self.said = bar, total, 0, 0
-        self.started = time.monotonic()
-
-    def update(self, count: int) -> None:
-        self.bar.update(count)
-        self.done += count
-        if self.bar.disable and self.total and self.done * self.QUARTERS >= (self.said + 1) * self.total:
-            self.said = self.done * self.QUARTERS // self.total
-            structlog.get_logger("pagedserve.loader").info(
-                "loading weights", tensors=f"{self.done}/{self.total}", seconds=round(time.monotonic() - self.started, 1))
-
-
-class _StoredForm:
-    """The weight form ``gguf``: a linear layer's or embedding's weight that the file stores in blocks
-    the C kernel runs becomes a module over those blocks (``worker/runner/cpu/gguf_linear.py``); the
-    formats it cannot run are counted (dequantized as usual, and said once)."""
-
-    def __init__(self, kernels, dtype: torch.dtype) -> None:
-        self.kernels, self.dtype = kernels, dtype
-        self.scratch = DecodeScratch()  # one for the model: its layers run one at a time
-        self.kept = 0
-        self.dequantized: dict[str, int] = {}
-
-    def module(self, model: nn.Module, target: str, load) -> nn.Module | None:
-        """The module that runs ``target``'s blocks as stored; None where the tensor takes the usual way."""
-        if not getattr(load, "quantized", False) or not target.endswith(".weight"):
-            return None
-        module = model.get_submodule(target.removesuffix(".weight"))
-        if type(module) not in (nn.Linear, nn.Embedding):
-            return None
-        if not runs_as_stored(load.gguf_type, load.width):
-            name = load.tensor.tensor_type.name
-            self.dequantized[name] = self.dequantized.get(name, 0) + 1
-            return None
-        matrix = GgufMatrix(load.gguf_type, load.blocks(), load.width)
-        rows, width = (module.out_features, module.in_features) if type(module) is nn.Linear else \
-            (module.num_embeddings, module.embedding_dim)
-        if (matrix.rows, matrix.width) != (rows, width):
-            raise ValueError(f"{target}: the file stores {matrix.rows} x {matrix.width}, the model expects {rows} x {width}")
-        self.kept += 1
-        if type(module) is nn.Embedding:
-            return GgufEmbedding(matrix, self.kernels, self.scratch, self.dtype)
-        return GgufLinear.replacing(module, matrix, self.kernels, self.scratch)
-
-
 def _put_checkpoint(info: ModelInfo, layers: _LayerTracker, full_shapes: dict[str, tuple[int, ...]],
                     expected: set[str], shard: Shard | None, device: torch.device,
-                    stored: _StoredForm | None = None) -> None:
+                    stored: StoredForm | None = None) -> None:
     """Every checkpoint tensor the model expects (``expected``) into ``layers`` (this rank's part of
     each, under tensor parallel), at the model's dtype on ``device``: fused tensors split by their
     parts' sizes, the experts' matrices stacked once all are read; with ``stored``, the matrices it
@@ -228,7 +177,7 @@ def _put_checkpoint(info: ModelInfo, layers: _LayerTracker, full_shapes: dict[st
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     # disable=None: a bar only on a terminal, never interleaved with a service's JSON log lines
     with tqdm(total=len(expected), desc="loading weights", unit="tensor", leave=False, disable=None) as shown:
-        bar = _Progress(shown, len(expected))
+        bar = LoadProgress(shown, len(expected))
         for name, load in checkpoint_tensors(info.path):
             target = family.rename(name)
             if isinstance(target, tuple):  # one expert's matrix: stacked below
@@ -270,7 +219,7 @@ class _LayerTracker:
         self._arrived(name)
 
     def put_module(self, name: str, module: nn.Module) -> None:
-        """The weight ``name`` arrives as the module that owns it (``_StoredForm``)."""
+        """The weight ``name`` arrives as the module that owns it (``StoredForm``)."""
         parent, _, child = name.removesuffix(".weight").rpartition(".")
         setattr(self.model.get_submodule(parent), child, module)
         self._arrived(name)

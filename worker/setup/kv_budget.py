@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
+
 
 class ContextDoesNotFit(ValueError):
     """``--max-model-len`` was asked for, and one sequence of it needs more KV than the budget holds."""
@@ -35,6 +37,17 @@ class KvBudget:
                 f"{_gib(self.tokens * self.bytes_per_token)}): raise --kv-cache-memory (or --num-gpu-blocks), "
                 f"or lower --max-model-len to at most {self.tokens}")
         return self.tokens
+
+    def context(self, max_len: int, asked: bool, window: int = 0) -> int:
+        """``fit_context``, said in the log: the cap where there is one, then the budget."""
+        log = structlog.get_logger("pagedserve.engine")
+        fitted = self.fit_context(max_len, asked, window)
+        if fitted < max_len:
+            log.warning("max_model_len capped to what the KV budget holds (set --max-model-len, or raise "
+                        "--kv-cache-memory to serve the model's whole context)", model_context=max_len,
+                        max_model_len=fitted, kv_blocks=self.blocks)
+        log.info("kv budget", tokens=self.tokens, max_model_len=fitted, full_length_sequences=self.full_sequences(fitted))
+        return fitted
 
     def full_sequences(self, max_len: int) -> int:
         """How many sequences of ``max_len`` tokens the budget holds at once."""

@@ -161,3 +161,36 @@ class GgufEmbedding(nn.Module):
     def as_linear(self) -> GgufLinear:
         """The same blocks as an output head (a model whose head is tied to its embedding)."""
         return GgufLinear([self.table], self.kernels, self.scratch)
+
+
+class StoredForm:
+    """The weight form ``gguf`` as the loader fills a model (``worker/runner/loader.py``): a linear
+    layer's or embedding's weight that the file stores in blocks the kernel runs becomes a module over
+    those blocks; the formats it cannot run are counted (dequantized as usual, and said once)."""
+
+    def __init__(self, kernels: NativeLayerOps, dtype: torch.dtype) -> None:
+        self.kernels, self.dtype = kernels, dtype
+        self.scratch = DecodeScratch()  # one for the model: its layers run one at a time
+        self.kept = 0
+        self.dequantized: dict[str, int] = {}
+
+    def module(self, model: nn.Module, target: str, load) -> nn.Module | None:
+        """The module that runs ``target``'s blocks as stored; None where the tensor takes the usual way."""
+        if not getattr(load, "quantized", False) or not target.endswith(".weight"):
+            return None
+        module = model.get_submodule(target.removesuffix(".weight"))
+        if type(module) not in (nn.Linear, nn.Embedding):
+            return None
+        if not runs_as_stored(load.gguf_type, load.width):
+            name = load.tensor.tensor_type.name
+            self.dequantized[name] = self.dequantized.get(name, 0) + 1
+            return None
+        matrix = GgufMatrix(load.gguf_type, load.blocks(), load.width)
+        rows, width = (module.out_features, module.in_features) if type(module) is nn.Linear else \
+            (module.num_embeddings, module.embedding_dim)
+        if (matrix.rows, matrix.width) != (rows, width):
+            raise ValueError(f"{target}: the file stores {matrix.rows} x {matrix.width}, the model expects {rows} x {width}")
+        self.kept += 1
+        if type(module) is nn.Embedding:
+            return GgufEmbedding(matrix, self.kernels, self.scratch, self.dtype)
+        return GgufLinear.replacing(module, matrix, self.kernels, self.scratch)
