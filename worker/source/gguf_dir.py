@@ -20,6 +20,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import structlog
+
 from pagedserve.worker.source.gguf_file import GGUFFile, open_gguf
 from pagedserve.worker.source.model_types import CAUSAL_LM
 
@@ -44,6 +46,9 @@ def gguf_model_dir(path: str | Path, cache_root: Path | None = None) -> Path:
     if (target / "config.json").exists():
         return target
     gguf = open_gguf(path)
+    structlog.get_logger("pagedserve.gguf").info(
+        "reading the GGUF's config and tokenizer into a model directory (once per file)", file=path.name,
+        directory=str(target))
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
     try:
