@@ -22,13 +22,12 @@ from pathlib import Path
 
 import structlog
 
-from pagedserve.worker.source.gguf_file import GGUFFile, open_gguf
+from pagedserve.worker.source.gguf_file import PLAIN_FORMATS, GGUFFile, open_gguf
 from pagedserve.worker.source.model_types import CAUSAL_LM
 
 FORMAT = 2  # bumped when what is written here changes
 LINK = "model.gguf"
 WEIGHTS = "weights.json"  # the block formats of the file's matrices, counted (stored_weight_types)
-PLAIN_FORMATS = frozenset({"F32", "F16", "BF16"})  # formats that are not quantized
 SAMPLING = {  # llama.cpp's general.sampling.* -> generation_config.json
     "temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "penalty_repeat": "repetition_penalty",
 }

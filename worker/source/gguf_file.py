@@ -35,6 +35,7 @@ class GGUFError(ValueError):
 
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
+PLAIN_FORMATS = frozenset({"F32", "F16", "BF16"})  # a matrix's formats that are not quantized
 PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
          "I64": np.int64}  # GGUF types stored as numpy values; the others as bytes
 

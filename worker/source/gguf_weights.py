@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from pagedserve.worker.source.gguf_file import GGUFFile
+from pagedserve.worker.source.gguf_file import PLAIN_FORMATS, GGUFFile
 
 GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER = {  # blk.{i}.<gguf> -> model.layers.{i}.<checkpoint>
@@ -108,7 +108,9 @@ class GgufTensor:
     def __init__(self, path: Path, tensor, fix: Callable[[np.ndarray], np.ndarray]) -> None:
         self.path, self.tensor, self.fix = path, tensor, fix
         self.gguf_type = int(tensor.tensor_type)
-        self.quantized = tensor.raw_dtype == np.uint8 and len(tensor.raw_shape) == 2
+        self.bytes_per_row = tensor.raw_dtype == np.uint8 and len(tensor.raw_shape) >= 2  # dequantized a few rows at a time
+        # a matrix in a quantized block format (what the stored form may keep)
+        self.quantized = self.bytes_per_row and len(tensor.raw_shape) == 2 and tensor.tensor_type.name not in PLAIN_FORMATS
         self.width = int(tensor.shape[0])  # GGUF lists dimensions innermost first
 
     def _raw(self) -> np.ndarray:
@@ -125,7 +127,7 @@ class GgufTensor:
         from gguf.quants import quant_shape_from_byte_shape
 
         raw = self._raw()
-        if not self.quantized:  # vectors and plain floats: converted as they are
+        if not self.bytes_per_row:  # vectors and plain floats: converted as they are
             data = dequantize(raw, self.tensor.tensor_type)
         else:  # quantized blocks, a byte row per row
             data = np.empty(quant_shape_from_byte_shape(raw.shape, self.tensor.tensor_type), dtype=np.float32)
