@@ -167,7 +167,7 @@ def _matrix(linear: nn.Module, kernels: NativeLayerOps, dtype: torch.dtype) -> M
             first += part.rows
         bias = linear.bias.data_ptr() if linear.bias is not None else 0
         return _GgufMatrix(kernels.raw("gguf_linear", dtype), tuple(parts), bias, linear.in_features, linear.out_features,
-                           torch.empty((), dtype=dtype).element_size())
+                           dtype.itemsize)
     return _ModuleMatrix(linear)
 
 
