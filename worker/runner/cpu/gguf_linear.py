@@ -5,13 +5,14 @@ sums, one float scale per block: what gguf's dequantization of the blocks times 
 within the input's int16 rounding). No dequantized copy of a weight ever exists; a layer costs the
 file's bytes.
 
-A batch of ``GEMM_ROWS`` rows or more (a prefill chunk) is cheaper another way: each matrix decoded
+A batch of ``DecodeScratch.gemm_rows`` rows or more (a prefill chunk) is cheaper another way: each matrix decoded
 a slice at a time into a scratch buffer shared by the model's layers (``DecodeScratch``) and
 multiplied by oneDNN's GEMM (AMX or AVX-512 BF16 where the CPU has them): at bf16 the decoded weight
 is rounded to bf16, as transformers' bf16 reading of the file rounds it. (The 1.5B Q4_K_M's 196 layer
 matrices on a 2-core Xeon with AMX, bf16: 8 rows 138 ms row by row against 322 decoded and multiplied,
 24 rows 406 against 330, 64 rows 1,167 against 408, 256 rows 6,109 against 569; float32, whose GEMM
-has no AMX: crossing at ~48 rows.)
+has no AMX: crossing at ~48 rows. On a 2-core EPYC with AVX2 only, float32: 64 rows 1,814 against
+2,568, 96 rows 3,509 against 2,758; bfloat16 there is emulated, 4x slower decoded at any size.)
 
 A fused layer (q/k/v, gate/up) keeps each part's blocks apart, since a Q4_K_M file mixes formats
 within a layer (Q6_K for some v and down matrices), and each part writes its own columns of the
@@ -26,23 +27,35 @@ import torch
 from torch import nn
 
 from pagedserve.kernels.native_layer_ops import GGUF_KERNEL_TYPES, NativeLayerOps
+from pagedserve.worker.runner.cpu.prepack import bf16_in_hardware, cpu_flags
 
 
-GEMM_ROWS = {torch.bfloat16: 24, torch.float32: 48}  # rows from which a matrix is decoded and multiplied
+# Rows from which a matrix is decoded and multiplied, by the CPU's instructions (measured crossings;
+# a dtype absent: never, as a bf16 GEMM without bf16 instructions is emulated).
+GEMM_ROWS_AVX512 = {torch.bfloat16: 24, torch.float32: 48}
+GEMM_ROWS_AVX2 = {torch.float32: 80}
 SCRATCH_ELEMENTS = 1 << 24  # a decoded slice at most (32 MiB at bf16): a vocabulary-sized head goes in slices
 
 
 class DecodeScratch:
     """The buffer a batch's GEMM decodes each matrix slice into, one per model (its layers run one at
-    a time), allocated on first use."""
+    a time), allocated on first use; and ``gemm_rows``, from how many rows (by dtype) a batch takes
+    that path on this CPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, gemm_rows: dict[torch.dtype, int] | None = None) -> None:
         self.buffer: torch.Tensor | None = None
+        self.gemm_rows = gemm_rows_here() if gemm_rows is None else gemm_rows
 
     def matrix(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         if self.buffer is None or self.buffer.dtype != dtype:
             self.buffer = torch.empty(SCRATCH_ELEMENTS, dtype=dtype)
         return self.buffer[:rows * width].view(rows, width)
+
+
+def gemm_rows_here(flags: frozenset[str] | None = None) -> dict[torch.dtype, int]:
+    """``GEMM_ROWS_AVX512`` on a CPU with AVX-512 or bf16 instructions, else ``GEMM_ROWS_AVX2``."""
+    flags = cpu_flags() if flags is None else flags
+    return GEMM_ROWS_AVX512 if "avx512f" in flags or bf16_in_hardware(flags) else GEMM_ROWS_AVX2
 
 
 @dataclass(frozen=True)
@@ -106,7 +119,7 @@ class GgufLinear(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).contiguous()
         out = torch.empty((flat.shape[0], self.out_features), dtype=x.dtype, device=x.device)
-        if flat.shape[0] >= GEMM_ROWS.get(x.dtype, flat.shape[0] + 1):
+        if flat.shape[0] >= self.scratch.gemm_rows.get(x.dtype, flat.shape[0] + 1):
             self._decoded_gemm(flat, out)
             return out.view(*shape[:-1], self.out_features)
         start = 0

@@ -20,6 +20,7 @@ holds them.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -78,7 +79,8 @@ class _FloatMatrix:
 @dataclass(frozen=True)
 class _GgufMatrix:
     """A GGUF file's blocks run as stored (``GgufLinear``): a kernel call per part, each writing its
-    columns of the output (the stack's rows are always under the layer's GEMM size: the row kernel)."""
+    columns of the output (the row kernel: a step of the layer's GEMM size or more is left to the
+    modules, ``NativeStack.gemm_rows``)."""
 
     run: object  # NativeLayerOps.raw("gguf_linear", dtype)
     parts: tuple[tuple[int, int, int, int], ...]  # (blocks pointer, ggml type, first column, columns)
@@ -209,6 +211,10 @@ class NativeStack:
         self._rope, self._silu = kernels.raw("rope_store", dtype), kernels.raw("silu_mul", dtype)
         self._attention = kernels.raw("paged_attention", dtype)
         self.limits = kernels.attention_limits()
+        # A step of this many rows or more goes to the modules, where a GGUF layer decodes its matrix
+        # for one GEMM (faster there from that size: worker/runner/cpu/gguf_linear.py).
+        self.gemm_rows = min((m.scratch.gemm_rows.get(dtype, sys.maxsize) for layer in model.model.layers
+                              for m in _matrices(layer) if type(m) is GgufLinear), default=sys.maxsize)
 
     @classmethod
     def of(cls, model: CausalLM, kernels: NativeLayerOps | None, kv_quantized: bool) -> NativeStack | None:
@@ -243,8 +249,8 @@ class NativeStack:
         """Whether this step is one the stack runs: decodes, and rows of at most ``SHORT_ROW`` tokens
         (a draft being checked), at the model's dtype, a whole-head rotary, caches the kernels read."""
         t = x.shape[0]
-        if (t == 0 or (meta.num_decodes != t and meta.prefill_max_query_len > SHORT_ROW) or x.dtype != self.dtype
-                or x.device.type != "cpu"):
+        if (t == 0 or t >= self.gemm_rows or (meta.num_decodes != t and meta.prefill_max_query_len > SHORT_ROW)
+                or x.dtype != self.dtype or x.device.type != "cpu"):
             return False
         k_cache = kv_caches[0][0]
         _, block_size, kv_heads, dim = k_cache.shape
