@@ -315,7 +315,18 @@ static inline __attribute__((always_inline)) void row_dot_of(const int type, con
 }
 
 #elif GGUF_AVX2
-static inline __m256i bytes16(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+/* Q6_K's 6-bit codes (0..63) of half `h`, as bytes: q[k] holds values 128h + 32k + l, l < 32, from the
+ * half's 64 bytes of low 4 bits and 32 of high 2 bits. */
+static inline __attribute__((always_inline)) void q6k_codes(const uint8_t *blk, int h, __m256i q[4]) {
+    const __m256i nibble = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3), mc = _mm256_set1_epi8(0xC);
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)(blk + 64 * h)), b = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32));
+    const __m256i hb = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+    q[0] = _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+    q[1] = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_slli_epi16(_mm256_and_si256(hb, mc), 2));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(hb, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30));
+}
 
 static inline __m256i mul16(__m256i v, int16_t scale) { return _mm256_mullo_epi16(v, _mm256_set1_epi16(scale)); }
 
@@ -341,23 +352,17 @@ static inline __attribute__((always_inline)) void decode_avx2(const int type, co
         const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(sm, 1)));
         _mm256_storeu_ps(mins, _mm256_mul_ps(mn, _mm256_set1_ps(half_load(blk + 2))));
     } else if (type == TYPE_Q6_K) {
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        const __m256i m4 = _mm256_set1_epi16(0xF), m3 = _mm256_set1_epi16(3), mc = _mm256_set1_epi16(0xC);
-        const __m256i m30 = _mm256_set1_epi16(0x30), bias = _mm256_set1_epi16(32);
+        const int8_t *sc = (const int8_t *)(blk + 192); /* one scale per 16 values */
+        const __m256i bias = _mm256_set1_epi16(32);
         for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
-            const int8_t *s = sc + 8 * h;
-            __m256i *o = (__m256i *)(w + 128 * h);
-            for (int g = 0; g < 2; g++) { /* 16 of a half's 32 positions: one scale per 16 outputs */
-                const __m256i a = bytes16(ql + 16 * g), b = bytes16(ql + 32 + 16 * g), hi = bytes16(qh + 16 * g);
-                const __m256i v0 = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_slli_epi16(_mm256_and_si256(hi, m3), 4));
-                const __m256i v1 = _mm256_or_si256(_mm256_and_si256(b, m4), _mm256_slli_epi16(_mm256_and_si256(hi, mc), 2));
-                const __m256i v2 = _mm256_or_si256(_mm256_srli_epi16(a, 4), _mm256_and_si256(hi, m30));
-                const __m256i v3 = _mm256_or_si256(_mm256_srli_epi16(b, 4), _mm256_and_si256(_mm256_srli_epi16(hi, 2), m30));
-                _mm256_storeu_si256(o + g, mul16(_mm256_sub_epi16(v0, bias), s[g]));
-                _mm256_storeu_si256(o + 2 + g, mul16(_mm256_sub_epi16(v1, bias), s[g + 2]));
-                _mm256_storeu_si256(o + 4 + g, mul16(_mm256_sub_epi16(v2, bias), s[g + 4]));
-                _mm256_storeu_si256(o + 6 + g, mul16(_mm256_sub_epi16(v3, bias), s[g + 6]));
+            __m256i q[4];
+            q6k_codes(blk, h, q);
+            for (int k = 0; k < 4; k++) {
+                __m256i *o = (__m256i *)(w + 128 * h + 32 * k);
+                const __m256i lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(q[k]));
+                const __m256i hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(q[k], 1));
+                _mm256_storeu_si256(o, mul16(_mm256_sub_epi16(lo, bias), sc[8 * h + 2 * k]));
+                _mm256_storeu_si256(o + 1, mul16(_mm256_sub_epi16(hi, bias), sc[8 * h + 2 * k + 1]));
             }
         }
         const float d = half_load(blk + 208);
@@ -440,19 +445,11 @@ static inline __attribute__((always_inline)) void q6k_offset(const uint8_t *blk,
 static inline __attribute__((always_inline)) void q6k_planes(const uint8_t *blk, const int8_t *xp, const int32_t *x16,
                                                              int64_t in, int rows, __m256 *g) {
     const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
-    const __m256i nibble = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3), mc = _mm256_set1_epi8(0xC);
-    const __m256i m30 = _mm256_set1_epi8(0x30);
     for (int r = 0; r < rows; r++) g[r] = _mm256_setzero_ps();
     for (int h = 0; h < 2; h++) {
         const __m256i sh = h ? _mm256_permute2x128_si256(s16, s16, 0x11) : _mm256_permute2x128_si256(s16, s16, 0x00);
-        const __m256i a = load32(blk + 64 * h), bq = load32(blk + 64 * h + 32), hb = load32(blk + 128 + 32 * h);
-        const __m256i q[4] = {
-            _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4)),
-            _mm256_or_si256(_mm256_and_si256(bq, nibble), _mm256_slli_epi16(_mm256_and_si256(hb, mc), 2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(hb, m30)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bq, 4), nibble),
-                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)),
-        };
+        __m256i q[4];
+        q6k_codes(blk, h, q);
         for (int k = 0; k < 4; k += 2) { /* values 128h + 32k + l: the half's scale 2k for l < 16 (low lane), 2k + 1 above */
             const __m256i low[2] = {_mm256_shuffle_epi8(sh, word_pick(2 * k, 2 * k + 1)),
                                     _mm256_shuffle_epi8(sh, word_pick(2 * k + 2, 2 * k + 3))};
