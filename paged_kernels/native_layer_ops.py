@@ -16,6 +16,8 @@ import ctypes
 
 import torch
 
+from pagedserve.kernels.host_memory import huge_page_copy
+
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 PANEL = 32  # output channels side by side in the int8 and float32 kernels' layouts (csrc/*_linear.c)
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -109,7 +111,7 @@ class NativeLayerOps:
         outs, width = codes.shape
         panels = -(-outs // PANEL)
         padded = _padded(codes, panels * PANEL, width + width % 2)
-        return padded.view(panels, PANEL, -1, 2).transpose(1, 2).contiguous()
+        return huge_page_copy(padded.view(panels, PANEL, -1, 2).transpose(1, 2))
 
     @staticmethod
     def int8_codes(panels: torch.Tensor, outs: int, width: int) -> torch.Tensor:
@@ -147,8 +149,8 @@ class NativeLayerOps:
         pairs = weight.dtype == torch.bfloat16
         padded = _padded(weight, panels * PANEL, width + (width % 2 if pairs else 0))
         if pairs:
-            return padded.view(panels, PANEL, -1, 2).transpose(1, 2).contiguous()
-        return padded.view(panels, PANEL, width).transpose(1, 2).contiguous()
+            return huge_page_copy(padded.view(panels, PANEL, -1, 2).transpose(1, 2))
+        return huge_page_copy(padded.view(panels, PANEL, width).transpose(1, 2))
 
     def float_linear(self, x: torch.Tensor, panels: torch.Tensor, outs: int,
                      bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -188,6 +190,12 @@ class NativeLayerOps:
         if failed == -1:
             raise MemoryError("the GGUF kernel could not allocate its scratch rows")
         return failed == 0
+
+    def gguf_tile_rows(self) -> int:
+        """From how many rows ``gguf_linear`` multiplies a bfloat16 batch on AMX tiles here
+        (``csrc/gguf_amx.c``); 0: never (no tiles on this CPU, or a library built without them)."""
+        fn = getattr(self._lib, "gguf_amx_rows", None)
+        return 0 if fn is None else int(fn())
 
     def gguf_rows(self, blocks: torch.Tensor, gguf_type: int, ids: torch.Tensor | None, width: int,
                   dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -21,11 +21,16 @@
  * integers in the same lanes, so the same bits (row_dot_of's AVX2 form). Elsewhere plain C. An int32
  * lane adds at most 16 products (Q6_K's largest, 128 * 32 * 32,767, times 16 is under 2^31), or 8 of
  * the byte path's codes 0..63 (128 * 63 * 32,768 each), then goes to float.
+ *
+ * On a CPU with AMX, a bfloat16 batch of GGUF_AMX_ROWS rows or more goes to csrc/gguf_amx.c instead:
+ * the weights decoded to bf16 (as a batch's GEMM decodes them) and multiplied on tiles, so a row's
+ * bits there depend on whether its batch reached that size (as they do at the GEMM size).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "paged_common.h"
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -646,6 +651,19 @@ static inline void super_values(int type, const uint8_t *blk, float *v) {
 #define PICKS
 #endif
 
+/* A super-block's values stored at the output's type: float32 as they are; bfloat16 rounded to nearest
+ * even (vcvtne2ps2bf16 where the CPU has it: the same bits, the values being normal floats or zero). */
+static inline void f32_values_store(float *dst, const float *v) { memcpy(dst, v, SUPER * sizeof *v); }
+
+static inline void bf16_values_store(uint16_t *dst, const float *v) {
+#if defined(__AVX512BF16__)
+    for (int k = 0; k < SUPER; k += 32)
+        _mm512_storeu_si512((void *)(dst + k), (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + k + 16), _mm512_loadu_ps(v + k)));
+#else
+    for (int k = 0; k < SUPER; k++) bf16_store(dst + k, v[k]);
+#endif
+}
+
 /* Rows `ids` of a quantized matrix decoded (what the kernel multiplies by: the embedding table's
  * lookups, and the tests' reference); `ids` NULL: rows 0..n-1 (a whole matrix, for a batch's GEMM). */
 #define DEQUANTIZE_ROWS(NAME, T, STORE)                                                                 \
@@ -658,25 +676,44 @@ static inline void super_values(int type, const uint8_t *blk, float *v) {
             for (int64_t i = 0; i < n; i++) {                                                         \
                 const uint8_t *row = wq + (ids != NULL ? ids[i] : i) * row_bytes;                     \
                 for (int64_t b = 0; b < supers; b++) {                                                \
+                    for (int64_t line = 0; line < bytes; line += 64) /* blocks ahead, asked early */  \
+                        __builtin_prefetch(row + b * bytes + PREFETCH + line, 0, 3);                  \
                     super_values(type, row + b * bytes, v PICKS);                                     \
-                    T *dst = out + i * in + b * SUPER;                                                \
-                    for (int k = 0; k < SUPER; k++) STORE(dst + k, v[k]);                             \
+                    STORE(out + i * in + b * SUPER, v);                                               \
                 }                                                                                     \
             }                                                                                         \
         }                                                                                             \
     }
 
-DEQUANTIZE_ROWS(gguf_dequantize_rows_f32, float, f32_store)
-DEQUANTIZE_ROWS(gguf_dequantize_rows_bf16, uint16_t, bf16_store)
+DEQUANTIZE_ROWS(gguf_dequantize_rows_f32, float, f32_values_store)
+DEQUANTIZE_ROWS(gguf_dequantize_rows_bf16, uint16_t, bf16_values_store)
+
+#if AMX_BF16
+#define GGUF_AMX_ROWS 12 /* bfloat16 batches from this many rows go to the tiles (csrc/gguf_amx.c) */
+int gguf_linear_amx(const uint16_t *x, const uint8_t *wq, int type, int64_t row_bytes, const uint16_t *bias,
+                    uint16_t *out, int64_t rows, int64_t in, int64_t outs, int64_t out_stride, int threads);
+#define AMX_TAKES(rows) ((rows) >= GGUF_AMX_ROWS && amx_allowed())
+int gguf_amx_rows(void) { return amx_allowed() ? GGUF_AMX_ROWS : 0; }
+#else
+#define AMX_TAKES(rows) 0
+#define gguf_linear_amx(...) (-2)
+int gguf_amx_rows(void) { return 0; }
+#endif
+
+/* gguf_amx_rows(): from how many rows gguf_linear_bf16 multiplies on AMX tiles here; 0: never. */
 
 /* x [rows, in] (in a multiple of 256) times wq [outs rows of the type's blocks] -> out [rows, outs]
  * written with a row stride of `out_stride` (a fused layer's part writes its columns). Returns 0, -1
- * where the scratch could not be had, -2 for a type or width it does not run. */
-#define GGUF_LINEAR(NAME, T, LOAD, STORE, QUANTIZE)                                                      \
+ * where the scratch could not be had, -2 for a type or width it does not run. bfloat16 batches of
+ * gguf_amx_rows() rows or more: on AMX tiles, the weights decoded to bf16 (csrc/gguf_amx.c). */
+#define GGUF_LINEAR(NAME, T, LOAD, STORE, QUANTIZE, TILES)                                               \
     int NAME(const T *x, const uint8_t *wq, int type, const T *bias, T *out, int64_t rows, int64_t in,   \
              int64_t outs, int64_t out_stride, int threads) {                                            \
         if (gguf_super_bytes(type) == 0 || in % SUPER != 0) return -2;                                 \
         const int64_t supers = in / SUPER, row_bytes = supers * gguf_super_bytes(type);                \
+        if (TILES && AMX_TAKES(rows))                                                                  \
+            return gguf_linear_amx((const uint16_t *)x, wq, type, row_bytes, (const uint16_t *)bias,     \
+                                   (uint16_t *)out, rows, in, outs, out_stride, threads);              \
         int16_t *xq = malloc((size_t)(rows * in) * sizeof *xq);                                        \
         float *xs = malloc((size_t)(rows * supers) * sizeof *xs);                                      \
         float *xsum = malloc((size_t)(rows * (in / 32)) * sizeof *xsum);                               \
@@ -713,5 +750,5 @@ DEQUANTIZE_ROWS(gguf_dequantize_rows_bf16, uint16_t, bf16_store)
         return 0;                                                                                      \
     }
 
-GGUF_LINEAR(gguf_linear_f32, float, f32_load, f32_store, quantize_row_f32)
-GGUF_LINEAR(gguf_linear_bf16, uint16_t, bf16_load, bf16_store, quantize_row_bf16)
+GGUF_LINEAR(gguf_linear_f32, float, f32_load, f32_store, quantize_row_f32, 0)
+GGUF_LINEAR(gguf_linear_bf16, uint16_t, bf16_load, bf16_store, quantize_row_bf16, 1)

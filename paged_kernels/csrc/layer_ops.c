@@ -72,16 +72,25 @@ ROTATE(uint16_t, bf16_load, bf16_store, bf16_round)
         }                                                                                            \
     }
 
-/* out [rows, inter] = silu(gate) * up, from gate_up [rows, 2 * inter]: silu rounded, then the product. */
+/* out [rows, inter] = silu(gate) * up, from gate_up [rows, 2 * inter]: silu rounded, then the product.
+ * A row in chunks of SILU_CHUNK: the silus into a float buffer, then rounded and multiplied, two loops
+ * the compiler vectorises (in one, bf16_store's NaN branch kept the whole loop scalar: 64 rows of
+ * 8,960 took 3.2 ms, 28 layers 88 ms a decode step). The same arithmetic per value either way. */
+#define SILU_CHUNK 512
 #define SILU_MUL(NAME, T, LOAD, STORE, ROUND)                                                         \
     void NAME(const T *gate_up, T *out, int64_t rows, int64_t inter, int threads) {                 \
         _Pragma("omp parallel for num_threads(threads) if(rows > 8)")                                \
         for (int64_t r = 0; r < rows; r++) {                                                         \
             const T *gate = gate_up + r * 2 * inter, *up = gate + inter;                             \
             T *dst = out + r * inter;                                                                \
-            for (int64_t i = 0; i < inter; i++) {                                                    \
-                const float g = LOAD(gate + i);                                                      \
-                STORE(dst + i, ROUND(g / (1.0f + fast_expf(-g))) * LOAD(up + i));                    \
+            float silu[SILU_CHUNK];                                                                  \
+            for (int64_t first = 0; first < inter; first += SILU_CHUNK) {                            \
+                const int64_t n = inter - first < SILU_CHUNK ? inter - first : SILU_CHUNK;           \
+                for (int64_t i = 0; i < n; i++) {                                                    \
+                    const float g = LOAD(gate + first + i);                                          \
+                    silu[i] = g / (1.0f + fast_expf(-g));                                            \
+                }                                                                                    \
+                for (int64_t i = 0; i < n; i++) STORE(dst + first + i, ROUND(silu[i]) * LOAD(up + first + i)); \
             }                                                                                        \
         }                                                                                            \
     }

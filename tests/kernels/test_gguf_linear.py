@@ -116,6 +116,51 @@ def test_the_gemm_takes_over_where_this_cpu_was_measured_faster_that_way():
     assert gemm_rows_here(frozenset({"avx2", "amx_bf16"}))[torch.bfloat16] == 24
 
 
+def test_with_amx_tiles_a_bf16_batch_leaves_the_kernel_only_from_64_rows(kernels):
+    """Where the kernel multiplies bf16 batches on AMX tiles, oneDNN's GEMM of the decoded matrix takes
+    bf16 batches only from 64 rows (the tiles are faster below); float32 as before."""
+    from pagedserve.worker.runner.cpu.gguf_linear import GEMM_ROWS_AMX, gemm_rows_here
+
+    if not kernels.gguf_tile_rows():
+        assert gemm_rows_here(kernels=kernels) == gemm_rows_here()
+        pytest.skip("no AMX tiles here")
+    assert gemm_rows_here(kernels=kernels) == GEMM_ROWS_AMX == {torch.bfloat16: 64, torch.float32: 48}
+    assert DecodeScratch(kernels=kernels).gemm_rows == GEMM_ROWS_AMX
+
+
+def test_a_bf16_batch_from_the_tile_size_multiplies_on_amx_tiles(kernels):
+    """Where the CPU has AMX (``gguf_tile_rows``), a bf16 batch of 12 rows or more is decoded 32 output
+    rows at a time to bf16 and multiplied on tiles (``csrc/gguf_amx.c``): the decoded bf16 weight times
+    the input, summed in float32 and rounded once; blocks of 32 rows and of 32 outputs and what is left
+    of them, a fused layer's columns; and a row's bits the same in any batch of that size or more."""
+    tile = kernels.gguf_tile_rows()
+    if not tile:
+        pytest.skip("no AMX tiles here")
+    for kind in sorted(BLOCK_BYTES):
+        part, bias = matrix(kind, 70, 768, seed=3), torch.randn(70).bfloat16()
+        layer = GgufLinear([part], kernels, DecodeScratch({}), bias)  # no decoded GEMM at any size
+        weight = dequantized(kind, part.blocks.numpy()).bfloat16().double()
+        x = torch.randn(47, 768).bfloat16()
+        got = layer(x).double()
+        want = x.double() @ weight.T + bias.double()
+        bound = want.abs() * 2**-8 + 1e-5 * (x.double().abs() @ weight.abs().T + 1)  # bf16's rounding, float32 sums'
+        assert ((got - want).abs() <= bound).all(), kind
+        for rows in (tile, 16, 17, 33):
+            assert torch.equal(layer(x[:rows]), layer(x)[:rows])
+    q, v = matrix("Q4_K", 64, 512, 1), matrix("Q6_K", 40, 512, 2)
+    fused = GgufLinear([q], kernels, DecodeScratch({})).stacked_with([GgufLinear([v], kernels, DecodeScratch({}))])
+    x = torch.randn(20, 512).bfloat16()
+    assert torch.equal(fused(x), torch.cat([GgufLinear([q], kernels, DecodeScratch({}))(x),
+                                            GgufLinear([v], kernels, DecodeScratch({}))(x)], dim=1))
+
+
+def test_the_amx_paths_build_for_a_cpu_with_amx(tmp_path):
+    """The tile paths (``csrc/gguf_amx.c``, ``csrc/float_linear.c``) are compiled only for a CPU with
+    AMX: built here for Sapphire Rapids, whatever this CPU is (built, not run)."""
+    built = built_for("sapphirerapids", ("gguf_linear.c", "gguf_amx.c", "float_linear.c"), (), tmp_path)
+    assert hasattr(built._lib, "gguf_linear_amx") and hasattr(built._lib, "float_linear_bf16")
+
+
 def test_stacked_parts_of_different_formats_write_their_own_columns(kernels):
     scratch = DecodeScratch()
     q, v = matrix("Q4_K", 64, 512, 1), matrix("Q6_K", 32, 512, 2)

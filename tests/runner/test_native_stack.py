@@ -87,7 +87,8 @@ def test_a_gguf_run_as_stored_goes_through_the_stack_with_the_module_paths_bits(
     from pagedserve.worker.runner.cpu.gguf_linear import gemm_rows_here
 
     stack = model.native_stack
-    assert stack.gemm_rows == gemm_rows_here().get(getattr(torch, dtype), sys.maxsize)
+    assert stack.gemm_rows == gemm_rows_here(kernels=model.model.layers[0].self_attn.qkv_proj.kernels).get(
+        getattr(torch, dtype), sys.maxsize)
     ids, positions, meta, kv_caches = decodes[-1]
     stack.gemm_rows = ids.shape[0]
     assert not stack.takes(model.embed(ids), model.rotary(positions, getattr(torch, dtype)), meta, kv_caches)

@@ -215,7 +215,14 @@ class _LayerTracker:
         self.waiting[self.ROOT] = {n for n in expected if n.startswith(("model.embed_tokens.", "lm_head."))}
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
-        self.model.load_state_dict({name: tensor}, strict=False, assign=True)
+        """The tensor ``name`` assigned to the module that owns it (that module's own load, not the
+        whole model's: a load from the root walks every module for each tensor, 0.3 s for the 1.5B)."""
+        owner, _, leaf = name.rpartition(".")
+        try:
+            module = self.model.get_submodule(owner)
+        except AttributeError:  # not a module of the model: ignored, as a load with strict=False ignores it
+            module, leaf = self.model, name
+        module.load_state_dict({leaf: tensor}, strict=False, assign=True)
         self._arrived(name)
 
     def put_module(self, name: str, module: nn.Module) -> None:

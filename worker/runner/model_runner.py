@@ -144,7 +144,8 @@ class ModelRunner:
         samples, beams = {}, {}
         if sampled:
             items = [step.items[i] for i in sampled]
-            drawn = self.sampler.sample(step.logits[sampled], items)
+            logits = step.logits if len(sampled) == len(step.items) else step.logits[sampled]  # all: no copy
+            drawn = self.sampler.sample(logits, items)
             samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
         drafting = [i for i, item in enumerate(step.items) if item.num_draft]
         if drafting:  # speculative rows: every drafted position checked, all rows in one sampler call

@@ -75,6 +75,9 @@ class GGUFFile:
         return self.values.get(key.replace("{arch}", self.architecture), default)
 
 
+U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Reads a GGUF header's little-endian fields from a memory map."""
 
@@ -99,10 +102,11 @@ class _Cursor:
             return self.string()
         if kind == ARRAY:
             element, length = self.unpack("<I"), self.unpack("<Q")
-            if element == STRING:
-                for _ in range(length):  # each string: its length, then its bytes
-                    skip = self.unpack("<Q")
-                    self.at += skip
+            if element == STRING:  # each string: its length, then its bytes (a vocabulary: 150k of them)
+                at, data, length_at = self.at, self.data, U64.unpack_from
+                for _ in range(length):
+                    at += 8 + length_at(data, at)[0]
+                self.at = at
             elif element in SCALARS:
                 self.at += length * struct.calcsize(SCALARS[element])
             else:

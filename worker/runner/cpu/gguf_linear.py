@@ -8,11 +8,15 @@ file's bytes.
 A batch of ``DecodeScratch.gemm_rows`` rows or more (a prefill chunk) is cheaper another way: each matrix decoded
 a slice at a time into a scratch buffer shared by the model's layers (``DecodeScratch``) and
 multiplied by oneDNN's GEMM (AMX or AVX-512 BF16 where the CPU has them): at bf16 the decoded weight
-is rounded to bf16, as transformers' bf16 reading of the file rounds it. (The 1.5B Q4_K_M's 196 layer
-matrices on a 2-core Xeon with AMX, bf16: 8 rows 138 ms row by row against 322 decoded and multiplied,
-24 rows 406 against 330, 64 rows 1,167 against 408, 256 rows 6,109 against 569; float32, whose GEMM
-has no AMX: crossing at ~48 rows. On a 2-core EPYC with AVX2 only, float32: 64 rows 1,814 against
-2,568, 96 rows 3,509 against 2,758; bfloat16 there is emulated, 4x slower decoded at any size.)
+is rounded to bf16, as transformers' bf16 reading of the file rounds it. On a CPU with AMX, a bf16
+batch between the kernel's own tile size (``NativeLayerOps.gguf_tile_rows``, 12) and ``GEMM_ROWS_AMX``
+never leaves the kernel: it decodes 32 output rows at a time to bf16 in the L2 cache and multiplies
+them on AMX tiles (``csrc/gguf_amx.c``), the weights read and decoded once, nothing written to memory.
+(The 1.5B Q4_K_M's 196 layer matrices on a 2-core Xeon with AMX, bf16, one sitting: 12 rows 148 ms row
+by row against 123 on the tiles, 16 rows 227 against 125, 24 rows 313 against 162 (185 decoded and
+multiplied by oneDNN), 64 rows 247 against 249, 256 rows 640 against 422; float32, whose GEMM has no
+AMX: crossing at ~48 rows. On a 2-core EPYC with AVX2 only, float32: 64 rows 1,814 against 2,568, 96
+rows 3,509 against 2,758; bfloat16 there is emulated, 4x slower decoded at any size.)
 
 A fused layer (q/k/v, gate/up) keeps each part's blocks apart, since a Q4_K_M file mixes formats
 within a layer (Q6_K for some v and down matrices), and each part writes its own columns of the
@@ -33,6 +37,7 @@ from pagedserve.worker.runner.cpu.prepack import bf16_in_hardware, cpu_flags
 # Rows from which a matrix is decoded and multiplied, by the CPU's instructions (measured crossings;
 # a dtype absent: never, as a bf16 GEMM without bf16 instructions is emulated).
 GEMM_ROWS_AVX512 = {torch.bfloat16: 24, torch.float32: 48}
+GEMM_ROWS_AMX = {torch.bfloat16: 64, torch.float32: 48}  # bf16 under 64 rows: the kernel's own tiles
 GEMM_ROWS_AVX2 = {torch.float32: 80}
 SCRATCH_ELEMENTS = 1 << 24  # a decoded slice at most (32 MiB at bf16): a vocabulary-sized head goes in slices
 
@@ -42,9 +47,9 @@ class DecodeScratch:
     a time), allocated on first use; and ``gemm_rows``, from how many rows (by dtype) a batch takes
     that path on this CPU."""
 
-    def __init__(self, gemm_rows: dict[torch.dtype, int] | None = None) -> None:
+    def __init__(self, gemm_rows: dict[torch.dtype, int] | None = None, kernels: NativeLayerOps | None = None) -> None:
         self.buffer: torch.Tensor | None = None
-        self.gemm_rows = gemm_rows_here() if gemm_rows is None else gemm_rows
+        self.gemm_rows = gemm_rows_here(kernels=kernels) if gemm_rows is None else gemm_rows
 
     def matrix(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         if self.buffer is None or self.buffer.dtype != dtype:
@@ -52,8 +57,11 @@ class DecodeScratch:
         return self.buffer[:rows * width].view(rows, width)
 
 
-def gemm_rows_here(flags: frozenset[str] | None = None) -> dict[torch.dtype, int]:
-    """``GEMM_ROWS_AVX512`` on a CPU with AVX-512 or bf16 instructions, else ``GEMM_ROWS_AVX2``."""
+def gemm_rows_here(flags: frozenset[str] | None = None, kernels: NativeLayerOps | None = None) -> dict[torch.dtype, int]:
+    """``GEMM_ROWS_AMX`` where ``kernels`` multiply bf16 batches on AMX tiles, else ``GEMM_ROWS_AVX512``
+    on a CPU with AVX-512 or bf16 instructions, else ``GEMM_ROWS_AVX2``."""
+    if kernels is not None and kernels.gguf_tile_rows() > 0:
+        return GEMM_ROWS_AMX
     flags = cpu_flags() if flags is None else flags
     return GEMM_ROWS_AVX512 if "avx512f" in flags or bf16_in_hardware(flags) else GEMM_ROWS_AVX2
 
@@ -183,7 +191,7 @@ class StoredForm:
 
     def __init__(self, kernels: NativeLayerOps, dtype: torch.dtype) -> None:
         self.kernels, self.dtype = kernels, dtype
-        self.scratch = DecodeScratch()  # one for the model: its layers run one at a time
+        self.scratch = DecodeScratch(kernels=kernels)  # one for the model: its layers run one at a time
         self.kept = 0
         self.dequantized: dict[str, int] = {}
 

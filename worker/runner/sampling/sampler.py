@@ -54,7 +54,7 @@ class Sampler:
         flat = [(r, r.seq_index + k if r.num_samples > 1 else r.seq_index) for r in rows for k in range(r.num_samples)]
         params = [r.params for r, _ in flat]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = apply_penalties(logits.clone(), [r for r, _ in flat], self.eos_token_ids)
+        processed = apply_penalties(logits, [r for r, _ in flat], self.eos_token_ids)  # a new tensor where it changes any
         processed = mask_logits(processed, [r.grammar for r, _ in flat])
         tokens = self._draw(processed, flat)
         picked = raw_logprobs.gather(1, tokens[:, None])[:, 0]
@@ -86,14 +86,15 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """min_tokens masking, then repetition, presence and frequency penalties, in place."""
+    """min_tokens masking, then repetition, presence and frequency penalties: a new tensor where any
+    applies, ``logits`` itself (untouched) where none does (no vocabulary-sized copy on a plain step)."""
     vocab = logits.shape[1]
     dev = logits.device
     # A grammar decides when a constrained row may end: min_tokens does not ban its EOS.
     banned = [(*eos_token_ids, *r.params.stop_token_ids) if r.num_output < r.params.min_tokens and r.grammar is None
               else () for r in rows]
     if any(banned):
-        logits.masked_fill_(_token_mask(banned, vocab, dev), float("-inf"))
+        logits = logits.masked_fill(_token_mask(banned, vocab, dev), float("-inf"))
     rep = [r.params.repetition_penalty for r in rows]
     if any(p != 1.0 for p in rep):
         seen = _token_mask([(*r.prompt_ids, *r.output_ids) if p != 1.0 else () for r, p in zip(rows, rep)], vocab, dev)

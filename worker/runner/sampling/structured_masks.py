@@ -75,7 +75,7 @@ def host_bitmask(states: Sequence, vocab: int) -> torch.Tensor:
 
 def mask_logits(logits: torch.Tensor, states: Sequence) -> torch.Tensor:
     """``logits`` ``[rows, vocab]`` with the tokens each row's grammar forbids at -inf (rows whose
-    state is None untouched)."""
+    state is None untouched): a new tensor where a row has a grammar, else ``logits`` itself."""
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return logits
@@ -86,5 +86,6 @@ def mask_logits(logits: torch.Tensor, states: Sequence) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=dev)
     allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
     index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
