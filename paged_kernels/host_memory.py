@@ -8,14 +8,29 @@ pages, the weights read faster than from torch's 4 KiB ones or the page cache's:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import torch
+
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_offered(setting: Path = THP_SETTING) -> bool:
+    """Whether Linux gives transparent huge pages to memory that asks (``always`` or ``madvise``
+    chosen in ``setting``; not where it says ``[never]`` or cannot be read)."""
+    try:
+        text = setting.read_text()
+    except OSError:
+        return False
+    return "[always]" in text or "[madvise]" in text
 
 
 def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor of ``shape`` and ``dtype`` in memory numpy allocated."""
     count = math.prod(shape)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
     raw = np.empty(count * torch.empty((), dtype=dtype).element_size(), dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
 
