@@ -20,6 +20,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+long syscall(long number, ...); /* unistd.h declares it only with _GNU_SOURCE, which -std=c11 leaves off */
+
 #define AMX_REQUEST_PERMISSION 0x1023 /* arch_prctl's ARCH_REQ_XCOMP_PERM */
 #define AMX_TILE_DATA 18              /* XFEATURE_XTILEDATA */
 #define AMX_TILE_ROWS 16
