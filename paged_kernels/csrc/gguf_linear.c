@@ -688,6 +688,7 @@ static inline void bf16_values_store(uint16_t *dst, const float *v) {
 DEQUANTIZE_ROWS(gguf_dequantize_rows_f32, float, f32_values_store)
 DEQUANTIZE_ROWS(gguf_dequantize_rows_bf16, uint16_t, bf16_values_store)
 
+/* gguf_amx_rows(): from how many rows gguf_linear_bf16 multiplies on AMX tiles here; 0: never. */
 #if AMX_BF16
 #define GGUF_AMX_ROWS 12 /* bfloat16 batches from this many rows go to the tiles (csrc/gguf_amx.c) */
 int gguf_linear_amx(const uint16_t *x, const uint8_t *wq, int type, int64_t row_bytes, const uint16_t *bias,
@@ -699,8 +700,6 @@ int gguf_amx_rows(void) { return amx_allowed() ? GGUF_AMX_ROWS : 0; }
 #define gguf_linear_amx(...) (-2)
 int gguf_amx_rows(void) { return 0; }
 #endif
-
-/* gguf_amx_rows(): from how many rows gguf_linear_bf16 multiplies on AMX tiles here; 0: never. */
 
 /* x [rows, in] (in a multiple of 256) times wq [outs rows of the type's blocks] -> out [rows, outs]
  * written with a row stride of `out_stride` (a fused layer's part writes its columns). Returns 0, -1

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from pagedserve.worker.runner.loader import checkpoint_tensors
+from pagedserve.worker.source.checkpoint_files import checkpoint_tensors
 from pagedserve.worker.runner.parallel.shard import Shard, ShardError
 
 CONFIG = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,

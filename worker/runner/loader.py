@@ -16,12 +16,11 @@ import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import structlog
 import torch
 from torch import nn
-from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from pagedserve.kernels.ops import AttentionOps
@@ -35,8 +34,7 @@ from pagedserve.worker.runner.models.families import FAMILIES, Family, Fused
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.parallel.shard import Shard
 from pagedserve.worker.source.gguf_dir import quantized_formats
-from pagedserve.worker.source.gguf_file import open_gguf
-from pagedserve.worker.source.gguf_weights import gguf_tensors
+from pagedserve.worker.source.checkpoint_files import checkpoint_tensors
 from pagedserve.worker.source.model_types import CAUSAL_LM, supported
 from pagedserve.worker.source.resolve import max_model_len, model_or_default, resolve_model_dir
 
@@ -294,36 +292,6 @@ def _return_freed_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def checkpoint_tensors(path: Path) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """``(checkpoint name, load)`` for every tensor of the model at ``path``: its safetensors
-    shards, else its one GGUF file (dequantized, under the checkpoint's names)."""
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, _SafetensorsTensor(f, name)
-        return
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) != 1:
-        raise FileNotFoundError(f"no *.safetensors weights (nor one *.gguf file) in {path}")
-    yield from gguf_tensors(open_gguf(ggufs[0]))
-
-
-class _SafetensorsTensor:
-    """Reads one tensor of an open safetensors file: whole when called, or only a range of rows
-    along one dimension (``narrow``: a tensor-parallel rank's slice)."""
-
-    def __init__(self, file, name: str) -> None:
-        self.file, self.name = file, name
-
-    def __call__(self) -> torch.Tensor:
-        return self.file.get_tensor(self.name)
-
-    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self.file.get_slice(self.name)[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 def _shapes(model: nn.Module) -> dict[str, torch.Size]:
