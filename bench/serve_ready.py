@@ -17,7 +17,6 @@ import json
 import os
 import selectors
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,14 +24,9 @@ import time
 import urllib.request
 
 from pagedserve.bench.table import print_table
+from pagedserve.embedded_redis import free_port
 
 READY_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def answers(url: str) -> bool:

@@ -2,7 +2,7 @@
  * tile state (once per process: arch_prctl ARCH_REQ_XCOMP_PERM), and the one tile shape the kernels use,
  * rows of 64 bytes (an A tile: up to 16 rows of x, 32 bfloat16 inputs each; a B tile: 16 pairs of
  * inputs, 16 outputs' pairs each; a C tile: up to 16 rows x 16 outputs in float32). Included by
- * float_linear.c.
+ * float_linear.c, gguf_amx.c and gguf_linear.c.
  *
  * TDPBF16PS adds each pair of inputs' two products to a float32 sum, as vdpbf16ps does, but its sums
  * differ from a chain of vdpbf16ps in the last bits now and then (~2 outputs in 10,000 by one bf16

@@ -251,7 +251,8 @@ int float_linear_f32(const float *x, const float *panels, const float *bias, flo
 #define AMX_ROW_CHUNK 512  /* rows of x read against every panel before the next rows */
 #define AMX_PREFETCH_PAIRS 64 /* the panel's lines this many pairs ahead asked of memory while the tiles multiply */
 
-/* acc[r * PANEL + lane] = the sums of one panel's outputs for 32 (TWO) or 16 rows of x (padded rows). */
+/* acc[r * PANEL + lane] = the sums of one panel's outputs for 32 (TWO) or up to 16 rows of x (as many as
+ * the A and C tiles are configured to). */
 #define AMX_PANEL(NAME, TWO)                                                                          \
     static void NAME(const uint16_t *panel, const uint16_t *x, int64_t pairs, float *acc) {           \
         const size_t row_bytes = (size_t)pairs * 4, line_bytes = 2 * PANEL * sizeof *panel;          \

@@ -214,7 +214,8 @@ class _LayerTracker:
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         """The tensor ``name`` assigned to the module that owns it (that module's own load, not the
-        whole model's: a load from the root walks every module for each tensor, 0.3 s for the 1.5B)."""
+        whole model's: a load from the root walks every module for each tensor, 42,891 module visits
+        for the 1.5B's 141 plain tensors)."""
         owner, _, leaf = name.rpartition(".")
         try:
             module = self.model.get_submodule(owner)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedserve.kernels.host_memory import huge_pages_offered
 from pagedserve.kernels.native_layer_ops import GGUF_KERNEL_TYPES, NativeLayerOps
 from pagedserve.worker.runner.cpu.prepack import bf16_in_hardware, cpu_flags
 
@@ -192,6 +193,7 @@ class StoredForm:
     def __init__(self, kernels: NativeLayerOps, dtype: torch.dtype) -> None:
         self.kernels, self.dtype = kernels, dtype
         self.scratch = DecodeScratch(kernels=kernels)  # one for the model: its layers run one at a time
+        self.huge_pages = huge_pages_offered()  # asked once for the model, not per matrix
         self.kept = 0
         self.dequantized: dict[str, int] = {}
 
@@ -206,7 +208,7 @@ class StoredForm:
             name = load.tensor.tensor_type.name
             self.dequantized[name] = self.dequantized.get(name, 0) + 1
             return None
-        matrix = GgufMatrix(load.gguf_type, load.blocks(), load.width)
+        matrix = GgufMatrix(load.gguf_type, load.blocks(self.huge_pages), load.width)
         rows, width = (module.out_features, module.in_features) if type(module) is nn.Linear else \
             (module.num_embeddings, module.embedding_dim)
         if (matrix.rows, matrix.width) != (rows, width):
