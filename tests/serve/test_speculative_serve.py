@@ -40,7 +40,8 @@ def test_a_speculative_worker_answers_through_the_gateway_as_the_engine_without_
                            if c.choices)
         stats = stack.engine.stats()
     assert got == want and streamed == want[0]
-    assert 0 < stats["spec_decode_num_accepted_tokens_total"] < stats["spec_decode_num_draft_tokens_total"]
+    # Drafts were made and some kept; how many are made depends on the step times the pace is fitted to.
+    assert 0 < stats["spec_decode_num_accepted_tokens_total"] <= stats["spec_decode_num_draft_tokens_total"]
 
 
 @pytest.mark.slow
