@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool (default: what fits)")
     ap.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
+    ap.add_argument("--gguf-activations", default="int16", choices=["int16", "int8"])
     ap.add_argument("--wl", default=None, help="n,seed,pmin,pmax,omin,omax as bench_llamacpp.py --wl (default: W64)")
     ap.add_argument("--one-at-a-time", action="store_true", help="one request at a time (bench_llamacpp.py --parallel 1)")
     args = ap.parse_args(argv)
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--wl takes six comma-separated integers, got {args.wl!r}")
     ours = run_pagedserve(args.model, args.dtype, args.repeats, spec, args.one_at_a_time, enforce_eager=args.enforce_eager,
                           attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-                          kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
+                          kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+                          gguf_activations=args.gguf_activations)
     peers = peer_lines(args.peer_json, args.model.name, args.dtype, spec[0])
     ratios = {f"{p['engine']} {p.get('mode', '')}".strip(): round(ours["out_tok_s"] / p["out_tok_s"], 2) for p in peers}
     print(json.dumps({"bench": "peer_ratio", "model": args.model.name, **ours, "ratio_to": ratios}))

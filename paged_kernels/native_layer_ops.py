@@ -32,9 +32,11 @@ _SIGNATURES = {  # name -> (argument types, result type)
     "float_linear": ((_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), _INT),  # 0, or -1: no scratch memory
     # 0; -1: no scratch memory; -2: a type or width it does not run
     "gguf_linear": ((_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), _INT),
+    "gguf_linear_x8": ((_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT), _INT),  # as gguf_linear
     "gguf_dequantize_rows": ((_PTR, _INT, _PTR, _I64, _I64, _PTR, _INT), None),
 }
 GGUF_KERNEL_TYPES = {"Q8_0": 8, "Q4_K": 12, "Q6_K": 14}  # GGUF block formats csrc/gguf_linear.c runs, by ggml id
+GGUF_X8_TYPES = (12, 14)  # those csrc/gguf_x8.c runs with int8 inputs (Q4_K, Q6_K)
 
 
 class NativeLayerOps:
@@ -49,6 +51,8 @@ class NativeLayerOps:
                 fn = lib[f"{name}_{suffix}"]  # an object of its own: NativeAttention calls the same symbol its way
                 fn.argtypes, fn.restype = argtypes, restype
                 self._fns[name, dtype] = fn
+        runs = getattr(lib, "gguf_x8_runs", None)  # absent from a library built without csrc/gguf_x8.c
+        self._x8_runs = "gguf_linear_x8" in names and runs is not None and bool(runs())
 
     def raw(self, name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
         """The C function itself (arguments as ``_SIGNATURES`` says, pointers as ints), for a caller
@@ -173,12 +177,14 @@ class NativeLayerOps:
 
 
     def gguf_linear(self, x: torch.Tensor, blocks: torch.Tensor, gguf_type: int, bias: torch.Tensor | None,
-                    out: torch.Tensor) -> bool:
+                    out: torch.Tensor, int8_inputs: bool = False) -> bool:
         """``out`` (a ``[rows, n]`` view whose rows are contiguous, e.g. a fused layer's columns) =
         ``x`` ``[rows, in]`` times the quantized matrix ``blocks`` (uint8 ``[n, row bytes]``, the
         file's blocks of ``gguf_type``) (+ ``bias``); False, touching nothing, for what the kernel
-        does not take."""
-        fn = self._fns.get(("gguf_linear", x.dtype))
+        does not take. ``int8_inputs``: ``x`` taken to int8 per 256 values (``csrc/gguf_x8.c``) where
+        ``gguf_x8_runs`` this format, else to int16."""
+        name = "gguf_linear_x8" if int8_inputs and self.gguf_x8_runs(gguf_type) else "gguf_linear"
+        fn = self._fns.get((name, x.dtype))
         rows, width = x.shape
         if (fn is None or x.device.type != "cpu" or not x.is_contiguous() or blocks.dtype != torch.uint8
                 or not blocks.is_contiguous() or out.dtype != x.dtype or out.shape != (rows, blocks.shape[0])
@@ -190,6 +196,11 @@ class NativeLayerOps:
         if failed == -1:
             raise MemoryError("the GGUF kernel could not allocate its scratch rows")
         return failed == 0
+
+    def gguf_x8_runs(self, gguf_type: int) -> bool:
+        """Whether ``csrc/gguf_x8.c`` (int8 inputs) runs blocks of ``gguf_type`` here: Q4_K and Q6_K, on a
+        CPU with AVX-512 BW and VNNI."""
+        return self._x8_runs and gguf_type in GGUF_X8_TYPES
 
     def gguf_tile_rows(self) -> int:
         """From how many rows ``gguf_linear`` multiplies a bfloat16 batch on AMX tiles here

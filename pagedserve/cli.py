@@ -165,7 +165,7 @@ def serve(args: argparse.Namespace) -> int:
     import threading
 
     from pagedserve.runtime.logging import configure_logging
-    from pagedserve.stack import LocalStack, StackError
+    from pagedserve.stack import LocalStack, StackError, port_free
     from pagedserve.worker.setup.engine_flags import engine_argv
 
     configure_logging()
@@ -178,9 +178,14 @@ def serve(args: argparse.Namespace) -> int:
     gateway_args += ["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []
     try:
         worker_args = (*engine_argv(args), "--log-stats-interval", str(args.log_stats_interval))
-        with LocalStack(model=model, workers=args.workers, port=args.port, host=args.host, redis_url=args.redis_url,
-                        extra_worker_args=worker_args, extra_gateway_args=tuple(gateway_args),
-                        served_model_name=args.served_model_name) as stack:
+        stack = LocalStack(model=model, workers=args.workers, port=args.port, host=args.host, redis_url=args.redis_url,
+                           extra_worker_args=worker_args, extra_gateway_args=tuple(gateway_args),
+                           served_model_name=args.served_model_name)
+        port_free(stack.host, stack.port)  # a busy port is the one line said, before anything starts
+        workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
+        print(f"pagedserve: starting {stack.served_model_name!r} on {stack.url}: {workers} loading the model, "
+              "the gateway", file=sys.stderr, flush=True)
+        with stack:
             auth = f" -H 'Authorization: Bearer {args.api_key[0]}'" if args.api_key else ""
             print(f"pagedserve is up: {stack.url}  (model {stack.served_model_name!r}; Ctrl-C stops everything)")
             print("  " + curl_line(stack.url, stack.served_model_name, auth), flush=True)

@@ -68,3 +68,20 @@ def test_perplexity_as_stored_is_transformers_dequantized_reading(big_model, dty
     entries = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
                            use_tqdm=False)[0].prompt_logprobs[1:]
     assert abs(perplexity([e.logprob for e in entries]) / perplexity(reference) - 1) <= bound
+
+
+def test_int8_activations_stay_within_two_percent_of_transformers_perplexity(big_model):
+    """``--gguf-activations int8`` (llama.cpp's reading of the input, csrc/gguf_x8.c) through the row
+    kernel: measured +0.70% (float32) and +1.05% (bf16) on 1,023 tokens (bench/gguf_quality.py), where
+    the int16 kernel gives +0.00% / +0.05%; held here within 2%, and not within the int16 bound."""
+    from pagedserve.kernels.native_layer_ops import GGUF_X8_TYPES
+
+    ids = big_model.tokenizer.encode(text(), add_special_tokens=False)[:PROSE_TOKENS]
+    llm = LLM(big_model.gguf, dtype="float32", max_num_batched_tokens=16, num_gpu_blocks=64, max_model_len=1024,
+              gguf_activations="int8")
+    if not llm.engine.runner.model.model.layers[0].mlp.down_proj.kernels.gguf_x8_runs(GGUF_X8_TYPES[0]):
+        pytest.skip("no AVX-512 VNNI here: int8 activations take the int16 kernel")
+    entries = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                           use_tqdm=False)[0].prompt_logprobs[1:]
+    change = abs(perplexity([e.logprob for e in entries]) / perplexity(big_model.hf_logprobs(ids[:1], ids[1:])) - 1)
+    assert 1e-3 < change <= 2e-2

@@ -138,7 +138,8 @@ def test_ctrl_c_in_a_terminal_drains_the_request_in_flight_and_stops_redis_last(
         assert time.monotonic() - started < 30
         assert not alive(redis[0])
         said = [line for line in (tmp_path / "stderr.log").read_text().splitlines() if line.startswith("pagedserve: ")]
-        assert said[0].startswith("pagedserve: stopping") and said[-1] == "pagedserve: stopped", said  # never silent
+        assert said[0].startswith(f"pagedserve: starting 'demo' on http://127.0.0.1:{port}")  # at once, before the model loads
+        assert said[1].startswith("pagedserve: stopping") and said[-1] == "pagedserve: stopped", said  # never silent
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -115,12 +115,13 @@ def weight_form(quantization: str, info: ModelInfo, device: torch.device, ops: A
 
 
 def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quantization: str = "auto",
-                 shard: Shard | None = None) -> CausalLM:
+                 shard: Shard | None = None, gguf_activations: str = "int16") -> CausalLM:
     """Build the model without initialising it, then fill every parameter from the checkpoint;
     ``quantization`` (``weight_form``): ``gguf``, a GGUF's quantized matrices kept in their blocks and
     run as stored (``worker/runner/cpu/gguf_linear.py``); ``int8``/``int4``, the linear layers' weights
     quantized (``worker/runner/cpu/quantized_linear.py``); ``shard``: only this tensor-parallel rank's
-    slice of each (``worker/runner/parallel/shard.py``), read alone from safetensors.
+    slice of each (``worker/runner/parallel/shard.py``), read alone from safetensors. ``gguf_activations``:
+    what the ``gguf`` form's row kernel takes its input at (``int16``, or ``int8`` where it runs).
 
     Each decoder layer takes its final form (projections fused, quantized or laid out for the CPU
     kernels) as soon as its last tensor arrives, and its checkpoint-precision weights go: at most one
@@ -135,7 +136,7 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     expected = set(full_shapes) - ({"lm_head.weight"} if model.tie_word_embeddings else set())
     finish = partial(_finish_layers, ops=ops, device=device, dtype=info.dtype, quantization=quantization)
     layers = _LayerTracker(model, expected, finish)
-    stored = StoredForm(ops.layer, info.dtype) if quantization == "gguf" else None
+    stored = StoredForm(ops.layer, info.dtype, gguf_activations == "int8") if quantization == "gguf" else None
     _put_checkpoint(info, layers, full_shapes, expected, shard, device, stored)
     missing = sorted(expected - layers.loaded)
     if missing:

@@ -67,6 +67,10 @@ class EngineConfig:
                              "none), gguf (the file's Q4_K/Q6_K/Q8_0 blocks run as stored), none (the model's dtype), "
                              "int8 (a scale per output channel) or int4 (a scale and zero per 32 inputs); CPU only so "
                              "far", choices=QUANTIZATIONS)
+    gguf_activations: str = flag("int16", "what a GGUF's Q4_K/Q6_K matrices run as stored take their input at: int16 per "
+                                 "256 values (the 1.5B's perplexity 0.05 percent from the file's dequantized reading) or "
+                                 "int8 per 256, as llama.cpp takes it (on AVX-512 VNNI: steps 20-30 percent faster, "
+                                 "perplexity 1 percent from it; elsewhere int16; docs/engine.md)", choices=("int16", "int8"))
     num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (default: what --kv-cache-memory holds)",
                                       kind=positive(int))
     swap_space: int = flag(GIB, "GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)",

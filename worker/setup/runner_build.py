@@ -95,7 +95,7 @@ class RunnerBuild:
         self.kv = kv_format(config.kv_cache_dtype)
         self.ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", self.kv)
         self.shard = None if group is None else Shard(group.rank, group.size)  # this rank's part of each tensor
-        self.model = load_weights(info, self.ops, device, config.quantization, self.shard)
+        self.model = load_weights(info, self.ops, device, config.quantization, self.shard, config.gguf_activations)
         if group is not None:
             parallelize(self.model, group, info.config.vocab_size)
         self.draft: CausalLM | None = None  # speculative decoding's draft model (load_draft; rank 0's alone under TP)

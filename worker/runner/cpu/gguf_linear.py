@@ -90,9 +90,10 @@ class GgufLinear(nn.Module):
     """``nn.Linear`` whose weight is one or more ``GgufMatrix`` parts stacked along the outputs."""
 
     def __init__(self, parts: list[GgufMatrix], kernels: NativeLayerOps, scratch: DecodeScratch,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, int8_inputs: bool = False) -> None:
         super().__init__()
         self.scratch = scratch
+        self.int8_inputs = int8_inputs  # the row kernel takes x at int8 (``--gguf-activations int8``)
         widths = {part.width for part in parts}
         if len(widths) != 1 or not all(runs_as_stored(p.gguf_type, p.width) for p in parts):
             raise ValueError(f"GGUF parts the kernel cannot run together: {[(p.gguf_type, p.width) for p in parts]}")
@@ -105,10 +106,10 @@ class GgufLinear(nn.Module):
 
     @classmethod
     def replacing(cls, linear: nn.Linear, part: GgufMatrix, kernels: NativeLayerOps,
-                  scratch: DecodeScratch) -> GgufLinear:
+                  scratch: DecodeScratch, int8_inputs: bool = False) -> GgufLinear:
         """One matrix in place of ``linear``, whose bias it takes over (loaded already, or still on
         meta: the loader assigns it by name when it arrives)."""
-        layer = cls([part], kernels, scratch)
+        layer = cls([part], kernels, scratch, int8_inputs=int8_inputs)
         layer.bias = linear.bias
         return layer
 
@@ -117,7 +118,8 @@ class GgufLinear(nn.Module):
         layers = [self, *others]
         biases = [layer.bias for layer in layers]
         bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        return GgufLinear([part for layer in layers for part in layer.parts], self.kernels, self.scratch, bias)
+        return GgufLinear([part for layer in layers for part in layer.parts], self.kernels, self.scratch, bias,
+                          self.int8_inputs)
 
     def dequantized(self) -> torch.Tensor:
         """float32 ``[out, in]``: the weight the kernel multiplies by (decoded by the kernels)."""
@@ -134,7 +136,8 @@ class GgufLinear(nn.Module):
         start = 0
         for part in self.parts:
             bias = None if self.bias is None else self.bias[start:start + part.rows]
-            if not self.kernels.gguf_linear(flat, part.blocks, part.gguf_type, bias, out[:, start:start + part.rows]):
+            if not self.kernels.gguf_linear(flat, part.blocks, part.gguf_type, bias, out[:, start:start + part.rows],
+                                            self.int8_inputs):
                 raise TypeError(f"the GGUF kernel does not take a {x.dtype} input on {x.device}")
             start += part.rows
         return out.view(*shape[:-1], self.out_features)
@@ -166,9 +169,11 @@ class GgufLinear(nn.Module):
 class GgufEmbedding(nn.Module):
     """``nn.Embedding`` whose table is a ``GgufMatrix``: a looked-up row is decoded at ``dtype``."""
 
-    def __init__(self, table: GgufMatrix, kernels: NativeLayerOps, scratch: DecodeScratch, dtype: torch.dtype) -> None:
+    def __init__(self, table: GgufMatrix, kernels: NativeLayerOps, scratch: DecodeScratch, dtype: torch.dtype,
+                 int8_inputs: bool = False) -> None:
         super().__init__()
         self.table, self.kernels, self.scratch, self.dtype = table, kernels, scratch, dtype
+        self.int8_inputs = int8_inputs  # as a tied head (``as_linear``)
         self.num_embeddings, self.embedding_dim = table.rows, table.width
         self.register_buffer("blocks", table.blocks, persistent=False)
 
@@ -182,7 +187,7 @@ class GgufEmbedding(nn.Module):
 
     def as_linear(self) -> GgufLinear:
         """The same blocks as an output head (a model whose head is tied to its embedding)."""
-        return GgufLinear([self.table], self.kernels, self.scratch)
+        return GgufLinear([self.table], self.kernels, self.scratch, int8_inputs=self.int8_inputs)
 
 
 class StoredForm:
@@ -190,8 +195,8 @@ class StoredForm:
     layer's or embedding's weight that the file stores in blocks the kernel runs becomes a module over
     those blocks; the formats it cannot run are counted (dequantized as usual, and said once)."""
 
-    def __init__(self, kernels: NativeLayerOps, dtype: torch.dtype) -> None:
-        self.kernels, self.dtype = kernels, dtype
+    def __init__(self, kernels: NativeLayerOps, dtype: torch.dtype, int8_inputs: bool = False) -> None:
+        self.kernels, self.dtype, self.int8_inputs = kernels, dtype, int8_inputs
         self.scratch = DecodeScratch(kernels=kernels)  # one for the model: its layers run one at a time
         self.huge_pages = huge_pages_offered()  # asked once for the model, not per matrix
         self.kept = 0
@@ -215,5 +220,5 @@ class StoredForm:
             raise ValueError(f"{target}: the file stores {matrix.rows} x {matrix.width}, the model expects {rows} x {width}")
         self.kept += 1
         if type(module) is nn.Embedding:
-            return GgufEmbedding(matrix, self.kernels, self.scratch, self.dtype)
-        return GgufLinear.replacing(module, matrix, self.kernels, self.scratch)
+            return GgufEmbedding(matrix, self.kernels, self.scratch, self.dtype, self.int8_inputs)
+        return GgufLinear.replacing(module, matrix, self.kernels, self.scratch, self.int8_inputs)

@@ -82,17 +82,16 @@ class _GgufMatrix:
     columns of the output (the row kernel: a step of the layer's GEMM size or more is left to the
     modules, ``NativeStack.gemm_rows``)."""
 
-    run: object  # NativeLayerOps.raw("gguf_linear", dtype)
-    parts: tuple[tuple[int, int, int, int], ...]  # (blocks pointer, ggml type, first column, columns)
+    parts: tuple[tuple[object, int, int, int, int], ...]  # (its kernel: NativeLayerOps.raw, blocks pointer, ggml type, first column, columns)
     bias: int  # 0: none
     width: int
     outs: int
     item: int  # bytes per output value
 
     def __call__(self, source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        for blocks, kind, first, count in self.parts:
+        for run, blocks, kind, first, count in self.parts:
             bias = self.bias + first * self.item if self.bias else None
-            if self.run(source.data_ptr(), blocks, kind, bias, target.data_ptr() + first * self.item, source.shape[0],
+            if run(source.data_ptr(), blocks, kind, bias, target.data_ptr() + first * self.item, source.shape[0],
                         self.width, count, self.outs, torch.get_num_threads()):
                 raise MemoryError("the GGUF kernel could not allocate its scratch rows")
         return target
@@ -165,10 +164,12 @@ def _matrix(linear: nn.Module, kernels: NativeLayerOps, dtype: torch.dtype) -> M
     if type(linear) is GgufLinear and (linear.bias is None or linear.bias.dtype == dtype):
         parts, first = [], 0
         for part in linear.parts:
-            parts.append((part.blocks.data_ptr(), part.gguf_type, first, part.rows))
+            int8 = linear.int8_inputs and kernels.gguf_x8_runs(part.gguf_type)
+            run = kernels.raw("gguf_linear_x8" if int8 else "gguf_linear", dtype)
+            parts.append((run, part.blocks.data_ptr(), part.gguf_type, first, part.rows))
             first += part.rows
         bias = linear.bias.data_ptr() if linear.bias is not None else 0
-        return _GgufMatrix(kernels.raw("gguf_linear", dtype), tuple(parts), bias, linear.in_features, linear.out_features,
+        return _GgufMatrix(tuple(parts), bias, linear.in_features, linear.out_features,
                            dtype.itemsize)
     return _ModuleMatrix(linear)
 
