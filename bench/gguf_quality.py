@@ -24,6 +24,9 @@ CONFIGS = {  # name -> LLM options
     "as stored, bfloat16": {"quantization": "gguf", "dtype": "bfloat16"},
     "dequantized, float32": {"quantization": "none", "dtype": "float32"},
     "dequantized, bfloat16": {"quantization": "none", "dtype": "bfloat16"},
+    # the row kernel with llama.cpp's int8 inputs (a prefill chunk of the GEMM size never reaches it: --chunk 16)
+    "as stored, int8 inputs, float32": {"quantization": "gguf", "dtype": "float32", "gguf_activations": "int8"},
+    "as stored, int8 inputs, bfloat16": {"quantization": "gguf", "dtype": "bfloat16", "gguf_activations": "int8"},
 }
 
 
