@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from pagedserve.kernels.native_layer_ops import GGUF_X8_TYPES
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.runner.cpu.fused_projections import fuse_projections, use_layer_kernels
 from pagedserve.worker.runner.cpu.gguf_linear import StoredForm
@@ -149,6 +150,8 @@ def load_weights(info: ModelInfo, ops: AttentionOps, device: torch.device, quant
     if stored is not None and stored.dequantized:
         log.warning("no kernel runs these GGUF formats as stored: dequantized to the model's dtype",
                     formats=dict(sorted(stored.dequantized.items())), dtype=str(info.dtype).replace("torch.", ""))
+    if stored is not None and stored.int8_inputs and not ops.layer.gguf_x8_runs(GGUF_X8_TYPES[0]):
+        log.warning("--gguf-activations int8 needs a CPU with AVX-512 VNNI: the GGUF matrices take int16 inputs here")
     log.info("linear layers", form=form, quantization=quantization, quantized_layers=quantized,
              stored_as_file=stored.kept if stored is not None else 0, decode_stack=model.native_stack is not None)
     return model.eval()

@@ -3,7 +3,9 @@ default on the CPU): the file's Q4_K, Q6_K and Q8_0 blocks are kept byte for byt
 per output, and ``csrc/gguf_linear.c`` multiplies by them (its input at int16 per 256 values, integer
 sums, one float scale per block: what gguf's dequantization of the blocks times the input gives,
 within the input's int16 rounding). No dequantized copy of a weight ever exists; a layer costs the
-file's bytes.
+file's bytes. With ``int8_inputs`` (``--gguf-activations int8``) the Q4_K and Q6_K parts take their input
+at int8 per 256 values instead, as llama.cpp does (``csrc/gguf_x8.c``, on AVX-512 VNNI): faster rows,
+perplexity ~1% from the file's reading where int16 keeps it within 0.1% (docs/engine.md).
 
 A batch of ``DecodeScratch.gemm_rows`` rows or more (a prefill chunk) is cheaper another way: each matrix decoded
 a slice at a time into a scratch buffer shared by the model's layers (``DecodeScratch``) and
