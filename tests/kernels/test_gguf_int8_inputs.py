@@ -114,3 +114,10 @@ def test_the_choice_reaches_fused_layers_a_tied_head_and_the_c_stack(x8_kernels)
     assert torch.equal(stack(x, torch.empty(2, 96)), fused(x))
     head = GgufEmbedding(q, x8_kernels, DecodeScratch({}), torch.float32, int8_inputs=True).as_linear()
     assert head.int8_inputs
+
+
+def test_an_unknown_input_precision_is_refused_at_once():
+    from pagedserve.worker.setup.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="gguf_activations must be one of int16, int8, got 'int4'"):
+        EngineConfig(model="demo", gguf_activations="int4")

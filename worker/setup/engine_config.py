@@ -21,6 +21,7 @@ from pagedserve.worker.runner.simulated_cost import SimulatedCost
 CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
 GIB = 1 << 30
 CPU_KV_CAP = GIB
+GGUF_ACTIVATIONS = ("int16", "int8")  # --gguf-activations: what the GGUF row kernel takes its input at
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class EngineConfig:
     gguf_activations: str = flag("int16", "what a GGUF's Q4_K/Q6_K matrices run as stored take their input at: int16 per "
                                  "256 values (the 1.5B's perplexity 0.05 percent from the file's dequantized reading) or "
                                  "int8 per 256, as llama.cpp takes it (on AVX-512 VNNI: steps 20-30 percent faster, "
-                                 "perplexity 1 percent from it; elsewhere int16; docs/engine.md)", choices=("int16", "int8"))
+                                 "perplexity 1 percent from it; elsewhere int16; docs/engine.md)", choices=GGUF_ACTIVATIONS)
     num_gpu_blocks: int | None = flag(None, "exact KV pool size in blocks (default: what --kv-cache-memory holds)",
                                       kind=positive(int))
     swap_space: int = flag(GIB, "GiB of CPU memory for KV blocks of preempted requests (with --preemption-mode swap)",
@@ -145,6 +146,8 @@ class EngineConfig:
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         self._check_tensor_parallel()
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, got {self.gguf_activations!r}")
         spec = SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
         if spec is not None and spec.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got {spec.quantization!r}")
