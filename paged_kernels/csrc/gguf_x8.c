@@ -42,28 +42,35 @@ static inline int x8_place(int type, int k) {
     return 32 * pos[sub] + k % 32;
 }
 
-/* One row of x (as float) in int8: q[in] in x8_place order, xs[in / 256] scales, sums[in / 16] each 16
- * inputs' sum of codes (in input order; Q4_K adds pairs of them). */
-static void quantize_row8(int type, const float *x, int8_t *q, float *xs, int16_t *sums, int64_t in) {
-    for (int64_t b = 0; b < in / SUPER; b++) {
-        const float *v = x + b * SUPER;
-        float top = 0.0f;
-        for (int k = 0; k < SUPER; k++) top = fmaxf(top, fabsf(v[k]));
-        const float scale = top > 0.0f ? top / 127.0f : 1.0f, inv = 1.0f / scale;
-        xs[b] = scale;
-        for (int g = 0; g < SUPER / 16; g++) {
-            int sum = 0;
-            for (int l = 0; l < 16; l++) {
-                const int k = 16 * g + l;
-                const float c = nearbyintf(v[k] * inv);
-                const int8_t code = (int8_t)(c > 127.0f ? 127.0f : (c < -127.0f ? -127.0f : c));
-                q[b * SUPER + x8_place(type, k)] = code;
-                sum += code;
-            }
-            sums[b * (SUPER / 16) + g] = (int16_t)sum;
-        }
+/* One row of x in int8: q[in] in x8_place order, xs[in / 256] scales, sums[in / 16] each 16 inputs' sum
+ * of codes (in input order; Q4_K adds pairs of them). Each super-block is read at float once, as LOAD
+ * gives it. */
+#define QUANTIZE_ROW8(NAME, T, LOAD)                                                                     \
+    static void NAME(int type, const T *x, int8_t *q, float *xs, int16_t *sums, int64_t in) {            \
+        for (int64_t b = 0; b < in / SUPER; b++) {                                                      \
+            float v[SUPER], top = 0.0f;                                                                 \
+            for (int k = 0; k < SUPER; k++) {                                                           \
+                v[k] = LOAD(x + b * SUPER + k);                                                         \
+                top = fmaxf(top, fabsf(v[k]));                                                          \
+            }                                                                                           \
+            const float scale = top > 0.0f ? top / 127.0f : 1.0f, inv = 1.0f / scale;                  \
+            xs[b] = scale;                                                                              \
+            for (int g = 0; g < SUPER / 16; g++) {                                                      \
+                int sum = 0;                                                                            \
+                for (int l = 0; l < 16; l++) {                                                          \
+                    const int k = 16 * g + l;                                                           \
+                    const float c = nearbyintf(v[k] * inv);                                             \
+                    const int8_t code = (int8_t)(c > 127.0f ? 127.0f : (c < -127.0f ? -127.0f : c));    \
+                    q[b * SUPER + x8_place(type, k)] = code;                                            \
+                    sum += code;                                                                        \
+                }                                                                                       \
+                sums[b * (SUPER / 16) + g] = (int16_t)sum;                                              \
+            }                                                                                           \
+        }                                                                                               \
     }
-}
+
+QUANTIZE_ROW8(quantize_row8_f32, float, f32_load)
+QUANTIZE_ROW8(quantize_row8_bf16, uint16_t, bf16_load)
 
 /* Index vectors for vpermw: Q4_K's four registers of codes (sub-blocks 0|2, 1|3, 4|6, 5|7: scale a in
  * lanes 0-15, b in 16-31); Q6_K's four (64 codes, four sub-blocks of 16: eight lanes each). */
@@ -180,9 +187,12 @@ static void row_dot8(int type, const uint8_t *wrow, int64_t supers, const int8_t
 #define X8_RUNS 1
 #else
 #define X8_RUNS 0
-static void quantize_row8(int type, const float *x, int8_t *q, float *xs, int16_t *sums, int64_t in) {
-    (void)type, (void)x, (void)q, (void)xs, (void)sums, (void)in;
-}
+#define QUANTIZE_ROW8(NAME, T)                                                                          \
+    static void NAME(int type, const T *x, int8_t *q, float *xs, int16_t *sums, int64_t in) {            \
+        (void)type, (void)x, (void)q, (void)xs, (void)sums, (void)in;                                   \
+    }
+QUANTIZE_ROW8(quantize_row8_f32, float)
+QUANTIZE_ROW8(quantize_row8_bf16, uint16_t)
 static void row_dot8(int type, const uint8_t *wrow, int64_t supers, const int8_t *xq, const float *xs,
                      const int16_t *sums, int64_t in, int rows, float *out) {
     (void)type, (void)wrow, (void)supers, (void)xq, (void)xs, (void)sums, (void)in, (void)rows, (void)out;
@@ -195,7 +205,7 @@ int gguf_x8_runs(void) { return X8_RUNS; }
 /* x [rows, in] (in a multiple of 256) times wq [outs rows of Q4_K or Q6_K blocks] -> out [rows, outs]
  * written with a row stride of `out_stride`. Returns 0, -1 where the scratch could not be had, -2 for a
  * type, width or CPU it does not run (the int16 kernel's cases: csrc/gguf_linear.c). */
-#define GGUF_LINEAR_X8(NAME, T, LOAD, STORE)                                                              \
+#define GGUF_LINEAR_X8(NAME, T, LOAD, STORE, QUANTIZE)                                                    \
     int NAME(const T *x, const uint8_t *wq, int type, const T *bias, T *out, int64_t rows, int64_t in,    \
              int64_t outs, int64_t out_stride, int threads) {                                             \
         if (!X8_RUNS || (type != TYPE_Q4_K && type != TYPE_Q6_K) || in % SUPER != 0) return -2;         \
@@ -203,19 +213,15 @@ int gguf_x8_runs(void) { return X8_RUNS; }
         int8_t *xq = malloc((size_t)(rows * in));                                                       \
         float *xs = malloc((size_t)(rows * supers) * sizeof *xs);                                       \
         int16_t *sums = malloc((size_t)(rows * (in / 16)) * sizeof *sums);                              \
-        float *xf = malloc((size_t)(rows * in) * sizeof *xf);                                           \
-        if (xq == NULL || xs == NULL || sums == NULL || xf == NULL) {                                   \
+        if (xq == NULL || xs == NULL || sums == NULL) {                                                 \
             free(xq);                                                                                   \
             free(xs);                                                                                   \
             free(sums);                                                                                 \
-            free(xf);                                                                                   \
             return -1;                                                                                  \
         }                                                                                               \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
-        for (int64_t r = 0; r < rows; r++) {                                                            \
-            for (int64_t k = 0; k < in; k++) xf[r * in + k] = LOAD(x + r * in + k);                     \
-            quantize_row8(type, xf + r * in, xq + r * in, xs + r * supers, sums + r * (in / 16), in);   \
-        }                                                                                               \
+        for (int64_t r = 0; r < rows; r++)                                                              \
+            QUANTIZE(type, x + r * in, xq + r * in, xs + r * supers, sums + r * (in / 16), in);         \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                               \
         for (int64_t n = 0; n < outs; n++) {                                                            \
             const float b = bias != NULL ? LOAD(bias + n) : 0.0f;                                       \
@@ -230,9 +236,8 @@ int gguf_x8_runs(void) { return X8_RUNS; }
         free(xq);                                                                                       \
         free(xs);                                                                                       \
         free(sums);                                                                                     \
-        free(xf);                                                                                       \
         return 0;                                                                                       \
     }
 
-GGUF_LINEAR_X8(gguf_linear_x8_f32, float, f32_load, f32_store)
-GGUF_LINEAR_X8(gguf_linear_x8_bf16, uint16_t, bf16_load, bf16_store)
+GGUF_LINEAR_X8(gguf_linear_x8_f32, float, f32_load, f32_store, quantize_row8_f32)
+GGUF_LINEAR_X8(gguf_linear_x8_bf16, uint16_t, bf16_load, bf16_store, quantize_row8_bf16)

@@ -116,9 +116,7 @@ class GgufTensor:
         self.width = int(tensor.shape[0])  # GGUF lists dimensions innermost first
 
     def _raw(self) -> np.ndarray:
-        tensor = self.tensor
-        count = int(np.prod(tensor.raw_shape, dtype=np.int64))
-        return np.fromfile(self.path, dtype=tensor.raw_dtype, count=count, offset=tensor.data_offset).reshape(tensor.raw_shape)
+        return self._read_into(np.empty(self.tensor.raw_shape, dtype=self.tensor.raw_dtype))
 
     def _mapped(self, populated: bool = False) -> np.ndarray:
         """The tensor's bytes as a mapping of the file (the page cache's pages, no copy): read-only, or
@@ -141,9 +139,10 @@ class GgufTensor:
         """uint8 ``[rows, row bytes]``: the file's blocks as it lays them out (rows the converter permuted
         put back). Where Linux offers huge pages (``huge_pages``: None asks it), read once from the file
         into memory on them (``paged_kernels/host_memory.py``): the kernels stream them ~25% faster from
-        there than from the file's mapped page-cache pages. Read, not copied from a mapping of the file:
-        the 1.5B's 1.1 GB in 0.2-0.3 s where the mapping's page faults took 2.5 s (2-core EPYC). Elsewhere
-        a copy gains nothing: the file's pages stay mapped."""
+        there than from the file's mapped page-cache pages. Read, not copied from a mapping of the file,
+        whose page faults cost more than the copy: the 1.5B's 1.1 GB in 2.0 s instead of 2.5 s in the worker
+        (2-core EPYC; most of the 2.0 is Linux finding fresh 2 MiB pages). Elsewhere a copy gains nothing:
+        the file's pages stay mapped."""
         if not (huge_pages_offered() if huge_pages is None else huge_pages):
             fixed = self.fix(self._mapped(populated=True))
         else:
@@ -151,7 +150,7 @@ class GgufTensor:
         return torch.from_numpy(fixed if fixed.flags.c_contiguous and fixed.flags.writeable else np.ascontiguousarray(fixed))
 
     def _read_into(self, out: np.ndarray) -> np.ndarray:
-        """``out`` (uint8, the tensor's raw shape) filled with its bytes from the file."""
+        """``out`` (the tensor's raw shape and dtype, contiguous) filled with its bytes from the file."""
         view, done = memoryview(out).cast("B"), 0
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.tensor.data_offset)
