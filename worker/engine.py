@@ -43,7 +43,7 @@ from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier, tier_fing
 from pagedserve.worker.runner.loader import inspect_model
 from pagedserve.worker.runner.lora.adapters import Adapters
 from pagedserve.worker.runner.lora.peft_adapter import AdapterBusy, LoraError
-from pagedserve.worker.runner.models.layers import release_window
+from pagedserve.worker.runner.models.layers import kv_layout
 from pagedserve.worker.runner.models.rope import rope_switch
 from pagedserve.worker.runner.parallel.group import RankFailure
 from pagedserve.worker.runner.sampling.structured_masks import GrammarCompiler
@@ -91,8 +91,9 @@ class Engine:
             if self.ranks is not None:
                 weakref.finalize(self, self.ranks.close)  # an engine dropped unclosed (the offline LLM) stops them too
         self.kv_bytes_per_token = block_bytes // config.block_size
-        max_len = KvBudget(num_gpu, config.block_size, self.kv_bytes_per_token).context(
-            max_len, asked=bool(config.max_model_len), window=release_window(info.config))
+        layout = kv_layout(info.config, config.hybrid_kv_cache)
+        max_len = KvBudget(num_gpu, config.block_size, self.kv_bytes_per_token, layout.lane_windows,
+                           config.max_num_batched_tokens).context(max_len, asked=bool(config.max_model_len))
         tiers = None if config.simulate else self._kv_tiers(block_bytes)
         self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(
@@ -100,7 +101,7 @@ class Engine:
                 num_gpu_blocks=num_gpu, block_size=config.block_size, num_cpu_blocks=num_cpu,
                 max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
-                preemption_mode=config.preemption_mode, sliding_window=release_window(info.config),
+                preemption_mode=config.preemption_mode, lane_windows=layout.lane_windows,
                 rope_switch=rope_switch(info.config), speculative=config.speculative,
                 max_loras=config.max_loras if config.enable_lora else 0,
             ),

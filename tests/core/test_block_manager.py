@@ -217,7 +217,7 @@ def test_invariant_check_catches_corruption():
     bm = BlockManager(num_blocks=4, block_size=2)
     bm.start(0)
     bm.grow(0, 3)
-    bm._tables[0].append(3)  # a table entry the pool never handed out
+    bm._tables[0][0].append(3)  # a table entry the pool never handed out
     with pytest.raises(AssertionError):
         bm.check_invariants()
 
@@ -294,7 +294,7 @@ def test_release_before_returns_blocks_outside_a_sliding_window():
     evictable); forks, swaps and frees skip them; the invariants hold throughout."""
     from pagedserve.worker.core.kv_cache.block_manager import NO_BLOCK
 
-    bm = BlockManager(num_blocks=12, block_size=4, num_cpu_blocks=12)
+    bm = BlockManager(num_blocks=12, block_size=4, num_cpu_blocks=12, lane_windows=(8,))
     bm.start(0)
     bm.grow(0, 18)  # 5 blocks
     tokens = list(range(18))

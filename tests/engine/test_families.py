@@ -167,7 +167,7 @@ def test_a_sliding_window_model_holds_only_the_blocks_its_window_needs(zoo, mode
                 held = [b for b in blocks.block_table(seq.seq_id) if b >= 0]
                 chunk_room = -(-64 // 8)  # a prefill chunk's blocks, until the step that computed them ends
                 assert len(held) <= 24 // 8 + 1 + chunk_room
-                if seq.num_computed == seq.num_tokens:  # between decode steps: the window and one partial block
+                if seq.num_computed + 1 == seq.num_tokens:  # between decode steps: the window and one partial block
                     assert len(held) <= 24 // 8 + 1, (seq.num_tokens, blocks.block_table(seq.seq_id))
                 most = max(most, len(held))
     assert most >= 3 and engine.scheduler.stats.num_preemptions > 0  # 30 blocks; 10 x 260 tokens would need 330

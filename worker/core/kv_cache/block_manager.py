@@ -13,11 +13,17 @@ last token (its logits are needed to sample).
 Swap moves whole sequence groups: blocks shared inside the group stay shared on the CPU side.
 Swapped-in blocks come back unhashed; their content is valid but they are not re-published.
 
-Sliding windows: when every layer attends only to its last W positions, a block that holds only
-positions no future query can see is released (``release_before``): its table entry becomes
-``NO_BLOCK`` and its reference goes back to the pool (to the prefix cache, evictable, when it is
-published there). Released entries are always a leading run of the table; the kernels never read
-them (they start at the window).
+Lanes (``kv_layout.py``): the layers are grouped by their attention and cut into lanes of equal
+size; a sequence has one table per lane, every lane's blocks from the one pool. Growth, forks,
+copy-on-write, swap and the prefix cache act on every lane (a lane's copy of a cached block has its
+own hash, ``lane_hits.py``, and only the first lane's is announced to KV events); one lane is the
+model without groups.
+
+Sliding windows: in a lane whose layers attend only to their last W positions, a block that holds
+only positions no future query can see is released (``release_outside_windows``): its table entry
+becomes ``NO_BLOCK`` and its reference goes back to the pool (to the prefix cache, evictable, when
+it is published there). Released entries are always a leading run of the lane's table; the kernels
+never read them (they start at the window). A full lane keeps every block.
 
 Pure Python, no torch.
 """
@@ -25,12 +31,13 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Hashable, Sequence
 
 from pagedserve.shared.block_hash import block_hash
 from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE, BlockPool
-from pagedserve.worker.core.kv_cache.block_tables import NO_BLOCK, count_unique, live_blocks, move_tables
+from pagedserve.worker.core.kv_cache.block_tables import NO_BLOCK, count_unique, held_blocks, move_tables
+from pagedserve.worker.core.kv_cache.lane_hits import lane_hash, lane_hit, lane_key
 from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 from pagedserve.worker.core.kv_cache.tiers import NO_TIER_MOVES, PENDING, KvTiers, LowerHit, TierMoves
 
@@ -61,6 +68,11 @@ class PrefixHit:
     num_reclaimed: int  # how many of them are cached-free now, so taking them uses free capacity
     lower: tuple[LowerHit, ...] = ()
     waits_on_disk: bool = False  # the prefix goes on in a block being read from disk: start later
+    lanes: tuple[tuple[int, ...], ...] = ()  # the further lanes' tables of the hit (NO_BLOCK: not needed)
+
+    def held(self) -> list[int]:
+        """The device blocks the hit takes, every lane's."""
+        return [b for table in (self.blocks, *self.lanes) for b in table if b != NO_BLOCK]
 
     @property
     def num_blocks(self) -> int:
@@ -78,10 +90,19 @@ class BlockManager:
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         tiers: KvTiers | None = None,
+        lane_windows: Sequence[int] = (0,),
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not lane_windows or any(w < 0 for w in lane_windows):
+            raise ValueError(f"lane_windows must be one window (0: full) per lane, got {lane_windows}")
+        if tiers is not None and len(lane_windows) > 1:
+            raise ValueError("the host and disk tiers (--kv-offload-*) take a model with one lane of layers; this one "
+                             f"has {len(lane_windows)} (windows {list(lane_windows)}): serve it with --no-hybrid-kv-cache "
+                             "to use them")
         self.block_size = block_size
+        self.lane_windows = tuple(lane_windows)
+        self.num_lanes = len(self.lane_windows)
         self.enable_prefix_caching = enable_prefix_caching
         self.gpu = BlockPool(num_blocks, name="gpu")
         self.cpu = BlockPool(num_cpu_blocks, name="cpu")
@@ -89,25 +110,30 @@ class BlockManager:
         if self.tiers is not None:
             self.gpu.on_evict = self.tiers.demote
             self.tiers.on_device = self.gpu.holds
-        self._tables: dict[int, list[int]] = {}
-        self._cpu_tables: dict[int, list[int]] = {}
+        self._tables: dict[int, list[list[int]]] = {}  # seq -> its table in each lane
+        self._cpu_tables: dict[int, list[list[int]]] = {}
         self._num_slots: dict[int, int] = {}
         self._hashes: dict[int, list[int]] = {}  # chained hashes of the seq's leading full blocks
-        self._released: dict[int, int] = {}  # leading table entries already released (sliding window)
+        self._released: dict[int, list[int]] = {}  # each lane's leading entries already released (sliding window)
 
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
         return self.gpu.num_free
 
-    def block_table(self, seq_id: int) -> tuple[int, ...]:
-        return tuple(self._tables[seq_id])
+    def block_table(self, seq_id: int, lane: int = 0) -> tuple[int, ...]:
+        return tuple(self._tables[seq_id][lane])
+
+    def lane_tables(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
+        """The seq's tables of the lanes after the first (empty with one lane)."""
+        return tuple(tuple(table) for table in self._tables[seq_id][1:])
 
     def table_of(self, seq_id: int) -> tuple[str, tuple[int, ...]] | None:
-        """``("gpu" | "cpu", table)`` of a sequence that holds blocks, else None (for the dashboard)."""
+        """``("gpu" | "cpu", table)`` of a sequence that holds blocks (its first lane's), else None
+        (for the dashboard)."""
         for device, tables in (("gpu", self._tables), ("cpu", self._cpu_tables)):
             if seq_id in tables:
-                return device, tuple(tables[seq_id])
+                return device, tuple(tables[seq_id][0])
         return None
 
     def num_slots(self, seq_id: int) -> int:
@@ -132,6 +158,10 @@ class BlockManager:
         lower: list[LowerHit] = []
         waits = False
         chain = self._prompt_chain(token_ids, extra_key, known) if self.enable_prefix_caching else iter(())
+        if self.num_lanes > 1:  # no tiers: each lane by its own rule (lane_hits.py)
+            (first, *others), hashes = lane_hit(self.gpu, chain, self.lane_windows, self.block_size)
+            hit = PrefixHit(tuple(first), tuple(hashes), 0, lanes=tuple(tuple(t) for t in others))
+            return replace(hit, num_reclaimed=len({b for b in hit.held() if self.gpu.is_cached_free(b)}))
         for parent, key in chain:
             block = None if lower else self.gpu.lookup(parent, key)
             if block is not None:
@@ -168,7 +198,9 @@ class BlockManager:
         """Give a started sequence the hit's blocks from below the device, each copied up into a
         device block this step (a sibling that promoted the same block first is shared). Returns
         the tokens now computed."""
-        table, chain = self._tables[seq_id], self._hashes[seq_id]
+        if not hit.lower:
+            return self._num_slots[seq_id]
+        (table,), chain = self._tables[seq_id], self._hashes[seq_id]  # tiers: one lane
         for below in hit.lower:
             block = self.gpu.lookup(below.block_hash, below.key)
             if block is not None:
@@ -204,11 +236,13 @@ class BlockManager:
         ``match_prefix``)."""
         if not self.enable_prefix_caching or seq_id not in self._tables:
             return
-        chain, table, bs = self._hashes[seq_id], self._tables[seq_id], self.block_size
-        for i in range(len(chain), min(num_computed // bs, len(table))):
+        chain, lanes, bs = self._hashes[seq_id], self._tables[seq_id], self.block_size
+        for i in range(len(chain), min(num_computed // bs, len(lanes[0]))):
             key = self.block_key(chain[-1] if chain else None, token_ids[i * bs : (i + 1) * bs], extra_key)
             chain.append(known[i] if i < len(known) else block_hash(*key))
-            self.gpu.register(table[i], chain[-1], key)
+            for lane, table in enumerate(lanes):
+                if table[i] != NO_BLOCK:
+                    self.gpu.register(table[i], lane_hash(chain[-1], lane), lane_key(key, lane), announce=lane == 0)
 
     # ------------------------------------------------------------------ allocation
     def start(self, seq_id: int, hit: PrefixHit | None = None) -> int:
@@ -217,12 +251,20 @@ class BlockManager:
         if self.has_seq(seq_id):
             raise ValueError(f"sequence {seq_id} already has blocks")
         hit = hit or PrefixHit((), (), 0)
-        for block in hit.blocks:
+        for block in hit.held():
             self.gpu.incref(block)
-        self._tables[seq_id] = list(hit.blocks)
+        lanes = [list(hit.blocks)] + [list(table) for table in hit.lanes]
+        lanes += [list(hit.blocks) for _ in range(self.num_lanes - len(lanes))]  # (no hit: every table empty)
+        self._tables[seq_id] = lanes
         self._hashes[seq_id] = list(hit.hashes)
+        self._released[seq_id] = [sum(1 for b in table if b == NO_BLOCK) for table in lanes]
         self._num_slots[seq_id] = len(hit.blocks) * self.block_size
         return self._num_slots[seq_id]
+
+    def start_cost(self, hit: PrefixHit, num_tokens: int) -> int:
+        """Blocks a new sequence takes from the free ones to hold ``num_tokens`` (its hit's
+        included) after starting from ``hit``: every lane's new blocks and the promoted ones."""
+        return self.num_lanes * (self.blocks_for(num_tokens) - len(hit.blocks))
 
     def cost_to_grow(self, seq_ids_and_counts: Sequence[tuple[int, int]]) -> int:
         """Free GPU blocks needed to give each seq its extra slots, copy-on-write copies included.
@@ -236,74 +278,85 @@ class BlockManager:
             if count <= 0:
                 continue
             start = self._num_slots[seq_id]
-            table, pool = (self._cpu_tables[seq_id], self.cpu) if self.is_swapped(seq_id) else (self._tables[seq_id], self.gpu)
-            if start % self.block_size:
-                last = table[start // self.block_size]
-                if pool.ref_count(last) - released[last] > 1:
-                    needed += 1
-                    released[last] += 1
-            needed += self.blocks_for(start + count) - len(table)
+            lanes, pool = (self._cpu_tables[seq_id], self.cpu) if self.is_swapped(seq_id) else (self._tables[seq_id], self.gpu)
+            for table in lanes:
+                if start % self.block_size:
+                    last = table[start // self.block_size]
+                    if pool.ref_count(last) - released[last] > 1:
+                        needed += 1
+                        released[last] += 1
+                needed += self.blocks_for(start + count) - len(table)
         return needed
 
     def grow(self, seq_id: int, count: int) -> list[tuple[int, int]]:
         """Give the seq ``count`` more slots. Returns the copy-on-write copies ``(src, dst)``."""
-        start, table = self._num_slots[seq_id], self._tables[seq_id]
+        start = self._num_slots[seq_id]
         copies: list[tuple[int, int]] = []
         if count <= 0:
             return copies
-        if start % self.block_size:
-            index = start // self.block_size
-            shared = table[index]
-            if self.gpu.ref_count(shared) > 1:
-                table[index] = self.gpu.allocate()
-                self.gpu.decref(shared)
-                copies.append((shared, table[index]))
-        while len(table) < self.blocks_for(start + count):
-            table.append(self.gpu.allocate())
+        for table in self._tables[seq_id]:
+            if start % self.block_size:
+                index = start // self.block_size
+                shared = table[index]
+                if self.gpu.ref_count(shared) > 1:
+                    table[index] = self.gpu.allocate()
+                    self.gpu.decref(shared)
+                    copies.append((shared, table[index]))
+            while len(table) < self.blocks_for(start + count):
+                table.append(self.gpu.allocate())
         self._num_slots[seq_id] = start + count
         return copies
 
     def rewind(self, seq_id: int, num_slots: int) -> None:
         """Give back the seq's slots past ``num_slots`` (speculative drafts rejected); a block left
         without a slot goes back to the pool. Those slots were never published (not computed)."""
-        table = self._tables[seq_id]
         if not 0 <= num_slots <= self._num_slots[seq_id]:
             raise ValueError(f"seq {seq_id}: cannot rewind {self._num_slots[seq_id]} slots to {num_slots}")
-        while len(table) > self.blocks_for(num_slots):
-            self.gpu.decref(table.pop())
+        for table, released in zip(self._tables[seq_id], self._released[seq_id]):
+            if self.blocks_for(num_slots) < released:
+                raise ValueError(f"seq {seq_id}: cannot rewind to {num_slots} slots, behind its released blocks")
+            while len(table) > self.blocks_for(num_slots):
+                self.gpu.decref(table.pop())
         self._num_slots[seq_id] = num_slots
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (no copy until one of them writes)."""
         if self.has_seq(child_id):
             raise ValueError(f"sequence {child_id} already has blocks")
-        table = self._tables[parent_id]
-        for block in live_blocks(table):
+        lanes = self._tables[parent_id]
+        for block in held_blocks(lanes):
             self.gpu.incref(block)
-        self._tables[child_id] = list(table)
+        self._tables[child_id] = [list(table) for table in lanes]
         self._hashes[child_id] = list(self._hashes[parent_id])
         self._num_slots[child_id] = self._num_slots[parent_id]
-        self._released[child_id] = self._released.get(parent_id, 0)
+        self._released[child_id] = list(self._released[parent_id])
 
-    def release_before(self, seq_id: int, position: int) -> int:
-        """Release the seq's GPU blocks that hold only positions before ``position`` (no query will
-        read them again under a sliding window). Returns how many were released."""
-        table = self._tables.get(seq_id)
-        if table is None:
+    def release_outside_windows(self, seq_id: int, next_position: int) -> int:
+        """Release, in each sliding lane, the seq's blocks no query from ``next_position`` on will
+        read (it sees its last W positions). Returns how many were released."""
+        return sum(self.release_before(seq_id, next_position - window + 1, lane)
+                   for lane, window in enumerate(self.lane_windows) if window)
+
+    def release_before(self, seq_id: int, position: int, lane: int = 0) -> int:
+        """Release the seq's GPU blocks in ``lane`` that hold only positions before ``position``
+        (no query will read them again under a sliding window). Returns how many were released."""
+        lanes = self._tables.get(seq_id)
+        if lanes is None:
             return 0
-        first, last = self._released.get(seq_id, 0), min(max(position, 0) // self.block_size, len(table))
+        table, released = lanes[lane], self._released[seq_id]
+        first, last = released[lane], min(max(position, 0) // self.block_size, len(table))
         for i in range(first, last):
             self.gpu.decref(table[i])
             table[i] = NO_BLOCK
         if last > first:
-            self._released[seq_id] = last
+            released[lane] = last
         return max(0, last - first)
 
     def free(self, seq_id: int) -> None:
         """Release the seq's blocks on whichever device they are. Unknown ids are ignored."""
         for pool, tables in ((self.gpu, self._tables), (self.cpu, self._cpu_tables)):
             # Release from the end so the prefix's head blocks are the last to be evicted.
-            for block in reversed(live_blocks(tables.pop(seq_id, []))):
+            for block in reversed(held_blocks(tables.pop(seq_id, []))):
                 pool.decref(block)
         self._num_slots.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
@@ -337,14 +390,15 @@ class BlockManager:
         full: set[int] = set()
         last: dict[int, int] = {}  # a table's last block -> the most slots any holder fills in it
         logical = 0
-        for seq_id, table in self._tables.items():
-            live = table[self._released.get(seq_id, 0) :]
-            if not live:
-                continue
-            logical += len(live)
-            full.update(live[:-1])
-            fill = self._num_slots[seq_id] - (len(table) - 1) * self.block_size
-            last[live[-1]] = max(last.get(live[-1], 0), fill)
+        for seq_id, lanes in self._tables.items():
+            for table, released in zip(lanes, self._released[seq_id]):
+                live = table[released:]
+                if not live:
+                    continue
+                logical += len(live)
+                full.update(live[:-1])
+                fill = self._num_slots[seq_id] - (len(table) - 1) * self.block_size
+                last[live[-1]] = max(last.get(live[-1], 0), fill)
         tokens = self.block_size * len(full) + sum(fill for block, fill in last.items() if block not in full)
         used = self.gpu.num_used
         return BlockUsage(
@@ -361,20 +415,25 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any table, refcount, free list or hash entry disagrees."""
-        self.gpu.check_invariants(Counter(b for t in self._tables.values() for b in live_blocks(t)))
-        self.cpu.check_invariants(Counter(b for t in self._cpu_tables.values() for b in live_blocks(t)))
+        self.gpu.check_invariants(Counter(b for lanes in self._tables.values() for b in held_blocks(lanes)))
+        self.cpu.check_invariants(Counter(b for lanes in self._cpu_tables.values() for b in held_blocks(lanes)))
         if self.tiers is not None:
             self.tiers.check_invariants()
         both = self._tables.keys() & self._cpu_tables.keys()
         if both:
             raise AssertionError(f"sequences on both devices: {sorted(both)}")
         for seq_id, slots in self._num_slots.items():
-            table = self._tables.get(seq_id, self._cpu_tables.get(seq_id))
-            if table is None or len(table) != self.blocks_for(slots):
-                raise AssertionError(f"seq {seq_id}: {slots} slots but table {table}")
-            if len(self._hashes[seq_id]) > len(table):
+            lanes = self._tables.get(seq_id, self._cpu_tables.get(seq_id))
+            if lanes is None or len(lanes) != self.num_lanes:
+                raise AssertionError(f"seq {seq_id}: {lanes} is not one table per lane ({self.num_lanes})")
+            for lane, (table, released, window) in enumerate(zip(lanes, self._released[seq_id], self.lane_windows)):
+                if len(table) != self.blocks_for(slots):
+                    raise AssertionError(f"seq {seq_id}: {slots} slots but lane {lane}'s table {table}")
+                if any(b == NO_BLOCK for b in table[released:]) or any(b != NO_BLOCK for b in table[:released]):
+                    raise AssertionError(f"seq {seq_id}: lane {lane}'s released entries are not the leading "
+                                         f"{released}: {table}")
+                if released and not window:
+                    raise AssertionError(f"seq {seq_id}: full lane {lane} released blocks")
+            if len(self._hashes[seq_id]) > self.blocks_for(slots):
                 raise AssertionError(f"seq {seq_id}: more hashes than blocks")
-            released = self._released.get(seq_id, 0)
-            if any(b == NO_BLOCK for b in table[released:]) or any(b != NO_BLOCK for b in table[:released]):
-                raise AssertionError(f"seq {seq_id}: released entries are not the leading {released}: {table}")
 

@@ -37,6 +37,7 @@ class BlockPool:
         self._hash_of: dict[int, int] = {}
         self._key_of: dict[int, tuple] = {}
         self._block_of_hash: dict[int, int] = {}
+        self._silent: set[int] = set()  # hashes not announced to ``events`` (a lane's own, kv_layout.py)
         self.events: KvEvents | None = None  # set by the worker: hashes published, lowered and dropped, for routing
         self.on_evict: Callable[[int, int, tuple], bool] | None = None  # (block, hash, key): the tiers demote it (kept?)
 
@@ -66,8 +67,10 @@ class BlockPool:
         return list(self._cached)
 
     def published_hashes(self) -> list[int]:
-        """Every hash in the prefix cache (blocks in use and cached free ones)."""
-        return list(self._block_of_hash)
+        """Every announced hash in the prefix cache (blocks in use and cached free ones)."""
+        if not self._silent:
+            return list(self._block_of_hash)
+        return [h for h in self._block_of_hash if h not in self._silent]
 
     def is_cached_free(self, block: int) -> bool:
         return block in self._cached
@@ -113,14 +116,18 @@ class BlockPool:
             return None  # a hash collision is a miss, never a wrong hit
         return block
 
-    def register(self, block: int, block_hash: int, key: tuple) -> bool:
-        """Publish a full, computed block under its content hash. False if the hash is taken."""
+    def register(self, block: int, block_hash: int, key: tuple, announce: bool = True) -> bool:
+        """Publish a full, computed block under its content hash (told to ``events`` unless not
+        ``announce``: a further lane's copy of a prefix the first lane announces). False if the hash
+        is taken."""
         if block_hash in self._block_of_hash or block in self._hash_of:
             return False
         self._hash_of[block] = block_hash
         self._key_of[block] = key
         self._block_of_hash[block_hash] = block
-        if self.events is not None:
+        if not announce:
+            self._silent.add(block_hash)
+        elif self.events is not None:
             self.events.published(block_hash)
         return True
 
@@ -145,7 +152,9 @@ class BlockPool:
         block_hash = self._hash_of.pop(block)
         del self._key_of[block]
         del self._block_of_hash[block_hash]
-        if self.events is not None:
+        if block_hash in self._silent:
+            self._silent.discard(block_hash)
+        elif self.events is not None:
             (self.events.lowered if kept_below else self.events.dropped)(block_hash)
 
     # ------------------------------------------------------------------ checks

@@ -9,6 +9,7 @@ from pagedserve.shared.block_hash import cache_salt
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE
+from pagedserve.worker.core.kv_cache.kv_layout import blocks_held
 from pagedserve.worker.core.speculative.config import SpeculativeConfig
 
 PreemptionMode = Literal["recompute", "swap"]
@@ -25,7 +26,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = "recompute"
-    sliding_window: int = 0  # > 0: every layer sees only its last W positions, so older blocks are released
+    lane_windows: tuple[int, ...] = (0,)  # each lane's window (0: full), worker/core/kv_cache/kv_layout.py
     rope_switch: int = 0  # > 0 (long-rope): a sequence growing past this length has its KV recomputed
     speculative: SpeculativeConfig | None = None  # prompt-lookup drafts, checked in one forward (worker/core/speculative/config.py)
     max_loras: int = 0  # LoRA adapters among the running requests at most (0: no limit; worker/runner/lora/)
@@ -40,6 +41,13 @@ class SchedulerConfig:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not self.lane_windows or any(not isinstance(w, int) or w < 0 for w in self.lane_windows):
+            raise ValueError(f"lane_windows must be one window >= 0 per lane, got {self.lane_windows!r}")
+
+    @property
+    def sliding_window(self) -> int:
+        """W when every lane slides (the widest window), else 0."""
+        return max(self.lane_windows) if all(self.lane_windows) else 0
 
     def prefix_key(self, extra_key, num_tokens: int):
         """A prefix-cache block's salt: the request's, and under long-rope which factors its KV
@@ -58,12 +66,10 @@ class SchedulerConfig:
         if params.num_seqs > self.max_num_seqs:
             raise InvalidRequestError(f"{params.num_seqs} sequences (n, best_of or beam_width) exceed "
                                       f"max_num_seqs={self.max_num_seqs}", "n")
-        # Worst case: every output sequence recomputed privately after a preemption; under a sliding
-        # window a sequence holds at most the window plus one prefill chunk, and a partial block.
-        length = prompt_len + params.max_tokens
-        if self.sliding_window:
-            length = min(length, self.sliding_window + self.max_num_batched_tokens + self.block_size)
-        worst = params.num_seqs * -(-length // self.block_size)
+        # Worst case: every output sequence recomputed privately after a preemption; a sliding lane
+        # holds at most its window plus one prefill chunk, and a partial block.
+        worst = params.num_seqs * blocks_held(self.lane_windows, prompt_len + params.max_tokens, self.block_size,
+                                              self.max_num_batched_tokens)
         if worst > self.num_gpu_blocks:
             raise InvalidRequestError(
                 f"the request needs up to {worst} KV blocks but the cache holds {self.num_gpu_blocks}; "

@@ -39,6 +39,7 @@ class ScheduledSeq:
     draft_context: tuple[int, ...] | None = None  # a draft model proposes (the drafts here are 0 until then): the tokens before start it has no KV for
     pool_from: int | None = None  # an embedding (params.pooling): positions before this are pooled already
     adapter: str | None = None  # the LoRA adapter its request runs under (worker/runner/lora/); None: the base model
+    lane_tables: tuple[tuple[int, ...], ...] = ()  # the tables of the lanes after the first (kv_layout.py)
 
     @property
     def num_tokens(self) -> int:
@@ -49,9 +50,20 @@ class ScheduledSeq:
         """Tokens of KV the sequence has once this step wrote its own."""
         return self.start + len(self.token_ids)
 
-    def slot_mapping(self, block_size: int) -> list[int]:
-        table = self.block_table
+    def table(self, lane: int) -> tuple[int, ...]:
+        """The block table of ``lane`` (0: ``block_table``)."""
+        return self.block_table if lane == 0 else self.lane_tables[lane - 1]
+
+    def slot_mapping(self, block_size: int, lane: int = 0) -> list[int]:
+        table = self.table(lane)
         return [table[p // block_size] * block_size + p % block_size for p in range(self.start, self.context_len)]
+
+
+def private_tables(num_blocks: int, num_lanes: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """``(block_table, lane_tables)`` of a sequence alone in a pool (a calibration, a profile): lane
+    ``k`` on blocks ``k * num_blocks ..``, so no two lanes' layers write one block."""
+    tables = tuple(tuple(range(lane * num_blocks, (lane + 1) * num_blocks)) for lane in range(num_lanes))
+    return tables[0], tables[1:]
 
 
 @dataclass(frozen=True)

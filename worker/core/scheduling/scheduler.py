@@ -64,7 +64,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
         self.blocks = BlockManager(
-            config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, config.enable_prefix_caching, tiers
+            config.num_gpu_blocks, config.block_size, config.num_cpu_blocks, config.enable_prefix_caching, tiers,
+            config.lane_windows,
         )
         self.waits_on_disk = False  # the last schedule left a request waiting for its prefix from disk
         self.table = RequestTable(self.blocks)
@@ -259,7 +260,7 @@ class Scheduler:
             if any(hit.waits_on_disk for hit in hits.values()):
                 self.waits_on_disk = True
                 continue  # its prefix is being read from disk: later requests run meanwhile
-            reclaimed = {b for hit in hits.values() for b in hit.blocks if self.blocks.gpu.is_cached_free(b)}
+            reclaimed = {b for hit in hits.values() for b in hit.held() if self.blocks.gpu.is_cached_free(b)}
             sizes, budget, new_blocks = [], step.budget, 0
             for seq in req.live_seqs:
                 hit = hits[seq.seq_id]
@@ -267,7 +268,7 @@ class Scheduler:
                 count = min(seq.num_tokens - cached, budget)
                 budget -= count
                 sizes.append((seq.seq_id, count))
-                new_blocks += self.blocks.blocks_for(cached + count) - len(hit.blocks)  # promoted blocks are new
+                new_blocks += self.blocks.start_cost(hit, cached + count)  # promoted blocks are new
             if len(reclaimed) + new_blocks > self.blocks.num_free_blocks:
                 return
             self.blocks.hold(list(hits.values()))
@@ -340,6 +341,7 @@ class Scheduler:
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
             seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
             len(draft.tokens), draft.grammars, draft.draft_context, req.pooled_upto if p.pooling else None, req.adapter,
+            self.blocks.lane_tables(seq.seq_id),
         )
 
     @staticmethod

@@ -24,7 +24,6 @@ class StepApplier:
         self.table = table
         self.eos_token_ids = eos_token_ids
         self.config = config
-        self.sliding_window = config.sliding_window
         self.spec_stats = SpecStats()
 
     def apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
@@ -38,14 +37,15 @@ class StepApplier:
             req = self.table.owner(item.seq_id)
             if item.num_draft:
                 self._apply_drafted(req, seq, item, result.samples[item.seq_id])
+                self.table.blocks.release_outside_windows(seq.seq_id, seq.num_computed)
                 touched[req.request_id] = req
                 continue
             seq.num_computed += item.num_tokens
             key = self.config.prefix_key(req.extra_key, seq.num_tokens)  # before this step's token is appended
             if req.params.pooling is None:  # an embedding's KV is not kept after it: its blocks go back uncached
                 self._publish(req, seq, key)
-            if self.sliding_window:  # the next query is at num_computed and sees positions > it - W
-                self.table.blocks.release_before(seq.seq_id, seq.num_computed - self.sliding_window + 1)
+            # a sliding lane's next query is at num_computed and sees positions > it - W
+            self.table.blocks.release_outside_windows(seq.seq_id, seq.num_computed)
             if item.prompt_targets:
                 _record_prompt_logprobs(req, item.start, result.prompt_logprobs[item.seq_id])
             if item.pool_from is not None:  # an embedding: no token; it ends once its prompt is in

@@ -111,12 +111,13 @@ def calibrate(runner, ids: Sequence[int]) -> None:
     the same layout read): the turns do not depend on the backend either, and the Triton kernels
     under ``TRITON_INTERPRET=1`` would take minutes over a text the references read in seconds."""
     from pagedserve.kernels.ops import reference_ops
-    from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepPlan
+    from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepPlan, private_tables
 
     model, block = runner.model, runner.block_size
-    table = tuple(range(-(-len(ids) // block)))
-    if len(table) > runner.kv_pool.shape[1]:
-        raise ValueError(f"a calibration of {len(ids)} tokens needs {len(table)} blocks; the pool has {runner.kv_pool.shape[1]}")
+    table, lanes = private_tables(-(-len(ids) // block), model.kv_layout.num_lanes)
+    if len(table) * (1 + len(lanes)) > runner.kv_pool.shape[1]:
+        raise ValueError(f"a calibration of {len(ids)} tokens needs {len(table) * (1 + len(lanes))} blocks; "
+                         f"the pool has {runner.kv_pool.shape[1]}")
     attentions = [layer.self_attn.attn for layer in model.model.layers]
     backends = [attention.ops for attention in attentions]
     reference = reference_ops(runner.ops.kv_format)
@@ -126,7 +127,7 @@ def calibrate(runner, ids: Sequence[int]) -> None:
     try:
         for start in range(0, len(ids), CHUNK):
             piece = tuple(ids[start : start + CHUNK])
-            runner.forward(StepPlan((ScheduledSeq(0, "calibration", piece, start, table, 0),), block))
+            runner.forward(StepPlan((ScheduledSeq(0, "calibration", piece, start, table, 0, lane_tables=lanes),), block))
         rotation = runner.ops.kv_format.rotation(model.head_dim, runner.device)
         turns = [attention.observer.turns(rotation) for attention in attentions]
     finally:

@@ -31,6 +31,12 @@ class AttentionMetadata:
     # int32 [num_tokens]: each token's sequence length (tokens known, computed or not), for the
     # rotary variants that change with it (dynamic NTK, long-rope); None where the model has none.
     token_seq_lens: torch.Tensor | None = None
+    # The lanes after the first (worker/core/kv_cache/kv_layout.py): each its own slots and tables, the rest alike.
+    other_lanes: tuple[AttentionMetadata, ...] = ()
+
+    def lane(self, index: int) -> AttentionMetadata:
+        """The metadata the layers of lane ``index`` read."""
+        return self if index == 0 else self.other_lanes[index - 1]
 
 
 class PagedAttention:

@@ -4,7 +4,7 @@ after). The target model's step and the draft model's rounds build theirs the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,8 +21,9 @@ class StepInputs:
     last_index: list[int]  # each row's last token in the batch
 
 
-def step_inputs(rows, block_size: int, device: torch.device, needs_seq_lens: bool) -> StepInputs:
-    """``rows`` in any order -> the batch, single-token rows first."""
+def step_inputs(rows, block_size: int, device: torch.device, needs_seq_lens: bool, num_lanes: int = 1) -> StepInputs:
+    """``rows`` in any order -> the batch, single-token rows first; ``num_lanes``: the model's lanes
+    of layers, each with its own slots and tables (``worker/core/kv_cache/kv_layout.py``)."""
     items = sorted(rows, key=lambda s: s.num_tokens > 1)
     ids, positions, slots, last_index = [], [], [], []
     for s in items:
@@ -30,9 +31,22 @@ def step_inputs(rows, block_size: int, device: torch.device, needs_seq_lens: boo
         positions.extend(range(s.start, s.context_len))
         slots.extend(s.slot_mapping(block_size))
         last_index.append(len(ids) - 1)
-    meta = _metadata(items, sum(1 for s in items if s.num_tokens == 1), slots, device, needs_seq_lens)
+    num_decodes = sum(1 for s in items if s.num_tokens == 1)
+    meta = _metadata(items, num_decodes, slots, device, needs_seq_lens)
+    if num_lanes > 1:
+        meta = replace(meta, other_lanes=tuple(_lane(meta, items, num_decodes, lane, block_size, device)
+                                               for lane in range(1, num_lanes)))
     return StepInputs(items, torch.tensor(ids, dtype=torch.int64, device=device),
                       torch.tensor(positions, dtype=torch.int64, device=device), meta, last_index)
+
+
+def _lane(meta: AttentionMetadata, items: list[ScheduledSeq], num_decodes: int, lane: int, block_size: int,
+          dev: torch.device) -> AttentionMetadata:
+    """``meta`` with ``lane``'s slots and tables."""
+    slots = [slot for s in items for slot in s.slot_mapping(block_size, lane)]
+    return replace(meta, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                   decode_block_tables=_tables(items[:num_decodes], dev, lane),
+                   prefill_block_tables=_tables(items[num_decodes:], dev, lane))
 
 
 def _metadata(items: list[ScheduledSeq], num_decodes: int, slots: list[int], dev: torch.device,
@@ -57,7 +71,8 @@ def _metadata(items: list[ScheduledSeq], num_decodes: int, slots: list[int], dev
     )
 
 
-def _tables(items: list[ScheduledSeq], dev: torch.device) -> torch.Tensor:
-    width = max((len(s.block_table) for s in items), default=0)
-    rows = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in items]
+def _tables(items: list[ScheduledSeq], dev: torch.device, lane: int = 0) -> torch.Tensor:
+    tables = [s.table(lane) for s in items]
+    width = max((len(t) for t in tables), default=0)
+    rows = [list(t) + [0] * (width - len(t)) for t in tables]
     return torch.tensor(rows, dtype=torch.int32, device=dev).view(len(items), width)

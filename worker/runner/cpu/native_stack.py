@@ -208,6 +208,7 @@ class NativeStack:
                               layer.self_attn.attn.extra.get("window", 0), layer.self_attn.attn.extra.get("softcap", 0.0))
                        for layer in model.model.layers]
         self.rotary_keys = list(model.rotary.layer_keys)
+        self.layer_lanes = list(model.kv_layout.layer_lanes)
         self._norm = kernels.raw("rms_norm", dtype)
         self._rope, self._silu = kernels.raw("rope_store", dtype), kernels.raw("silu_mul", dtype)
         self._attention = kernels.raw("paged_attention", dtype)
@@ -271,13 +272,16 @@ class NativeStack:
         if not self.takes(x, tables, meta, kv_caches):
             return None
         t, hidden, threads = x.shape[0], self.hidden, torch.get_num_threads()
-        block_tables, seq_lens = token_contexts(meta, t)
-        check_tables(block_tables, seq_lens, t)
         block_size = kv_caches[0][0].shape[1]
-        if int(seq_lens.max()) > block_tables.shape[1] * block_size:
-            raise ValueError(f"a context of {int(seq_lens.max())} tokens does not fit block tables of "
-                             f"{block_tables.shape[1]} blocks of {block_size}")
-        slots = meta.slot_mapping.contiguous()
+        lanes = []  # each lane's (tables, seen positions, slots)
+        for lane in range(max(self.layer_lanes) + 1):
+            lane_meta = meta.lane(lane)
+            block_tables, seq_lens = token_contexts(lane_meta, t)
+            check_tables(block_tables, seq_lens, t)
+            if int(seq_lens.max()) > block_tables.shape[1] * block_size:
+                raise ValueError(f"a context of {int(seq_lens.max())} tokens does not fit block tables of "
+                                 f"{block_tables.shape[1]} blocks of {block_size}")
+            lanes.append((block_tables, seq_lens, lane_meta.slot_mapping.contiguous()))
         token_seq = torch.arange(t, dtype=torch.int32, device=x.device)
         q_width, kv_width = self.heads * self.dim, self.kv_heads * self.dim
         qkv_width = q_width + 2 * kv_width
@@ -289,8 +293,9 @@ class NativeStack:
         q = empty(t, q_width) if t > 1 else None  # the attention kernel reads q's rows packed
         size = x.element_size()
         x_ptr, h_ptr, attended_ptr, act_ptr = x.data_ptr(), h.data_ptr(), attended.data_ptr(), act.data_ptr()
-        for layer, (k_cache, v_cache), key in zip(self.layers, kv_caches, self.rotary_keys):
+        for layer, (k_cache, v_cache), key, lane in zip(self.layers, kv_caches, self.rotary_keys, self.layer_lanes):
             cos, sin = tables[key]
+            block_tables, seq_lens, slots = lanes[lane]
             self._norm(x_ptr, layer.norm_in, h_ptr, t, hidden, hidden, layer.eps_in, threads)
             qkv = layer.qkv(h, qkv_rows)
             qkv_ptr = qkv.data_ptr()

@@ -19,7 +19,7 @@ pool is sized without it. Prefill and mixed steps run eagerly. ``enforce_eager``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,13 +63,15 @@ class GraphLimits:
 class _Bucket:
     """The static buffers of one captured (batch size, context bucket)."""
 
-    def __init__(self, size: int, context: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, size: int, context: int, block_size: int, device: torch.device, num_lanes: int = 1) -> None:
         self.size, self.context = size, context
         max_blocks = -(-context // block_size)
         self.ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slots = torch.full((size,), -1, dtype=torch.int64, device=device)
-        self.tables = torch.zeros((size, max_blocks), dtype=torch.int32, device=device)
+        # each lane's slots and tables (worker/core/kv_cache/kv_layout.py); the first lane's by name
+        self.lane_slots = [torch.full((size,), -1, dtype=torch.int64, device=device) for _ in range(num_lanes)]
+        self.lane_tables = [torch.zeros((size, max_blocks), dtype=torch.int32, device=device) for _ in range(num_lanes)]
+        self.slots, self.tables = self.lane_slots[0], self.lane_tables[0]
         self.lens = torch.ones(size, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)  # rope's length: tokens known, computed or not
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -103,28 +105,33 @@ class DecodeGraphs:
         return bucket.logits[:n]
 
     def _load(self, bucket: _Bucket, items: list[ScheduledSeq]) -> None:
-        n, width = len(items), max(len(s.block_table) for s in items)
+        n, width = len(items), max(len(s.block_table) for s in items)  # every lane's table is as long
         host = dict(
             ids=[s.token_ids[0] for s in items], positions=[s.start for s in items],
-            slots=[s.slot_mapping(self.block_size)[0] for s in items] + [-1] * (bucket.size - n),
             lens=[s.context_len for s in items] + [1] * (bucket.size - n),
             # as the eager step: a one-token chunk of a longer prompt rotates by the prompt's length
             seq_lens=[max(s.seq_len, s.context_len) for s in items] + [1] * (bucket.size - n),
         )
         for name, values in host.items():
-            target = getattr(bucket, name)
-            target[: len(values)].copy_(torch.tensor(values, dtype=target.dtype, device="cpu"), non_blocking=True)
-        # Table entries past a row's length are never read: only the live part is copied. Padding
-        # rows read position 0 of their row: block 0, not what an earlier, larger step left there
-        # (a sliding-window row's first entry can be the released-block marker, -1).
-        tables = [list(s.block_table) + [0] * (width - len(s.block_table)) for s in items]
-        tables += [[0] * width] * (bucket.size - n)
-        bucket.tables[:, :width].copy_(torch.tensor(tables, dtype=torch.int32, device="cpu"), non_blocking=True)
+            _copy(getattr(bucket, name), values)
+        for lane, (slots, target) in enumerate(zip(bucket.lane_slots, bucket.lane_tables)):
+            _copy(slots, [s.slot_mapping(self.block_size, lane)[0] for s in items] + [-1] * (bucket.size - n))
+            # Table entries past a row's length are never read: only the live part is copied. Padding
+            # rows read position 0 of their row: block 0, not what an earlier, larger step left there
+            # (a sliding-window row's first entry can be the released-block marker, -1).
+            tables = [list(t) + [0] * (width - len(t)) for t in (s.table(lane) for s in items)]
+            tables += [[0] * width] * (bucket.size - n)
+            target[:, :width].copy_(torch.tensor(tables, dtype=torch.int32, device="cpu"), non_blocking=True)
 
     def _metadata(self, bucket: _Bucket) -> AttentionMetadata:
+        first = self._lane_metadata(bucket, 0)
+        return replace(first, other_lanes=tuple(self._lane_metadata(bucket, lane)
+                                                for lane in range(1, len(bucket.lane_slots))))
+
+    def _lane_metadata(self, bucket: _Bucket, lane: int) -> AttentionMetadata:
         dev = self.device
         return AttentionMetadata(
-            slot_mapping=bucket.slots, num_decodes=bucket.size, decode_block_tables=bucket.tables,
+            slot_mapping=bucket.lane_slots[lane], num_decodes=bucket.size, decode_block_tables=bucket.lane_tables[lane],
             decode_seq_lens=bucket.lens,
             prefill_block_tables=torch.zeros((0, bucket.tables.shape[1]), dtype=torch.int32, device=dev),
             prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
@@ -138,7 +145,7 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _capture(self, size: int, context: int) -> _Bucket:
-        bucket = _Bucket(size, context, self.block_size, self.device)
+        bucket = _Bucket(size, context, self.block_size, self.device, self.model.kv_layout.num_lanes)
         meta = self._metadata(bucket)
         compute = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
@@ -161,3 +168,8 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             if (size, self.contexts[0]) not in self._buckets:
                 self._capture(size, self.contexts[0])
+
+
+def _copy(target: torch.Tensor, values: list) -> None:
+    """``values`` into the start of a static buffer, from the host without a sync."""
+    target[: len(values)].copy_(torch.tensor(values, dtype=target.dtype, device="cpu"), non_blocking=True)

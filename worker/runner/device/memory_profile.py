@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.kernels.decode_partitions import decode_scratch_bytes
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepPlan
+from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepPlan, private_tables
 from pagedserve.worker.runner.device.cuda_graphs import GraphLimits, graph_pool_bytes
 from pagedserve.worker.runner.sampling.sampler import Sampler, SampleRow
 
@@ -26,8 +26,8 @@ def worst_case_step(runner, max_num_batched_tokens: int, max_num_seqs: int, max_
     block_size, seqs, start = runner.block_size, [], 0
     while start < max_num_batched_tokens:
         length = min(max_model_len, max_num_batched_tokens - start)
-        blocks = tuple(range(-(-length // block_size)))
-        seqs.append(ScheduledSeq(len(seqs), f"profile-{len(seqs)}", (1,) * length, 0, blocks, 1))
+        blocks, lanes = private_tables(-(-length // block_size), runner.model.kv_layout.num_lanes)
+        seqs.append(ScheduledSeq(len(seqs), f"profile-{len(seqs)}", (1,) * length, 0, blocks, 1, lane_tables=lanes))
         start += length
     runner.forward(StepPlan(tuple(seqs), block_size))
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
@@ -49,20 +49,21 @@ def reserved_beside_pool(step_peak: int, model_config, max_num_seqs: int, max_mo
     return max(step_peak, decode) + pool
 
 
-def profile_blocks_needed(max_num_batched_tokens: int, max_model_len: int, block_size: int) -> int:
-    """Pool blocks the worst-case step writes into (each chunk starts at block 0)."""
-    return -(-min(max_num_batched_tokens, max_model_len) // block_size)
+def profile_blocks_needed(max_num_batched_tokens: int, max_model_len: int, block_size: int, num_lanes: int = 1) -> int:
+    """Pool blocks the worst-case step writes into (each chunk starts at block 0, in every lane)."""
+    return -(-min(max_num_batched_tokens, max_model_len) // block_size) * num_lanes
 
 
 def peak_step_bytes(make_runner: Callable[[int], object], block_size: int, max_num_batched_tokens: int,
-                    max_num_seqs: int, max_model_len: int, vocab: int, device: torch.device) -> int:
+                    max_num_seqs: int, max_model_len: int, vocab: int, device: torch.device, num_lanes: int = 1) -> int:
     """CUDA bytes the worst-case step allocates on top of what was resident, its scratch pool
-    excluded. ``make_runner(num_blocks)`` builds a runner with a pool of that many blocks."""
+    excluded. ``make_runner(num_blocks)`` builds a runner with a pool of that many blocks; ``num_lanes``:
+    the model's lanes of layers (``worker/core/kv_cache/kv_layout.py``)."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    runner = make_runner(profile_blocks_needed(max_num_batched_tokens, max_model_len, block_size))
+    runner = make_runner(profile_blocks_needed(max_num_batched_tokens, max_model_len, block_size, num_lanes))
     pool = torch.cuda.memory_allocated(device) - before
     worst_case_step(runner, max_num_batched_tokens, max_num_seqs, max_model_len, vocab)
     torch.cuda.synchronize(device)

@@ -1,6 +1,8 @@
-"""The layout of a model's paged KV pool: K and V of every layer in one tensor
-``[2 * layers, num_blocks, block_size, kv_heads, row width]``, so block copies and swaps are one
-operation, and the per-layer (K, V) views the attention reads. The target's pool, its CPU swap
+"""The layout of a model's paged KV pool: K and V of one lane of layers in one tensor
+``[2 * slots, num_blocks, block_size, kv_heads, row width]`` (``slots``: the layers of a lane,
+``worker/core/kv_cache/kv_layout.py``; every layer where the model has one kind of attention), so
+block copies and swaps are one operation, and the per-layer (K, V) views the attention reads: a
+layer reads its row of whichever lane's blocks its table gives it. The target's pool, its CPU swap
 pool and a draft model's pool (drafter.py) are all laid out so.
 
 A pool in host memory that nothing pins is an anonymous mapping (``zeroed_pool``): its pages read as
@@ -18,12 +20,12 @@ from pagedserve.worker.runner.models.layers import CausalLM
 
 
 def pool_shape(model: CausalLM, num_blocks: int, block_size: int, kv: KVFormat) -> tuple[int, ...]:
-    return 2 * len(model.model.layers), num_blocks, block_size, model.num_kv_heads, kv.row_width(model.head_dim)
+    return 2 * model.kv_layout.slots, num_blocks, block_size, model.num_kv_heads, kv.row_width(model.head_dim)
 
 
-def layer_caches(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_caches(pool: torch.Tensor, model: CausalLM) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) views of ``pool``."""
-    return [(pool[2 * i], pool[2 * i + 1]) for i in range(pool.shape[0] // 2)]
+    return [(pool[2 * slot], pool[2 * slot + 1]) for slot in model.kv_layout.layer_slots]
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pinned: bool = False) -> torch.Tensor:

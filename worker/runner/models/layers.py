@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from pagedserve.kernels.native_layer_ops import NativeLayerOps
 from pagedserve.kernels.ops import AttentionOps
+from pagedserve.worker.core.kv_cache.kv_layout import KvLayout
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata, PagedAttention
 from pagedserve.worker.runner.models.rope import Rotaries, RotaryEmbedding
 from pagedserve.worker.runner.models.vocab_parallel import VocabSlice
@@ -72,11 +73,11 @@ def layer_window(config, index: int) -> int:
     return window if getattr(config, "use_sliding_window", True) else 0
 
 
-def release_window(config) -> int:
-    """The window past which KV blocks can be released: the largest window when every layer has
-    one; 0 (keep everything) when any layer attends fully."""
+def kv_layout(config, hybrid: bool = True) -> KvLayout:
+    """Which block table each layer reads and which row of the pool holds its KV: the layers grouped
+    by their window (``worker/core/kv_cache/kv_layout.py``); not ``hybrid``: one table for all."""
     windows = [layer_window(config, i) for i in range(config.num_hidden_layers)]
-    return max(windows) if windows and all(windows) else 0
+    return KvLayout.of(windows) if hybrid else KvLayout.single(windows)
 
 
 class OffsetRMSNorm(nn.Module):
@@ -257,6 +258,8 @@ class CausalLM(nn.Module):
         first = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.rotary = Rotaries(config, self.head_dim)
+        # which block table each layer reads and which row of the pool holds its KV
+        self.kv_layout = kv_layout(config)
         self.vocab: VocabSlice | None = None  # tensor parallel: this rank's rows of the embedding and head
         # A decode step's layers as direct C calls (worker/runner/cpu/native_stack.py), where the loader
         # finds every layer the kernels': (x, tables, meta, kv_caches) -> hidden states, or None.
@@ -279,8 +282,8 @@ class CausalLM(nn.Module):
         stacked = self.native_stack(x, tables, meta, kv_caches) if self.native_stack is not None else None
         if stacked is not None:
             return self.model.norm(stacked)
-        for layer, cache, key in zip(self.model.layers, kv_caches, self.rotary.layer_keys):
-            x = layer(x, tables[key], meta, cache)
+        for layer, cache, key, lane in zip(self.model.layers, kv_caches, self.rotary.layer_keys, self.kv_layout.layer_lanes):
+            x = layer(x, tables[key], meta.lane(lane), cache)
         return self.model.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

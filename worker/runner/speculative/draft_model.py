@@ -33,7 +33,7 @@ class Drafter:
                  block_size: int, num_blocks: int) -> None:
         self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
         self.kv_pool = zeroed_pool(pool_shape(model, num_blocks, block_size, kv), kv.storage_dtype(dtype), device)
-        self.kv_caches = layer_caches(self.kv_pool)
+        self.kv_caches = layer_caches(self.kv_pool, model)
 
     @torch.inference_mode()
     def draft(self, seqs: tuple[ScheduledSeq, ...]) -> tuple[tuple[ScheduledSeq, ...], int]:

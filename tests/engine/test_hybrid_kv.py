@@ -1,0 +1,177 @@
+"""Hybrid-attention models page each lane of layers by its own attention (worker/core/kv_cache/kv_layout.py):
+Gemma 3 (five sliding layers of window 8 for each full one) and Gemma 2 (alternating) hold, in every
+sliding lane, only the blocks the window still sees, keep every block in the full lane, and still
+equal transformers token for token far past the window: alone, batched, under preemption (both
+modes), on prefix hits and in forks. Invariants checked after every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.kv_cache.block_tables import NO_BLOCK
+from tests.conftest import random_prompts
+from tests.engine.test_parity import VOCAB, divergence, run_checked
+
+WINDOW, BLOCK, CHUNK = 8, 4, 32
+
+
+def lanes_within_windows(engine) -> None:
+    """Every running sequence on the device: a full lane holds a block for each of its slots; a
+    sliding lane holds none that its next query cannot see, and between decode steps at most the
+    window and a partial block."""
+    blocks = engine.scheduler.blocks
+    windows = blocks.lane_windows
+    for seq in engine.scheduler.table._seqs.values():
+        if not blocks.has_seq(seq.seq_id) or blocks.is_swapped(seq.seq_id):
+            continue
+        tables = (blocks.block_table(seq.seq_id),) + blocks.lane_tables(seq.seq_id)
+        assert len(tables) == len(windows)
+        for window, table in zip(windows, tables):
+            held = [b for b in table if b != NO_BLOCK]
+            if not window:
+                assert len(held) == len(table) == blocks.blocks_for(blocks.num_slots(seq.seq_id))
+                continue
+            first_seen = max(0, seq.num_computed - window + 1) // BLOCK
+            assert all(b == NO_BLOCK for b in table[:first_seen]), (seq.num_computed, table)
+            if seq.num_computed + 1 == seq.num_tokens:  # decoding: its window and a partial block
+                assert len(held) <= -(-window // BLOCK) + 1, (seq.num_computed, table)
+
+
+def assert_hybrid_parity(zoo, name: str, cases, params=None, **llm_kwargs) -> LLM:
+    llm = LLM(zoo.path(name), device="cpu", dtype="float32", seed=0, block_size=BLOCK,
+              max_num_batched_tokens=CHUNK, **llm_kwargs)
+    assert llm.engine.runner.model.kv_layout.hybrid
+    params = params or [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases]
+    done = run_checked(llm, [p for p, _ in cases], params, check=lanes_within_windows)
+    for i, (prompt, n) in enumerate(cases):
+        ref = zoo.hf_greedy(name, prompt, n)
+        for out in done[i].outputs:
+            assert out.token_ids == ref, f"request {i}: {divergence(zoo, name, prompt, out.token_ids, ref)}"
+    return llm
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma2"])
+def test_lanes_hold_their_window_under_preemption(zoo, name, mode):
+    """Prompts and outputs many windows long; a pool that binds: preemptions happen."""
+    cases = random_prompts(seed=61, count=10, max_len=70, vocab=VOCAB, max_new=60)
+    llm = assert_hybrid_parity(zoo, name, cases, num_gpu_blocks=120, num_cpu_blocks=600, preemption_mode=mode)
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+
+
+def test_lane_layout_of_the_test_models(zoo):
+    """Gemma 3's six layers: one full lane and five sliding ones of a layer each; Gemma 2's four
+    alternating layers: a full and a sliding lane of two layers each (one pool row per layer of a lane)."""
+    gemma3 = LLM(zoo.path("gemma3"), device="cpu", dtype="float32", num_gpu_blocks=64).engine
+    gemma2 = LLM(zoo.path("gemma2"), device="cpu", dtype="float32", num_gpu_blocks=64).engine
+    layout3, layout2 = gemma3.runner.model.kv_layout, gemma2.runner.model.kv_layout
+    assert (layout3.lane_windows, layout3.slots, layout3.layer_lanes) == ((0,) + (WINDOW,) * 5, 1, (1, 2, 3, 4, 5, 0))
+    assert (layout2.lane_windows, layout2.slots, layout2.layer_lanes, layout2.layer_slots) == (
+        (0, WINDOW), 2, (1, 0, 1, 0), (0, 0, 1, 1))
+    assert gemma3.runner.kv_pool.shape[0] == 2 and gemma2.runner.kv_pool.shape[0] == 4
+    assert gemma3.scheduler.config.lane_windows == layout3.lane_windows
+
+
+def test_prefix_hits_need_only_the_window_of_a_sliding_lane(zoo):
+    """A shared system prompt many windows long: later requests hit it whole, though their sliding
+    lanes take only its last blocks."""
+    system = [11 + (i * 7) % 400 for i in range(100)]
+    cases = [(system + p, n) for p, n in random_prompts(seed=62, count=8, max_len=30, vocab=VOCAB, max_new=30)]
+    llm = assert_hybrid_parity(zoo, "gemma3", cases, num_gpu_blocks=2048)
+    assert llm.engine.scheduler.stats.prefix_hit_tokens >= 6 * 96, llm.engine.scheduler.stats
+
+
+def test_prefix_hit_after_the_sliding_blocks_were_evicted(zoo):
+    """A sliding lane's old blocks go back to the pool (to the prefix cache) as soon as the window
+    leaves them, so they are the first evicted: after another request took their room, the prompt
+    still hits whole, its sliding lanes taking only the last window's blocks."""
+    prompt = [5 + (i * 13) % 400 for i in range(90)]
+    llm = LLM(zoo.path("gemma3"), device="cpu", dtype="float32", seed=0, block_size=BLOCK, num_gpu_blocks=160,
+              max_num_batched_tokens=CHUNK)
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    first = run_checked(llm, [prompt], [params], check=lanes_within_windows)[0]
+    run_checked(llm, [[400 - i for i in range(40)]], [SamplingParams(temperature=0.0, max_tokens=1)])
+    stats = llm.engine.scheduler.stats
+    hits_before = stats.prefix_hit_tokens
+    again = run_checked(llm, [prompt], [params], check=lanes_within_windows)[0]
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == zoo.hf_greedy("gemma3", prompt, 40)
+    assert stats.prefix_hit_tokens - hits_before == (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def test_every_fork_of_a_hybrid_model_matches(zoo):
+    cases = random_prompts(seed=63, count=6, max_len=50, vocab=VOCAB, max_new=40)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, n=3) for _, n in cases]
+    llm = assert_hybrid_parity(zoo, "gemma3", cases, params, num_gpu_blocks=1024)
+    assert llm.engine.scheduler.stats.cow_copies > 0
+
+
+def test_a_hybrid_sequence_holds_a_fraction_of_one_table_per_layer(zoo):
+    """One 400-token sequence of Gemma 3 (window 8, blocks of 4), decoding: the full lane's 100
+    blocks and five sliding lanes' at most 3 each, of one layer a block: at most 115 layer-blocks
+    where one table for all six layers held 600."""
+    llm = LLM(zoo.path("gemma3"), device="cpu", dtype="float32", seed=0, block_size=BLOCK, num_gpu_blocks=2048)
+    engine = llm.engine
+    engine.add_request("a", list(range(3, 303)), SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True))
+    decoding = []
+    while engine.has_unfinished():
+        engine.step()
+        engine.scheduler.blocks.check_invariants()
+        seqs = list(engine.scheduler.table._seqs.values())
+        if seqs and not seqs[0].finished and seqs[0].num_computed >= 300:
+            decoding.append((seqs[0].num_computed, engine.scheduler.blocks.usage().used))
+    assert decoding[-1] == (398, 100 + 5 * 3) and engine.runner.model.kv_layout.slots == 1
+    assert max(used for _, used in decoding) <= 100 + 5 * 3
+
+
+@pytest.mark.slow
+def test_real_gemma3_past_its_window_equals_transformers(gemma3_model):
+    """The real Gemma 3 270M (its Q4_K_M GGUF as stored, float32): a 600-token prompt and 24 tokens
+    past the sliding layers' 512-token window, token for token as transformers reads the same file;
+    lanes of three layers, one full and five sliding."""
+    llm = LLM(gemma3_model.gguf, device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=256,
+              num_gpu_blocks=512, max_model_len=1024)
+    layout = llm.engine.runner.model.kv_layout
+    assert (layout.slots, layout.lane_windows) == (3, (0,) + (512,) * 5)
+    from pagedserve.bench.kv_quality import text
+
+    prompt = gemma3_model.tokenizer.encode(text())[:600]
+    assert len(prompt) == 600
+    ours = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    import torch
+
+    with torch.inference_mode():
+        ref = gemma3_model.hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
+                                       do_sample=False)[0, len(prompt):].tolist()
+    assert list(ours) == ref
+
+
+def test_speculative_drafts_rewind_every_lane(zoo):
+    """Prompt-lookup drafts on Gemma 3: a rejected draft's slots go back in every lane, accepted
+    ones are computed in every lane, and the output is still transformers'."""
+    from tests.engine.test_speculative import NGRAM, prompts
+
+    batch = prompts(6, seed=64)
+    llm = LLM(zoo.path("gemma3"), device="cpu", dtype="float32", seed=0, block_size=BLOCK, num_gpu_blocks=1024,
+              speculative_config=NGRAM)
+    llm.engine.scheduler.step_cost = None  # draft whatever a step costs here
+    params = [SamplingParams(temperature=0.0, max_tokens=40)] * len(batch)
+    done = run_checked(llm, batch, params, check=lanes_within_windows)
+    assert llm.engine.scheduler.applier.spec_stats.draft_tokens > 0
+    for i, prompt in enumerate(batch):
+        assert list(done[i].outputs[0].token_ids) == zoo.hf_greedy("gemma3", prompt, 40), i
+
+
+def test_a_quantized_cache_calibrates_and_serves_every_lane(zoo):
+    """An 8-bit cache on Gemma 3: the key turns are calibrated over every lane's blocks (each lane on
+    blocks of its own), and requests run with every lane's window bound."""
+    cases = random_prompts(seed=65, count=6, max_len=50, vocab=VOCAB, max_new=30)
+    llm = LLM(zoo.path("gemma3"), device="cpu", dtype="float32", seed=0, block_size=BLOCK, num_gpu_blocks=512,
+              kv_cache_dtype="int8", max_num_batched_tokens=CHUNK)
+    attention = [layer.self_attn.attn for layer in llm.engine.runner.model.model.layers]
+    assert all(a.key_rotation is not None for a in attention)
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases]
+    done = run_checked(llm, [p for p, _ in cases], params, check=lanes_within_windows)
+    assert all(done[i].outputs[0].token_ids for i in range(len(cases)))
