@@ -148,3 +148,21 @@ def test_seeded_random_workload_keeps_every_invariant():
                     if window and bm.num_slots(seq) == computed[seq]:
                         assert len(held) <= -(-window // bs) + 1, (window, table)
     assert next_id > 100 and bm.usage().used > 0
+
+
+def test_the_kv_budget_counts_every_lane():
+    """Gemma 3 270M's lanes, 2 GiB of float32 KV in blocks of 16 (3 layers: 96 KiB each): one sequence
+    may be as long as the full lane's share leaves room for the sliding lanes' windows and a chunk;
+    an asked context past it is refused with the pool's own bytes."""
+    from pagedserve.worker.setup.kv_budget import ContextDoesNotFit, KvBudget
+
+    lanes = (0,) + (512,) * 5
+    budget = KvBudget(blocks=21845, block_size=16, bytes_per_token=6144, lane_windows=lanes, chunk=2048)
+    assert budget.blocks_for(8192) == 512 + 5 * (-(-(512 + 2048) // 16) + 1)
+    assert budget.tokens == budget.longest() == (21845 - 5 * 161) * 16
+    assert budget.fit_context(32768, asked=True) == 32768 and budget.full_sequences(8192) == 21845 // 1317
+    with pytest.raises(ContextDoesNotFit, match=r"holds 21845 blocks \(336640 tokens, 2.00 GiB\)"):
+        budget.fit_context(400_000, asked=True)
+    assert budget.fit_context(400_000, asked=False) == 336640
+    one_table = KvBudget(blocks=3640, block_size=16, bytes_per_token=36864)  # the same bytes, one lane of 18 layers
+    assert one_table.tokens == 3640 * 16 and one_table.full_sequences(8192) == 7

@@ -26,8 +26,13 @@ class KvBudget:
 
     @property
     def tokens(self) -> int:
-        """Token slots in the pool, every lane's counted."""
-        return self.blocks * self.block_size
+        """The tokens the budget holds: one sequence's longest where a lane keeps every position, else
+        (every lane slides) the pool's slots."""
+        return self.longest() if 0 in self.lane_windows else self.blocks * self.block_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.blocks * self.block_size * self.bytes_per_token
 
     def blocks_for(self, length: int) -> int:
         """Blocks one sequence of ``length`` tokens holds at most, every lane counted."""
@@ -36,7 +41,7 @@ class KvBudget:
     def longest(self) -> int:
         """The longest sequence the budget holds alone (whole blocks)."""
         full = sum(1 for w in self.lane_windows if not w)
-        if not full:
+        if not full:  # a sequence holds its lanes' windows at any length
             return sys.maxsize if self.blocks_for(sys.maxsize // 2) <= self.blocks else 0
         length = (self.blocks // full) * self.block_size  # an upper bound: the sliding lanes take their share
         while length > 0 and self.blocks_for(length) > self.blocks:
@@ -53,7 +58,7 @@ class KvBudget:
             raise ContextDoesNotFit(
                 f"max_model_len {max_len} needs {need} KV blocks ({_gib(need * self.block_size * self.bytes_per_token)}) "
                 f"for one sequence, but the KV budget holds {self.blocks} blocks ({self.tokens} tokens, "
-                f"{_gib(self.tokens * self.bytes_per_token)}): raise --kv-cache-memory (or --num-gpu-blocks), "
+                f"{_gib(self.pool_bytes)}): raise --kv-cache-memory (or --num-gpu-blocks), "
                 f"or lower --max-model-len to at most {longest}")
         return self.longest()
 
