@@ -37,6 +37,18 @@ BLOCK = 16
 CHUNK = 2048
 
 
+def one_table_budget(model: str, dtype: str, context: int, budget_sequences: int):
+    """``(info, bytes of one layer's K and V per token, the budget)``: ``budget_sequences`` sequences
+    of ``context`` tokens in the one-table layout (every layer, every position)."""
+    from pagedserve.worker.runner.loader import inspect_model
+
+    info = inspect_model(model, dtype)
+    config = info.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layer_token_bytes = 2 * config.num_key_value_heads * head_dim * info.dtype.itemsize
+    return info, layer_token_bytes, budget_sequences * context * config.num_hidden_layers * layer_token_bytes
+
+
 def one_sequence(model: str, hybrid: bool, context: int, decode: int, dtype: str) -> dict:
     from pagedserve import LLM
 
@@ -66,15 +78,10 @@ def one_sequence(model: str, hybrid: bool, context: int, decode: int, dtype: str
 
 
 def conversations(model: str, hybrid: bool, context: int, count: int, budget_sequences: int, dtype: str) -> dict:
-    from pagedserve.worker.runner.loader import inspect_model
     from pagedserve.worker.runner.models.layers import kv_layout
 
-    info = inspect_model(model, dtype)
-    config = info.config
-    layout = kv_layout(config, hybrid)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layer_token_bytes = 2 * config.num_key_value_heads * head_dim * info.dtype.itemsize
-    budget = budget_sequences * context * config.num_hidden_layers * layer_token_bytes  # the one-table layout's
+    info, layer_token_bytes, budget = one_table_budget(model, dtype, context, budget_sequences)
+    layout = kv_layout(info.config, hybrid)
     block_bytes = layout.slots * BLOCK * layer_token_bytes
     sched = Scheduler(SchedulerConfig(num_gpu_blocks=budget // block_bytes, block_size=BLOCK, max_num_seqs=256,
                                       max_num_batched_tokens=CHUNK, max_model_len=context,
@@ -140,12 +147,8 @@ def served(model: str, hybrid: bool, context: int, count: int, budget_sequences:
     under a KV budget of ``budget_sequences`` full-length sequences of the one-table layout: wall
     time, output tokens/s, preemptions."""
     from pagedserve import LLM
-    from pagedserve.worker.runner.loader import inspect_model
 
-    config = inspect_model(model, dtype).config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    layer_token_bytes = 2 * config.num_key_value_heads * head_dim * 4  # float32
-    budget = budget_sequences * context * config.num_hidden_layers * layer_token_bytes
+    _, _, budget = one_table_budget(model, dtype, context, budget_sequences)
     llm = LLM(model, device="cpu", dtype=dtype, block_size=BLOCK, max_num_batched_tokens=CHUNK, max_model_len=context,
               kv_cache_memory=budget, hybrid_kv_cache=hybrid)
     rng = random.Random(2)

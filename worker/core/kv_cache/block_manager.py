@@ -72,7 +72,7 @@ class PrefixHit:
 
     def held(self) -> list[int]:
         """The device blocks the hit takes, every lane's."""
-        return [b for table in (self.blocks, *self.lanes) for b in table if b != NO_BLOCK]
+        return held_blocks([self.blocks, *self.lanes])
 
     @property
     def num_blocks(self) -> int:

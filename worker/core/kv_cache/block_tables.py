@@ -13,11 +13,6 @@ NO_BLOCK = -1  # a table entry whose block was released: wholly outside its lane
 Lanes = list[list[int]]  # a sequence's tables, one per lane
 
 
-def live_blocks(table: list[int]) -> list[int]:
-    """The table's blocks that are held (released entries left out)."""
-    return [b for b in table if b != NO_BLOCK]
-
-
 def held_blocks(lanes: Lanes) -> list[int]:
     """Every block a sequence's tables hold, lane after lane."""
     return [b for table in lanes for b in table if b != NO_BLOCK]
