@@ -112,32 +112,37 @@ def step_cpu(model: str, hybrid: bool, context: int, rows: int, dtype: str) -> d
     scheduler's ``schedule`` and ``update`` and the runner's input tensors (``step_inputs``), no forward."""
     import torch
 
+    from pagedserve.worker.runner.attention.kept_tables import KeptTables
     from pagedserve.worker.runner.attention.step_inputs import step_inputs
     from pagedserve.worker.runner.loader import inspect_model
     from pagedserve.worker.runner.models.layers import kv_layout
 
     layout = kv_layout(inspect_model(model, dtype).config, hybrid)
-    blocks = rows * layout.blocks_held(context + 64, BLOCK, CHUNK) + 64
+    decode = rows * context // CHUNK + 64  # tokens the first row decodes while the last is prefilled, and the 20 steps
+    blocks = rows * layout.blocks_held(context + decode, BLOCK, CHUNK) + 64
     sched = Scheduler(SchedulerConfig(num_gpu_blocks=blocks, block_size=BLOCK, max_num_seqs=rows,
-                                      max_num_batched_tokens=max(CHUNK, rows), max_model_len=context + 64,
+                                      max_num_batched_tokens=max(CHUNK, rows), max_model_len=context + decode,
                                       enable_prefix_caching=False, lane_windows=layout.lane_windows))
-    for i in range(rows):
-        sched.add(str(i), [1000 + i] * context, SamplingParams(max_tokens=64, ignore_eos=True))
+    for i in range(rows):  # none ends before the measured steps: every row decodes in them
+        sched.add(str(i), [1000 + i] * context, SamplingParams(max_tokens=decode, ignore_eos=True))
 
-    def step() -> tuple[float, float]:
+    kept = KeptTables(layout.num_lanes)  # the runner's tables, between steps
+
+    def step() -> tuple[float, float, int]:
         started = time.perf_counter()
         plan = sched.schedule()
         planned = time.perf_counter()
-        step_inputs(plan.seqs, BLOCK, torch.device("cpu"), False, layout.num_lanes)
+        kept.update(plan.seqs)
+        step_inputs(plan.seqs, BLOCK, torch.device("cpu"), False, layout.num_lanes, kept)
         built = time.perf_counter()
         sched.update(plan, StepResult({s.seq_id: (SampledToken(1),) * s.num_samples for s in plan.seqs if s.num_samples}))
-        return planned - started + time.perf_counter() - built, built - planned
+        return planned - started + time.perf_counter() - built, built - planned, len(plan.seqs)
 
     while any(s.num_computed < context for r in sched.running + sched.waiting for s in r.live_seqs):
         step()
     timings = [step() for _ in range(20)]
     return {"bench": "hybrid_kv_step_cpu", "layout": "per-lane" if hybrid else "one table", "context": context,
-            "rows": rows, "lanes": layout.num_lanes,
+            "rows": min(t[2] for t in timings), "lanes": layout.num_lanes,
             "scheduler_ms": round(1000 * statistics.median(t[0] for t in timings), 2),
             "inputs_ms": round(1000 * statistics.median(t[1] for t in timings), 2)}
 

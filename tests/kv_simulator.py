@@ -50,6 +50,7 @@ class KVSimulator:
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_slots)]
         self.disk = disk
+        self.tables: dict[int, list[int]] = {}  # seq id -> its first lane's block table
 
     def execute(self, plan: StepPlan) -> StepResult:
         tier = plan.tier  # in the runner's order (worker/runner/model_runner.py: apply_block_moves)
@@ -68,13 +69,14 @@ class KVSimulator:
         for src, dst in plan.copies:
             self.gpu[dst] = list(self.gpu[src])
         bs = self.block_size
-        for item in plan.seqs:
-            for token, slot in zip(item.token_ids, item.slot_mapping(bs)):
+        for item in plan.seqs:  # as the runner, it keeps each table and takes each step's changes
+            self.tables[item.seq_id] = item.kept_table(self.tables.get(item.seq_id, []))
+            for token, slot in zip(item.token_ids, item.slot_mapping(bs, self.tables[item.seq_id])):
                 self.gpu[slot // bs][slot % bs] = token
         samples = {}
         for item in plan.seqs:
             if item.num_samples:
-                table = item.block_table
+                table = self.tables[item.seq_id]
                 context = [self.gpu[table[p // bs]][p % bs] for p in range(item.context_len)]
                 assert None not in context, f"seq {item.seq_id} reads unwritten KV"
                 # Forks draw their first token with salt = output index; everything else salt 0.

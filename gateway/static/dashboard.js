@@ -121,15 +121,27 @@
     drawCharts();
   }
 
+  // Each sequence's tables, every lane's (a hybrid model: docs/engine.md, "Lanes"): [seq, lane, table].
+  function laneTables(row) {
+    return row.tables.flatMap((table, seq) => [table, ...((row.lane_tables || [])[seq] || [])].map((t, lane) => [seq, lane, t]));
+  }
+
+  function laneName(snap, lane) {
+    const windows = snap.lanes || [0];
+    return windows.length < 2 ? "" : windows[lane] ? ` · lane ${lane} (window ${windows[lane]})` : ` · lane ${lane} (full)`;
+  }
+
   function holders(snap) {
     const held = { gpu: new Map(), cpu: new Map() };
     for (const row of snap.requests) {
-      row.tables.forEach((table, seq) => table.forEach((block) => {
-        if (block < 0 || !row.device) return;
-        const map = held[row.device];
-        if (!map.has(block)) map.set(block, []);
-        map.get(block).push(row.id + (row.tables.length > 1 ? " #" + seq : ""));
-      }));
+      for (const [seq, lane, table] of laneTables(row)) {
+        for (const block of table) {
+          if (block < 0 || !row.device) continue;
+          const map = held[row.device];
+          if (!map.has(block)) map.set(block, []);
+          map.get(block).push(row.id + (row.tables.length > 1 ? " #" + seq : "") + laneName(snap, lane));
+        }
+      }
     }
     return held;
   }
@@ -193,10 +205,13 @@
 
   // What the seed's picture shows: contiguous max-length slots against pages, and what sharing saves.
   function drawPaging(bars, f) {
+    const grouped = f.one_table !== undefined;  // a hybrid model: a table per lane of layers
     const rows = [
       ["without paging", f.unpaged, "a contiguous slot per sequence for prompt + max_tokens, from admission"],
-      ["paged", f.logical, "the blocks the tables name: each sequence's own, as written so far"],
-      ["paged and shared", f.used, "the blocks held: copy-on-write and the prefix cache share the rest"],
+      ...(grouped ? [["paged, one table", f.one_table, "the blocks the tables would name if every layer kept every position"]] : []),
+      [grouped ? "paged per group" : "paged", f.logical,
+       grouped ? "the blocks the lanes' tables name: a sliding lane only its window" : "the blocks the tables name: each sequence's own, as written so far"],
+      [grouped ? "per group and shared" : "paged and shared", f.used, "the blocks held: copy-on-write and the prefix cache share the rest"],
     ];
     const most = Math.max(1, ...rows.map((r) => r[1] || 0));
     bars.innerHTML = "";
@@ -211,8 +226,10 @@
       bars.append(row);
     }
     const saved = document.createElement("p");
-    saved.textContent = f.unpaged ? `paging saves ${pct(f.unpaged - f.logical, f.unpaged)} of the reserved blocks, sharing ` +
-                                    `${pct(f.logical - f.used, f.logical)} of the paged ones` : "no request running";
+    saved.textContent = !f.unpaged ? "no request running" : grouped
+      ? `paging saves ${pct(f.unpaged - f.one_table, f.unpaged)} of the reserved blocks, groups ${pct(f.one_table - f.logical, f.one_table)} ` +
+        `of the paged ones, sharing ${pct(f.logical - f.used, f.logical)} of the rest`
+      : `paging saves ${pct(f.unpaged - f.logical, f.unpaged)} of the reserved blocks, sharing ${pct(f.logical - f.used, f.logical)} of the paged ones`;
     bars.append(saved);
   }
 
@@ -281,10 +298,11 @@
       (row.cut ? " (tables cut short)" : "");
     box.appendChild(title);
     const pool = row.device && w[row.device];
-    row.tables.forEach((table, seq) => {
+    for (const [seq, lane, table] of laneTables(row)) {
       const line = document.createElement("div");
       line.className = "seq";
-      line.innerHTML = `<b>seq ${seq}</b>`;
+      line.innerHTML = "<b></b>";
+      line.firstChild.textContent = `seq ${seq}${laneName(w.snap, lane)}`;
       for (const block of table) {
         const cell = document.createElement("span");
         const value = block >= 0 && pool ? pool.cells[Math.floor(block / pool.group)] : 0;
@@ -294,7 +312,7 @@
         line.appendChild(cell);
       }
       box.appendChild(line);
-    });
+    }
   }
 
   // ------------------------------------------------------------------ charts

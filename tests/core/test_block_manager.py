@@ -2,7 +2,8 @@
 
 import pytest
 
-from pagedserve.worker.core.kv_cache.block_manager import BlockManager, BlockUsage
+from pagedserve.worker.core.kv_cache.block_manager import BlockManager
+from pagedserve.worker.core.kv_cache.table_reports import BlockUsage
 from pagedserve.worker.core.kv_cache.block_pool import BlockPool
 from pagedserve.worker.core.kv_cache.errors import OutOfBlocksError
 

@@ -95,7 +95,11 @@ def test_a_sliding_lane_missing_its_window_shortens_the_hit_to_where_it_has_one(
 
 
 def test_seeded_random_workload_keeps_every_invariant():
+    """Starts (prefix hits), steps, forks, rewinds, swaps and frees at random; after each, the
+    invariants, the sliding lanes' bound, and a runner's view: it takes a sequence's table changes
+    only now and then (when the sequence is scheduled) and must then hold every live entry."""
     rng = random.Random(61)
+    runner: dict[int, list[list[int]]] = {}  # seq -> its tables as a runner keeps them
     windows, bs = (0, 6, 6, 0, 10), 4
     bm = BlockManager(num_blocks=300, block_size=bs, num_cpu_blocks=300, lane_windows=windows)
     tokens: dict[int, list[int]] = {}
@@ -127,7 +131,12 @@ def test_seeded_random_workload_keeps_every_invariant():
                 bm.fork(parent, next_id)
                 tokens[next_id], computed[next_id] = list(tokens[parent]), computed[parent]
                 next_id += 1
-        elif op < 0.85:
+        elif op < 0.8:  # a draft's slots given back
+            seq = rng.choice(live)
+            keep = max(computed[seq], bm.num_slots(seq) - rng.randint(0, 6))
+            bm.rewind(seq, keep)
+            del tokens[seq][keep:]
+        elif op < 0.87:
             seq = rng.choice(live)
             if bm.swap_out_cost([seq]) <= bm.cpu.num_free:
                 bm.swap_out([seq])
@@ -143,6 +152,14 @@ def test_seeded_random_workload_keeps_every_invariant():
         for seq in tokens:
             if bm.has_seq(seq) and not bm.is_swapped(seq):
                 lanes = (bm.block_table(seq),) + bm.lane_tables(seq)
+                if rng.random() < 0.5:  # scheduled: the runner takes what changed since it last was
+                    start, tails = bm.table_change(seq)
+                    kept = runner.get(seq, [[] for _ in windows])
+                    assert all(len(table) >= start for table in kept), (seq, start, kept)
+                    runner[seq] = [table[:start] + list(tail) for table, tail in zip(kept, tails)]
+                    for table, seen in zip(lanes, runner[seq]):
+                        assert len(seen) == len(table)
+                        assert all(b == NO_BLOCK or b == s for b, s in zip(table, seen)), (seq, table, seen)
                 for window, table in zip(windows, lanes):
                     held = [b for b in table if b != NO_BLOCK]
                     if window and bm.num_slots(seq) == computed[seq]:

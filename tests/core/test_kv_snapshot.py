@@ -15,7 +15,8 @@ def assert_values_count_the_tables(cells, rows: list[dict], device: str = "gpu")
     """Every held block's value is 1 + the listed tables (of ``device``) that name it."""
     refs: dict[int, int] = {}
     for row in rows:
-        for table in row["tables"] if row["device"] == device else ():
+        lanes = [t for seq in row.get("lane_tables", []) for t in seq]
+        for table in row["tables"] + lanes if row["device"] == device else ():
             for block in table:
                 if block >= 0:
                     refs[block] = refs.get(block, 0) + 1
@@ -54,6 +55,29 @@ def test_forked_and_prefix_shared_blocks_show_their_refcounts_and_holders():
     # Without paging each sequence holds a slot of prompt + max_tokens from the start: 14 + 6 and
     # 13 + 6 tokens (5 blocks each), and three of 5 + 6 (3 blocks each) for the samples.
     assert figures["unpaged"] == 5 + 5 + 3 * 3 > figures["logical"]
+
+
+def test_a_hybrid_models_lanes_show_their_tables_and_what_one_table_would_hold():
+    """A full lane and a sliding one (window 8, blocks of 4): each sequence's sliding table shows its
+    released entries; ``one_table`` names every position in both lanes, the lanes' tables less."""
+    sched, sim = make(num_blocks=64, block_size=4, lane_windows=(0, 8))
+    sched.add("long", list(range(30)), SamplingParams(max_tokens=12, ignore_eos=True))
+    sched.add("fork", list(range(50, 61)), SamplingParams(max_tokens=12, ignore_eos=True, n=2))
+    for _ in range(5):
+        step(sched, sim)
+    snap = kv_snapshot(sched)
+    rows = {row["id"]: row for row in snap["requests"]}
+    assert snap["lanes"] == [0, 8]
+    (full,), ((sliding,),) = rows["long"]["tables"], rows["long"]["lane_tables"]
+    assert len(full) == len(sliding) == 9 and -1 not in full  # 34 slots
+    assert sliding[:6] == [-1] * 6 and -1 not in sliding[6:]  # position 33 sees 26..33: blocks 6..8
+    assert len(rows["fork"]["lane_tables"]) == 2 and rows["fork"]["lane_tables"][0][0][0] == rows["fork"]["lane_tables"][1][0][0]
+    cells, _ = decode(snap["gpu"])
+    assert_values_count_the_tables(cells, snap["requests"])  # the sliding lanes' blocks counted too
+    figures = snap["figures"]
+    held = sum(len(t) - t.count(-1) for row in snap["requests"] for t in row["tables"] + [t for s in row["lane_tables"] for t in s])
+    assert figures["logical"] == held < figures["one_table"] == 2 * (9 + 2 * 4)  # the forks: 16 slots each
+    assert figures["unpaged"] == 2 * (-(-42 // 4) + 2 * -(-23 // 4)) > figures["one_table"]
 
 
 def test_swapped_requests_show_on_the_cpu_pool():

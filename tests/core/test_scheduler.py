@@ -50,7 +50,8 @@ def test_chunked_prefill_mixes_with_decodes():
     assert [(s.request_id, s.start, s.num_tokens) for s in plan.seqs] == [("a", 4, 1), ("b", 7, 7)]
     plan, _ = step(sched, sim)
     assert [(s.request_id, s.start, s.num_tokens, s.num_samples) for s in plan.seqs] == [("a", 5, 1, 1), ("b", 14, 6, 1)]
-    assert plan.slot_mapping()[:1] == [sched.blocks.block_table(0)[1] * 4 + 1]
+    first = plan.seqs[0]
+    assert first.slot_mapping(4, sim.tables[first.seq_id])[:1] == [sched.blocks.block_table(0)[1] * 4 + 1]
 
 
 def test_max_num_seqs_holds_requests_back():
@@ -339,3 +340,21 @@ def test_a_request_waits_for_its_grammar_and_others_pass_it():
     sched.requests["slow"].grammar = None
     plan, _ = step(sched, sim)
     assert "slow" in [s.request_id for s in plan.seqs]
+
+
+def test_a_long_prompt_waits_until_its_whole_prompt_fits_beside_the_running_ones():
+    """Two prompts of 10 blocks in a pool of 16: the second's first chunk fits while the first one
+    decodes, but not its whole prompt; it waits for the first to end instead of being admitted,
+    growing and preempted (or preempting) before its prompt is in."""
+    sched, sim = make(num_blocks=16, max_num_batched_tokens=8)
+    prompts = {"a": list(range(40)), "b": list(range(100, 140))}
+    for rid, prompt in prompts.items():
+        sched.add(rid, prompt, params(max_tokens=12))
+    outputs = {}
+    while sched.has_work:
+        plan, out = step(sched, sim)
+        assert {s.request_id for s in plan.seqs} != {"a", "b"}, "both ran at once"
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in out if o.finished)
+    assert sched.stats.num_preemptions == 0
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == reference_output(prompt, 0, 12, None)

@@ -140,3 +140,20 @@ def test_no_step_runs_more_adapters_than_max_loras(zoo, adapters):
     for prompt, name, out in zip(prompts, names, outs):
         want = zoo.hf_greedy("llama-gqa", prompt, 12) if name is None else greedy(adapters[name][1], prompt, 12)
         assert out.outputs[0].token_ids == want, name
+
+
+def test_an_adapter_on_a_hybrid_model_keeps_its_own_prefix_in_every_lane(zoo, tmp_path):
+    """Gemma 3 (a full lane and five sliding ones of window 8, blocks of 4): a prompt five windows
+    long under the base model and under an adapter, twice: each equals transformers (+ PEFT merged)
+    past the window, and the second round hits each one's own prefix in every lane, never the other's."""
+    merged = make_adapter(zoo, "gemma3", tmp_path / "a", 8, ALL_TARGETS, seed=3)
+    llm = LLM(zoo.path("gemma3"), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=256, enable_lora=True)
+    assert llm.engine.runner.model.kv_layout.hybrid
+    prompt = [11 + (i * 7) % 400 for i in range(41)]
+    want = [zoo.hf_greedy("gemma3", prompt, 12), greedy(merged, prompt, 12)]
+    assert want[0] != want[1]
+    for round in range(2):
+        outs = llm.generate([prompt, prompt], [GREEDY, GREEDY], lora_request=[None, LoRARequest("a", 1, str(tmp_path / "a"))],
+                            use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want, round
+    assert llm.engine.stats()["prefix_cache_hits_total"] == 2 * 40  # the second round: both prompts' 10 blocks

@@ -249,7 +249,7 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     assert graphs.can_run(items) and graphs.sizes == [1, 2, 4]
     assert graphs.key(items) == (4, 64)  # max_model_len caps the first context bucket
     bucket = _Bucket(*graphs.key(items), 8, runner.device)
-    graphs._load(bucket, items)
+    graphs._load(bucket, items, runner.tables)  # forward() took the plan's table changes
     with torch.inference_mode():
         replayed = graphs._forward(bucket, graphs._metadata(bucket))
     assert bucket.slots[3] == -1 and bucket.lens[3] == 1  # the padding row writes nothing

@@ -34,8 +34,9 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
 
 def run(zoo, name: str, tp: int, **kwargs) -> tuple[list[list[list[int]]], dict]:
     """Every request's outputs' tokens, and what the engine went through (preemptions, swaps, hits)."""
-    llm = LLM(zoo.path(name), device="cpu", dtype="float32", seed=0, block_size=16, num_gpu_blocks=28,
-              max_num_batched_tokens=96, tensor_parallel_size=tp, **kwargs)
+    kwargs.setdefault("num_gpu_blocks", 28)
+    llm = LLM(zoo.path(name), device="cpu", dtype="float32", seed=0, block_size=16, max_num_batched_tokens=96,
+              tensor_parallel_size=tp, **kwargs)
     seen = {"swapped": 0}
 
     def note(engine) -> None:
@@ -54,14 +55,16 @@ def run(zoo, name: str, tp: int, **kwargs) -> tuple[list[list[list[int]]], dict]
     ("llama-gqa", 2, "recompute"), ("llama-mha", 2, "swap"), ("llama-tied", 2, "recompute"), ("qwen2", 2, "swap"),
     ("qwen2-moe", 2, "recompute"), ("mixtral", 2, "swap"), ("phi3", 2, "recompute"),  # phi3: fused checkpoint tensors
     ("llama-gqa", 4, "recompute"),  # 2 KV heads over 4 ranks: each replicated on the two ranks whose q heads read it
+    ("gemma3", 2, "swap"),  # lanes: each rank keeps every lane's tables from the plans' changes alone
 ])
 def test_tp_greedy_equals_tp1_under_preemption_forks_and_prefix_hits(zoo, name, tp, mode):
-    one, one_stats = run(zoo, name, 1, preemption_mode=mode)
-    two, two_stats = run(zoo, name, tp, preemption_mode=mode)
+    blocks = {"gemma3": 100}.get(name, 28)  # six lanes of a layer: a little more than a request's worst case
+    one, one_stats = run(zoo, name, 1, preemption_mode=mode, num_gpu_blocks=blocks)
+    two, two_stats = run(zoo, name, tp, preemption_mode=mode, num_gpu_blocks=blocks)
     for i, (a, b) in enumerate(zip(one, two)):
         assert a == b, f"request {i}: TP=1 {a} vs TP={tp} {b}"
     assert two_stats["num_preemptions_total"] > 0 and two_stats["prefix_cache_hits_total"] >= 32, two_stats  # the shared prefix reused at least once
-    assert two_stats["cow_copies_total"] > 0 or any(len(outs) == 2 for outs in two), two_stats
+    assert two_stats["cow_copies_total"] > 0, two_stats  # the forks wrote their shared last block
     if mode == "swap":
         assert two_stats["swapped"] > 0, two_stats
 

@@ -65,7 +65,8 @@ def test_the_decode_graph_forward_keeps_the_capture_rules(zoo, family):
             module.ops = relaxed
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, 8, GraphLimits(max_model_len=64, max_num_seqs=4))
     bucket = _Bucket(4, graphs.contexts[-1], graphs.block_size, runner.device, runner.model.kv_layout.num_lanes)
-    graphs._load(bucket, items)
+    runner.tables.update(items)  # the plan carries only what changed since the prompts' step
+    graphs._load(bucket, items, runner.tables)
     with torch.inference_mode(), CaptureRules():
         logits = graphs._forward(bucket, graphs._metadata(bucket))
     assert logits.shape[0] == 4

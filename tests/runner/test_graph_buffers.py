@@ -8,6 +8,7 @@ import torch
 
 from pagedserve import LLM
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
+from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.step_inputs import step_inputs
 from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
 
@@ -22,9 +23,11 @@ def test_padding_rows_read_block_zero_after_a_larger_step():
     graphs = DecodeGraphs(None, None, CPU, 4, GraphLimits(max_model_len=64, max_num_seqs=4))
     bucket = _Bucket(4, graphs.contexts[-1], graphs.block_size, CPU)
     released = -1  # worker/core/block_tables.NO_BLOCK: a sliding-window row's first blocks, released
-    graphs._load(bucket, [decode_row(i, (released, 5 + i, 9 + i), start=10) for i in range(3)])
+    rows = [decode_row(i, (released, 5 + i, 9 + i), start=10) for i in range(3)]
+    graphs._load(bucket, rows, KeptTables.of(rows))
     assert bucket.tables[:3, 0].tolist() == [released] * 3
-    graphs._load(bucket, [decode_row(7, (3,), start=2)])
+    rows = [decode_row(7, (3,), start=2)]
+    graphs._load(bucket, rows, KeptTables.of(rows))
     assert bucket.tables[:, 0].tolist() == [3, 0, 0, 0]  # padding rows attend over block 0
     assert bucket.lens.tolist() == [3, 1, 1, 1] and bucket.slots.tolist()[1:] == [-1, -1, -1]
 
@@ -38,7 +41,7 @@ def test_a_graph_gives_rope_the_eager_steps_lengths(zoo):
     eager = step_inputs(items, runner.block_size, CPU, runner.model.rotary.needs_seq_lens).meta
     graphs = DecodeGraphs(runner.model, runner.kv_caches, CPU, runner.block_size, GraphLimits(64, 4))
     bucket = _Bucket(2, graphs.contexts[-1], graphs.block_size, CPU)
-    graphs._load(bucket, items)
+    graphs._load(bucket, items, KeptTables.of(items))
     replayed = graphs._metadata(bucket)
     assert replayed.token_seq_lens.tolist() == eager.token_seq_lens.tolist() == [40, 18]
     assert replayed.decode_seq_lens.tolist() == eager.decode_seq_lens.tolist() == [10, 18]
@@ -66,7 +69,7 @@ def test_a_decode_step_replays_the_graph_of_its_batch_and_longest_context():
     assert bucket.tables.shape == (4, 512)  # 8,192 tokens of blocks of 16, not 131,072
     meta = graphs._metadata(bucket)
     assert meta.decode_max_seq_len == 8192 and meta.prefill_block_tables.shape == (0, 512)
-    graphs._load(bucket, rows)
+    graphs._load(bucket, rows, KeptTables.of(rows))
     assert bucket.lens.tolist() == [100, 3000, 50, 1]
 
 

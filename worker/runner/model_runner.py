@@ -24,6 +24,7 @@ from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.kernels.reference import block_pairs
 from pagedserve.worker.core.scheduling.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
+from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.step_inputs import step_inputs
 from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits
 from pagedserve.worker.runner.kv_cache.pool import layer_caches, pool_shape, zeroed_pool
@@ -73,6 +74,7 @@ class ModelRunner:
                                         pinned=device.type == "cuda" and num_cpu_blocks > 0)
             bar.update(1)
         self.kv_caches = layer_caches(self.kv_pool, model)
+        self.tables = KeptTables(model.kv_layout.num_lanes)  # every sequence's block tables, between steps
         # speculative decoding's draft model, its KV on the same block ids (drafter.py)
         self.drafter = Drafter(draft, ops, device, self.dtype, kv, block_size, num_gpu_blocks) if draft is not None else None
         self.tiers: TierCopier | None = None  # the host and disk tiers' bytes, when the engine has them
@@ -159,11 +161,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
         """Block moves, then one forward: logits of the rows that sample this step."""
+        self.tables.forget(plan.finished_request_ids)
+        self.tables.update(plan.seqs)
         self.apply_block_moves(plan)
         draft_rounds, draft_seconds = 0, 0.0
         if any(s.draft_context is not None for s in plan.seqs):
             started = time.perf_counter()
-            seqs, draft_rounds = self.drafter.draft(plan.seqs)  # its rounds read their picks: the time is spent
+            seqs, draft_rounds = self.drafter.draft(plan.seqs, self.tables)  # its rounds read their picks: the time is spent
             plan, draft_seconds = replace(plan, seqs=seqs), time.perf_counter() - started
         if self.announce is not None:  # the other ranks run the same forward, the draft model's drafts in it
             self.announce(plan)
@@ -174,11 +178,11 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(items) if s.num_samples]
         wants_prompt = any(s.prompt_targets or s.pool_from is not None for s in items)  # every position's state
         if self.graphs is not None and not wants_prompt and not any(s.num_draft for s in items) and self.graphs.can_run(items):
-            logits = self.graphs.run(items)
+            logits = self.graphs.run(items, self.tables)
             rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
             return StepLogits(logits[rows], tuple(items[i] for i in sampling))
         batch = step_inputs(items, self.block_size, self.device, self.model.rotary.needs_seq_lens,
-                            self.model.kv_layout.num_lanes)
+                            self.model.kv_layout.num_lanes, self.tables)
         hidden = self._run_model(batch)
         last_index = batch.last_index
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=self.device)

@@ -25,6 +25,11 @@ becomes ``NO_BLOCK`` and its reference goes back to the pool (to the prefix cach
 it is published there). Released entries are always a leading run of the lane's table; the kernels
 never read them (they start at the window). A full lane keeps every block.
 
+The runner keeps every sequence's tables between steps (``worker/runner/attention/kept_tables.py``),
+so a step hands over only what changed: ``table_change`` gives the entries from the first one the
+runner does not hold as they are now (appended blocks, a copy-on-write's new block, all of a
+started, forked or swapped-in table; a rewind shortens). A release changes nothing the runner reads.
+
 Pure Python, no torch.
 """
 
@@ -39,23 +44,9 @@ from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE, BlockPool
 from pagedserve.worker.core.kv_cache.block_tables import NO_BLOCK, count_unique, held_blocks, move_tables
 from pagedserve.worker.core.kv_cache.lane_hits import lane_hash, lane_hit, lane_key
 from pagedserve.worker.core.kv_cache.kv_events import KvEvents
+from pagedserve.worker.core.kv_cache.table_reports import BlockUsage, TableState, check_tables, usage_of
 from pagedserve.worker.core.kv_cache.tiers import NO_TIER_MOVES, PENDING, KvTiers, LowerHit, TierMoves
 
-
-
-@dataclass(frozen=True)
-class BlockUsage:
-    """A snapshot of the pools for logs, metrics and benchmarks."""
-
-    total: int
-    used: int
-    free: int
-    cached: int
-    cpu_total: int
-    cpu_used: int
-    logical: int  # block-table entries on the GPU; logical - used = blocks saved by sharing
-    tokens_held: int
-    slot_utilization: float  # tokens held / (used blocks * block_size); 1.0 when nothing is used
 
 
 @dataclass(frozen=True)
@@ -110,11 +101,9 @@ class BlockManager:
         if self.tiers is not None:
             self.gpu.on_evict = self.tiers.demote
             self.tiers.on_device = self.gpu.holds
-        self._tables: dict[int, list[list[int]]] = {}  # seq -> its table in each lane
-        self._cpu_tables: dict[int, list[list[int]]] = {}
-        self._num_slots: dict[int, int] = {}
-        self._hashes: dict[int, list[int]] = {}  # chained hashes of the seq's leading full blocks
-        self._released: dict[int, list[int]] = {}  # each lane's leading entries already released (sliding window)
+        self.state = TableState()  # every sequence's tables and what goes with them, under short names below
+        self._tables, self._cpu_tables, self._num_slots = self.state.tables, self.state.cpu_tables, self.state.num_slots
+        self._hashes, self._released, self._kept = self.state.hashes, self.state.released, self.state.kept
 
     # ------------------------------------------------------------------ queries
     @property
@@ -128,13 +117,27 @@ class BlockManager:
         """The seq's tables of the lanes after the first (empty with one lane)."""
         return tuple(tuple(table) for table in self._tables[seq_id][1:])
 
-    def table_of(self, seq_id: int) -> tuple[str, tuple[int, ...]] | None:
-        """``("gpu" | "cpu", table)`` of a sequence that holds blocks (its first lane's), else None
-        (for the dashboard)."""
+    def table_change(self, seq_id: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
+        """``(start, tails)``: each lane's entries from ``start`` on, which the runner does not hold as
+        they are (it keeps the ones before); from now on it holds them all."""
+        lanes, start = self._tables[seq_id], self._kept[seq_id]
+        self._kept[seq_id] = len(lanes[0])
+        return start, tuple(tuple(table[start:]) for table in lanes)
+
+    def _changed_from(self, seq_id: int, index: int) -> None:
+        self._kept[seq_id] = min(self._kept[seq_id], index)
+
+    def tables_of(self, seq_id: int) -> tuple[str, tuple[tuple[int, ...], ...]] | None:
+        """``("gpu" | "cpu", each lane's table)`` of a sequence that holds blocks, else None (for the
+        dashboard)."""
         for device, tables in (("gpu", self._tables), ("cpu", self._cpu_tables)):
             if seq_id in tables:
-                return device, tuple(tables[seq_id][0])
+                return device, tuple(tuple(table) for table in tables[seq_id])
         return None
+
+    def num_held(self, seq_id: int) -> int:
+        """Device blocks the seq's tables hold, every lane's (a shared one counted in each)."""
+        return sum(len(table) - released for table, released in zip(self._tables[seq_id], self._released[seq_id]))
 
     def num_slots(self, seq_id: int) -> int:
         return self._num_slots[seq_id]
@@ -258,6 +261,7 @@ class BlockManager:
         self._tables[seq_id] = lanes
         self._hashes[seq_id] = list(hit.hashes)
         self._released[seq_id] = [sum(1 for b in table if b == NO_BLOCK) for table in lanes]
+        self._kept[seq_id] = 0
         self._num_slots[seq_id] = len(hit.blocks) * self.block_size
         return self._num_slots[seq_id]
 
@@ -299,6 +303,7 @@ class BlockManager:
                 index = start // self.block_size
                 shared = table[index]
                 if self.gpu.ref_count(shared) > 1:
+                    self._changed_from(seq_id, index)
                     table[index] = self.gpu.allocate()
                     self.gpu.decref(shared)
                     copies.append((shared, table[index]))
@@ -317,6 +322,7 @@ class BlockManager:
                 raise ValueError(f"seq {seq_id}: cannot rewind to {num_slots} slots, behind its released blocks")
             while len(table) > self.blocks_for(num_slots):
                 self.gpu.decref(table.pop())
+        self._changed_from(seq_id, self.blocks_for(num_slots))
         self._num_slots[seq_id] = num_slots
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -330,6 +336,7 @@ class BlockManager:
         self._hashes[child_id] = list(self._hashes[parent_id])
         self._num_slots[child_id] = self._num_slots[parent_id]
         self._released[child_id] = list(self._released[parent_id])
+        self._kept[child_id] = 0
 
     def release_outside_windows(self, seq_id: int, next_position: int) -> int:
         """Release, in each sliding lane, the seq's blocks no query from ``next_position`` on will
@@ -361,6 +368,7 @@ class BlockManager:
         self._num_slots.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         self._released.pop(seq_id, None)
+        self._kept.pop(seq_id, None)
 
     # ------------------------------------------------------------------ swap
     def swap_out_cost(self, seq_ids: Sequence[int]) -> int:
@@ -380,38 +388,13 @@ class BlockManager:
 
     def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Move the seqs' blocks back to the GPU pool. Returns ``(cpu, gpu)`` copies."""
+        self._kept.update((seq_id, 0) for seq_id in seq_ids)
         return move_tables(seq_ids, self._cpu_tables, self._tables, self.cpu, self.gpu)
 
     # ------------------------------------------------------------------ reports and checks
     def usage(self) -> BlockUsage:
-        """Counts of both pools. Read on the engine thread a few times a second (metrics, the
-        dashboard): every block but a table's last is full, so the tokens held need one set of
-        block ids, not a loop over every entry (a million-block pool: ~30 ms, was ~600 ms)."""
-        full: set[int] = set()
-        last: dict[int, int] = {}  # a table's last block -> the most slots any holder fills in it
-        logical = 0
-        for seq_id, lanes in self._tables.items():
-            for table, released in zip(lanes, self._released[seq_id]):
-                live = table[released:]
-                if not live:
-                    continue
-                logical += len(live)
-                full.update(live[:-1])
-                fill = self._num_slots[seq_id] - (len(table) - 1) * self.block_size
-                last[live[-1]] = max(last.get(live[-1], 0), fill)
-        tokens = self.block_size * len(full) + sum(fill for block, fill in last.items() if block not in full)
-        used = self.gpu.num_used
-        return BlockUsage(
-            total=self.gpu.num_blocks,
-            used=used,
-            free=self.gpu.num_free,
-            cached=self.gpu.num_cached,
-            cpu_total=self.cpu.num_blocks,
-            cpu_used=self.cpu.num_used,
-            logical=logical,
-            tokens_held=tokens,
-            slot_utilization=tokens / (used * self.block_size) if used else 1.0,
-        )
+        """Counts of both pools (logs, metrics, the dashboard)."""
+        return usage_of(self.state, self.gpu, self.cpu, self.block_size)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any table, refcount, free list or hash entry disagrees."""
@@ -419,21 +402,4 @@ class BlockManager:
         self.cpu.check_invariants(Counter(b for lanes in self._cpu_tables.values() for b in held_blocks(lanes)))
         if self.tiers is not None:
             self.tiers.check_invariants()
-        both = self._tables.keys() & self._cpu_tables.keys()
-        if both:
-            raise AssertionError(f"sequences on both devices: {sorted(both)}")
-        for seq_id, slots in self._num_slots.items():
-            lanes = self._tables.get(seq_id, self._cpu_tables.get(seq_id))
-            if lanes is None or len(lanes) != self.num_lanes:
-                raise AssertionError(f"seq {seq_id}: {lanes} is not one table per lane ({self.num_lanes})")
-            for lane, (table, released, window) in enumerate(zip(lanes, self._released[seq_id], self.lane_windows)):
-                if len(table) != self.blocks_for(slots):
-                    raise AssertionError(f"seq {seq_id}: {slots} slots but lane {lane}'s table {table}")
-                if any(b == NO_BLOCK for b in table[released:]) or any(b != NO_BLOCK for b in table[:released]):
-                    raise AssertionError(f"seq {seq_id}: lane {lane}'s released entries are not the leading "
-                                         f"{released}: {table}")
-                if released and not window:
-                    raise AssertionError(f"seq {seq_id}: full lane {lane} released blocks")
-            if len(self._hashes[seq_id]) > self.blocks_for(slots):
-                raise AssertionError(f"seq {seq_id}: more hashes than blocks")
-
+        check_tables(self.state, self.lane_windows, self.block_size)

@@ -11,7 +11,7 @@ their request's live beams, and the runner returns the search's next step for th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_cache.tiers import NO_TIER_MOVES, TierMoves
@@ -23,7 +23,7 @@ class ScheduledSeq:
     request_id: str
     token_ids: tuple[int, ...]  # tokens whose KV this step computes
     start: int  # position of token_ids[0] in the sequence
-    block_table: tuple[int, ...]
+    block_table: tuple[int, ...]  # the table's entries from table_from on (the runner keeps the ones before)
     num_samples: int  # 0: a prefill chunk that is not the last; n at a fork; else 1
     params: SamplingParams = SamplingParams()
     seq_index: int = 0  # which of the request's outputs (the first of a fork's rows)
@@ -39,7 +39,8 @@ class ScheduledSeq:
     draft_context: tuple[int, ...] | None = None  # a draft model proposes (the drafts here are 0 until then): the tokens before start it has no KV for
     pool_from: int | None = None  # an embedding (params.pooling): positions before this are pooled already
     adapter: str | None = None  # the LoRA adapter its request runs under (worker/runner/lora/); None: the base model
-    lane_tables: tuple[tuple[int, ...], ...] = ()  # the tables of the lanes after the first (kv_layout.py)
+    lane_tables: tuple[tuple[int, ...], ...] = ()  # the tables of the lanes after the first (kv_layout.py), as block_table
+    table_from: int = 0  # the first table entry this row carries, in every lane; 0: the whole tables
 
     @property
     def num_tokens(self) -> int:
@@ -51,11 +52,19 @@ class ScheduledSeq:
         return self.start + len(self.token_ids)
 
     def table(self, lane: int) -> tuple[int, ...]:
-        """The block table of ``lane`` (0: ``block_table``)."""
+        """The entries this row carries of ``lane``'s block table (0: ``block_table``)."""
         return self.block_table if lane == 0 else self.lane_tables[lane - 1]
 
-    def slot_mapping(self, block_size: int, lane: int = 0) -> list[int]:
-        table = self.table(lane)
+    def kept_table(self, kept: Sequence[int], lane: int = 0) -> list[int]:
+        """``lane``'s whole table, from ``kept`` (the table as this sequence's previous row left it)
+        and this row's entries."""
+        if len(kept) < self.table_from:
+            raise ValueError(f"seq {self.seq_id}: its row goes on from table entry {self.table_from}, but only "
+                             f"{len(kept)} are kept: a step's table changes were lost")
+        return [*kept[: self.table_from], *self.table(lane)]
+
+    def slot_mapping(self, block_size: int, table: Sequence[int]) -> list[int]:
+        """The slot of each position this row computes, in ``table`` (a whole one)."""
         return [table[p // block_size] * block_size + p % block_size for p in range(self.start, self.context_len)]
 
 
@@ -84,9 +93,6 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not (self.seqs or self.copies or self.swap_out or self.swap_in or self.tier)
-
-    def slot_mapping(self) -> list[int]:
-        return [slot for s in self.seqs for slot in s.slot_mapping(self.block_size)]
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_cache.block_manager import NO_HIT, BlockManager, PrefixHit
 from pagedserve.worker.core.kv_cache.kv_events import KvEvents
+from pagedserve.worker.core.kv_cache.kv_layout import blocks_held
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
@@ -244,8 +245,24 @@ class Scheduler:
         salt = self.config.prefix_key(req.extra_key, seq.num_tokens)
         return self.blocks.match_prefix(seq.token_ids, salt, req.prompt_hashes(self.config.block_size, salt))
 
+    def _prompt_need(self, seq: Sequence) -> int:
+        """Blocks a sequence holds once its whole prompt is in (every lane: a sliding one its window
+        and a chunk), its output to come not counted."""
+        cfg = self.config
+        return blocks_held(cfg.lane_windows, seq.prompt_len, cfg.block_size, cfg.max_num_batched_tokens)
+
+    def _prompts_to_finish(self) -> int:
+        """Blocks the running sequences still take before their prompts are in."""
+        return sum(max(0, self._prompt_need(s) - self.blocks.num_held(s.seq_id))
+                   for r in self.running for s in r.live_seqs if s.num_computed < s.prompt_len)
+
     def _schedule_waiting(self, step: StepBuilder) -> None:
+        """Admit waiting requests in order while the budget, ``max_num_seqs`` and the blocks last:
+        a request starts only when its first chunk fits and, beside running requests, its whole
+        prompt fits in what their prompts leave (a long prompt admitted on its first chunk alone is
+        preempted by the others' growth before it ends, over and over, where memory binds)."""
         self.waiting.sort(key=lambda r: r.sort_key)
+        reserved = self._prompts_to_finish()
         for req in list(self.waiting):
             if not req.grammar_ready:
                 continue  # compiling off the loop: later requests may start meanwhile
@@ -269,8 +286,13 @@ class Scheduler:
                 budget -= count
                 sizes.append((seq.seq_id, count))
                 new_blocks += self.blocks.start_cost(hit, cached + count)  # promoted blocks are new
+            whole = sum(max(0, self._prompt_need(seq) - len(hits[seq.seq_id].held())) for seq in req.live_seqs)
+            whole += len(reclaimed)
             if len(reclaimed) + new_blocks > self.blocks.num_free_blocks:
                 return
+            if self.running and reserved + whole > self.blocks.num_free_blocks:
+                return
+            reserved += max(0, whole - len(reclaimed) - new_blocks)
             self.blocks.hold(list(hits.values()))
             for seq in req.live_seqs:  # every device hit taken before a promotion may evict one
                 self.blocks.start(seq.seq_id, hits[seq.seq_id])
@@ -334,14 +356,15 @@ class Scheduler:
         if start + count == seq.num_tokens:
             samples = p.num_seqs if req.needs_fork else 1
         history = samples and (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty)
+        table_from, (table, *lanes) = self.blocks.table_change(seq.seq_id)  # what the runner does not hold yet
         return ScheduledSeq(
             seq.seq_id, req.request_id, tuple(seq.token_ids[start : start + count]) + draft.tokens, start,
-            self.blocks.block_table(seq.seq_id), samples, p, seq.index, seq.num_output,
+            table, samples, p, seq.index, seq.num_output,
             tuple(req.prompt_ids) if history else (), tuple(seq.output_ids) if history else (),
             tuple(s.seq_id for s in req.live_seqs) if p.use_beam_search else (),
             seq.grammar if samples else None, seq.num_tokens, self._prompt_targets(req, seq, start, count),
             len(draft.tokens), draft.grammars, draft.draft_context, req.pooled_upto if p.pooling else None, req.adapter,
-            self.blocks.lane_tables(seq.seq_id),
+            tuple(lanes), table_from,
         )
 
     @staticmethod

@@ -131,6 +131,7 @@ def calibrate(runner, ids: Sequence[int]) -> None:
         rotation = runner.ops.kv_format.rotation(model.head_dim, runner.device)
         turns = [attention.observer.turns(rotation) for attention in attentions]
     finally:
+        runner.tables.forget(["calibration"])
         for attention, ops in zip(attentions, backends):
             attention.observer, attention.ops = None, ops
     for attention, turn in zip(attentions, turns):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
+from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata
 
 
@@ -21,46 +22,46 @@ class StepInputs:
     last_index: list[int]  # each row's last token in the batch
 
 
-def step_inputs(rows, block_size: int, device: torch.device, needs_seq_lens: bool, num_lanes: int = 1) -> StepInputs:
+def step_inputs(rows, block_size: int, device: torch.device, needs_seq_lens: bool, num_lanes: int = 1,
+                tables: KeptTables | None = None) -> StepInputs:
     """``rows`` in any order -> the batch, single-token rows first; ``num_lanes``: the model's lanes
-    of layers, each with its own slots and tables (``worker/core/kv_cache/kv_layout.py``)."""
+    of layers, each with its own slots and tables (``worker/core/kv_cache/kv_layout.py``).
+    ``tables``: the runner's kept tables, already updated with ``rows``; None: the rows carry their
+    whole tables."""
     items = sorted(rows, key=lambda s: s.num_tokens > 1)
-    ids, positions, slots, last_index = [], [], [], []
+    tables = tables if tables is not None else KeptTables.of(items, num_lanes)
+    ids, positions, token_seqs, last_index = [], [], [], []
     for s in items:
         ids.extend(s.token_ids)
         positions.extend(range(s.start, s.context_len))
-        slots.extend(s.slot_mapping(block_size))
+        token_seqs.extend([s.seq_id] * s.num_tokens)
         last_index.append(len(ids) - 1)
     num_decodes = sum(1 for s in items if s.num_tokens == 1)
-    meta = _metadata(items, num_decodes, slots, device, needs_seq_lens)
-    if num_lanes > 1:
-        meta = replace(meta, other_lanes=tuple(_lane(meta, items, num_decodes, lane, block_size, device)
-                                               for lane in range(1, num_lanes)))
+    slots = tables.slots(token_seqs, positions, block_size, device)
+    lanes = [_lane(items, num_decodes, slots[lane], tables, lane, device) for lane in range(num_lanes)]
+    meta = _metadata(items, num_decodes, device, needs_seq_lens, lanes[0])
+    meta = replace(meta, other_lanes=tuple(replace(meta, **lane) for lane in lanes[1:]))
     return StepInputs(items, torch.tensor(ids, dtype=torch.int64, device=device),
                       torch.tensor(positions, dtype=torch.int64, device=device), meta, last_index)
 
 
-def _lane(meta: AttentionMetadata, items: list[ScheduledSeq], num_decodes: int, lane: int, block_size: int,
-          dev: torch.device) -> AttentionMetadata:
-    """``meta`` with ``lane``'s slots and tables."""
-    slots = [slot for s in items for slot in s.slot_mapping(block_size, lane)]
-    return replace(meta, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                   decode_block_tables=_tables(items[:num_decodes], dev, lane),
-                   prefill_block_tables=_tables(items[num_decodes:], dev, lane))
+def _lane(items: list[ScheduledSeq], num_decodes: int, slots: torch.Tensor, tables: KeptTables, lane: int,
+          dev: torch.device) -> dict:
+    """One lane's slots and tables (the decode rows', the prefill rows')."""
+    seq_ids = [s.seq_id for s in items]
+    return dict(slot_mapping=slots, decode_block_tables=tables.tables(seq_ids[:num_decodes], lane, dev),
+                prefill_block_tables=tables.tables(seq_ids[num_decodes:], lane, dev))
 
 
-def _metadata(items: list[ScheduledSeq], num_decodes: int, slots: list[int], dev: torch.device,
-              needs_seq_lens: bool) -> AttentionMetadata:
+def _metadata(items: list[ScheduledSeq], num_decodes: int, dev: torch.device, needs_seq_lens: bool,
+              first_lane: dict) -> AttentionMetadata:
     decodes, prefills = items[:num_decodes], items[num_decodes:]
     query_start = [0]
     for s in prefills:
         query_start.append(query_start[-1] + s.num_tokens)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
         num_decodes=num_decodes,
-        decode_block_tables=_tables(decodes, dev),
         decode_seq_lens=torch.tensor([s.context_len for s in decodes], dtype=torch.int32, device=dev),
-        prefill_block_tables=_tables(prefills, dev),
         prefill_seq_lens=torch.tensor([s.context_len for s in prefills], dtype=torch.int32, device=dev),
         prefill_query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
         decode_max_seq_len=max((s.context_len for s in decodes), default=0),
@@ -68,11 +69,5 @@ def _metadata(items: list[ScheduledSeq], num_decodes: int, slots: list[int], dev
         prefill_max_seq_len=max((s.context_len for s in prefills), default=0),
         token_seq_lens=torch.tensor([max(s.seq_len, s.context_len) for s in items for _ in s.token_ids],
                                     dtype=torch.int32, device=dev) if needs_seq_lens else None,
+        **first_lane,
     )
-
-
-def _tables(items: list[ScheduledSeq], dev: torch.device, lane: int = 0) -> torch.Tensor:
-    tables = [s.table(lane) for s in items]
-    width = max((len(t) for t in tables), default=0)
-    rows = [list(t) + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=dev).view(len(items), width)

@@ -25,6 +25,7 @@ import torch
 
 from pagedserve.kernels.decode_partitions import decode_scratch_bytes
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
+from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -95,17 +96,17 @@ class DecodeGraphs:
         longest = max(s.context_len for s in items)
         return next(s for s in self.sizes if s >= len(items)), next(c for c in self.contexts if c >= longest)
 
-    def run(self, items: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits ``[len(items), vocab]`` of a decode-only step."""
+    def run(self, items: list[ScheduledSeq], tables: KeptTables) -> torch.Tensor:
+        """Logits ``[len(items), vocab]`` of a decode-only step (``tables``: the runner's, updated)."""
         n = len(items)
         key = self.key(items)
         bucket = self._buckets.get(key) or self._capture(*key)
-        self._load(bucket, items)
+        self._load(bucket, items, tables)
         bucket.graph.replay()
         return bucket.logits[:n]
 
-    def _load(self, bucket: _Bucket, items: list[ScheduledSeq]) -> None:
-        n, width = len(items), max(len(s.block_table) for s in items)  # every lane's table is as long
+    def _load(self, bucket: _Bucket, items: list[ScheduledSeq], kept: KeptTables) -> None:
+        n, seq_ids = len(items), [s.seq_id for s in items]
         host = dict(
             ids=[s.token_ids[0] for s in items], positions=[s.start for s in items],
             lens=[s.context_len for s in items] + [1] * (bucket.size - n),
@@ -114,14 +115,16 @@ class DecodeGraphs:
         )
         for name, values in host.items():
             _copy(getattr(bucket, name), values)
-        for lane, (slots, target) in enumerate(zip(bucket.lane_slots, bucket.lane_tables)):
-            _copy(slots, [s.slot_mapping(self.block_size, lane)[0] for s in items] + [-1] * (bucket.size - n))
+        slots = kept.slots(seq_ids, host["positions"], self.block_size, torch.device("cpu"))
+        for lane, (lane_slots, target) in enumerate(zip(bucket.lane_slots, bucket.lane_tables)):
+            lane_slots[:n].copy_(slots[lane], non_blocking=True)
+            lane_slots[n:].fill_(-1)
             # Table entries past a row's length are never read: only the live part is copied. Padding
             # rows read position 0 of their row: block 0, not what an earlier, larger step left there
             # (a sliding-window row's first entry can be the released-block marker, -1).
-            tables = [list(t) + [0] * (width - len(t)) for t in (s.table(lane) for s in items)]
-            tables += [[0] * width] * (bucket.size - n)
-            target[:, :width].copy_(torch.tensor(tables, dtype=torch.int32, device="cpu"), non_blocking=True)
+            tables = kept.tables(seq_ids, lane, torch.device("cpu"))
+            target[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
+            target[n:, : tables.shape[1]].zero_()
 
     def _metadata(self, bucket: _Bucket) -> AttentionMetadata:
         first = self._lane_metadata(bucket, 0)

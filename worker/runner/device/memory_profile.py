@@ -30,6 +30,7 @@ def worst_case_step(runner, max_num_batched_tokens: int, max_num_seqs: int, max_
         seqs.append(ScheduledSeq(len(seqs), f"profile-{len(seqs)}", (1,) * length, 0, blocks, 1, lane_tables=lanes))
         start += length
     runner.forward(StepPlan(tuple(seqs), block_size))
+    runner.tables.forget(s.request_id for s in seqs)
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)
     rows = [SampleRow(params, (), (), 0, 1, 0)] * max_num_seqs
     logits = torch.zeros((max_num_seqs, vocab), dtype=torch.float32, device=runner.device)

@@ -21,6 +21,7 @@ import torch
 from pagedserve.kernels.kv_format import KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
+from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.step_inputs import step_inputs
 from pagedserve.worker.runner.kv_cache.pool import layer_caches, pool_shape, zeroed_pool
 from pagedserve.worker.runner.models.layers import CausalLM
@@ -34,11 +35,14 @@ class Drafter:
         self.model, self.ops, self.device, self.block_size = model, ops, device, block_size
         self.kv_pool = zeroed_pool(pool_shape(model, num_blocks, block_size, kv), kv.storage_dtype(dtype), device)
         self.kv_caches = layer_caches(self.kv_pool, model)
+        self._tables: KeptTables | None = None  # the runner's, during a draft()
 
     @torch.inference_mode()
-    def draft(self, seqs: tuple[ScheduledSeq, ...]) -> tuple[tuple[ScheduledSeq, ...], int]:
+    def draft(self, seqs: tuple[ScheduledSeq, ...], tables: KeptTables) -> tuple[tuple[ScheduledSeq, ...], int]:
         """The step's rows with every draft-model draft made (the rows with ``draft_context``), and
-        how many rounds (forwards over the drafting rows, catch-up pieces aside) that took."""
+        how many rounds (forwards over the drafting rows, catch-up pieces aside) that took.
+        ``tables``: the runner's, updated with ``seqs`` (the draft model reads the first lane's)."""
+        self._tables = tables
         rows = {s.seq_id: s for s in seqs if s.draft_context is not None}
         drafts: dict[int, list[int]] = {seq_id: [] for seq_id in rows}
         current = self._catch_up([replace(s, token_ids=s.draft_context + s.token_ids[: -s.num_draft],
@@ -62,7 +66,7 @@ class Drafter:
         return rows
 
     def _forward(self, rows: list[ScheduledSeq]):
-        batch = step_inputs(rows, self.block_size, self.device, self.model.rotary.needs_seq_lens)
+        batch = step_inputs(rows, self.block_size, self.device, self.model.rotary.needs_seq_lens, tables=self._tables)
         return batch, self.model(batch.ids, batch.positions, batch.meta, self.kv_caches)
 
     def _greedy(self, rows: list[ScheduledSeq]) -> dict[int, int]:
