@@ -152,7 +152,7 @@ class WireEvent:
     done: bool = False
     finish_reason: str | None = None  # on the terminal event: stop | length | abort | error
     error: str | None = None
-    usage: dict | None = None  # on the terminal event: prompt_tokens, completion_tokens
+    usage: dict | None = None  # on the terminal event: prompt_tokens, completion_tokens, cached_tokens (the prefix cache's)
     resumable: bool = False  # on a takeover's error: the client may re-send with ``resume``
     queue_s: float | None = None  # on a request's first event: seconds from created to first scheduled
     # on the terminal event of a request with prompt_logprobs: None, then an entry (as in OutputDelta) per position

@@ -10,11 +10,17 @@ ANSWER = ConfigDict(extra="allow")  # an answer may carry more than is declared 
 Finish = Optional[Literal["stop", "length", "abort", "error", "tool_calls"]]
 
 
+class PromptTokensDetails(BaseModel):
+    model_config = ANSWER
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     model_config = ANSWER
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class CompletionChoice(BaseModel):
@@ -154,8 +160,10 @@ class ContentBlock(BaseModel):
 
 class AnthropicUsage(BaseModel):
     model_config = ANSWER
-    input_tokens: int
+    input_tokens: int  # not read from the cache
     output_tokens: int
+    cache_read_input_tokens: Optional[int] = None
+    cache_creation_input_tokens: Optional[int] = None
 
 
 class AnthropicMessage(BaseModel):

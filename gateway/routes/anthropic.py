@@ -90,7 +90,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         async for _ in deltas(state, parsed, sent, reply):
             pass
         state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - sent.tally.started)
-        return web.json_response(reply.message(len(sent.prompts[0])))
+        return web.json_response(reply.message(len(sent.prompts[0]), sent.tally.cached_tokens))
 
 
 class Reply(Collected):
@@ -108,13 +108,19 @@ class Reply(Collected):
     def stop_reason(self, calls: list) -> str:
         return "tool_use" if calls and self.finish == "stop" else STOP_REASONS.get(self.finish or "stop", "end_turn")
 
-    def message(self, input_tokens: int) -> dict:
+    def message(self, input_tokens: int, cached_tokens: int = 0) -> dict:
         thinking, content, calls = whole_answer(self.text, self.reasoning_parser, self.tools, self.tool_parser)
         blocks = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
         blocks += [{"type": "text", "text": content}] if content else []
         blocks += [tool_use(call) for call in calls]
         return {**self.head(input_tokens), "content": blocks, "stop_reason": self.stop_reason(calls),
-                "usage": {"input_tokens": input_tokens, "output_tokens": self.output_tokens}}
+                "usage": self.usage(input_tokens, cached_tokens)}
+
+    def usage(self, input_tokens: int, cached_tokens: int) -> dict:
+        """Anthropic's usage: ``input_tokens`` are those not read from the cache (the prompt is their
+        sum with ``cache_read_input_tokens``); nothing is written to a cache on request here."""
+        return {"input_tokens": input_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
+                "cache_creation_input_tokens": 0, "output_tokens": self.output_tokens}
 
 
 def tool_use(call: dict) -> dict:
@@ -175,7 +181,7 @@ async def _stream(response: web.StreamResponse, state, parsed: ParsedRequest, re
             await blocks.call(tool_use(call))
         await blocks.close()
         await event(response, "message_delta", delta={"stop_reason": reply.stop_reason(pieces.calls), "stop_sequence": None},
-                    usage={"output_tokens": reply.output_tokens})
+                    usage=reply.usage(len(sent.prompts[0]), sent.tally.cached_tokens))
         await event(response, "message_stop")
     except ApiError as err:
         await response.write(sse.frame(error_body(err), "error"))

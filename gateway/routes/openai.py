@@ -58,7 +58,7 @@ async def _collect(state, parsed: ParsedRequest, renderer: Renderer, events, pro
     state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - tally.started)
     if parsed.echo:
         _echo(state, parsed, choices, prompts, prompt_entries)
-    return web.json_response(renderer.response(choices, usage(prompt_tokens, completion_tokens)))
+    return web.json_response(renderer.response(choices, usage(prompt_tokens, completion_tokens, tally.cached_tokens)))
 
 
 def _echo(state, parsed: ParsedRequest, choices: list[Choice], prompts: list[list[int]],
@@ -121,7 +121,7 @@ async def _write_stream(response: web.StreamResponse, state, parsed: ParsedReque
                 completion_tokens += event.usage["completion_tokens"]
         else:
             if parsed.include_usage:
-                await response.write(sse.frame(renderer.usage_chunk(usage(prompt_tokens, completion_tokens))))
+                await response.write(sse.frame(renderer.usage_chunk(usage(prompt_tokens, completion_tokens, tally.cached_tokens))))
     except ApiError as err:
         await response.write(sse.frame(err.body()))
     state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - tally.started)

@@ -107,8 +107,10 @@ class Answer(Collected):
         return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
-    def response(self, input_tokens: int, output: list[dict] | None = None, status: str | None = None) -> dict:
-        """The response object: ``output`` and ``status`` given while it streams, else the answer's."""
+    def response(self, input_tokens: int, output: list[dict] | None = None, status: str | None = None,
+                 cached_tokens: int = 0) -> dict:
+        """The response object: ``output`` and ``status`` given while it streams, else the answer's;
+        ``cached_tokens``: the prompt tokens the prefix cache served (known once it ended)."""
         if output is None:
             thinking, content, calls = self.parts()
             output = ([self.reasoning_item(thinking)] if thinking else []) + \
@@ -124,7 +126,7 @@ class Answer(Collected):
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
             "text": {"format": _dump(req.text.format) if req.text and req.text.format else {"type": "text"}},
             "store": req.store is not False, "metadata": req.metadata or {}, "user": req.user,
-            "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
                       "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": input_tokens + self.output_tokens},
         }
@@ -160,7 +162,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         async for _ in deltas(state, parsed, sent, answer):
             pass
         state.metrics.e2e.labels(parsed.model).observe(time.monotonic() - sent.tally.started)
-        result = answer.response(prompt_tokens)
+        result = answer.response(prompt_tokens, cached_tokens=sent.tally.cached_tokens)
         await _store(state, answer, result, history + conversation_of(req))
         return web.json_response(result)
 
@@ -277,7 +279,7 @@ async def _stream(response: web.StreamResponse, state, parsed: ParsedRequest, an
         for call in pieces.calls:
             await events.call(call)
         await events.close()
-        result = answer.response(prompt_tokens, events.items)
+        result = answer.response(prompt_tokens, events.items, cached_tokens=sent.tally.cached_tokens)
         await _store(state, answer, result, before)
         await events.send(f"response.{answer.status}", response=result)
     except ApiError as err:

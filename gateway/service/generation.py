@@ -131,6 +131,7 @@ class Tally:
     started: float
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the workers' prefix caches served (their terminal events say)
     last: dict = field(default_factory=dict)  # wire id -> when its last tokens came
 
 
@@ -150,5 +151,6 @@ def account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tall
         last[event.id] = now
     if event.done:
         state.metrics.requests.labels(parsed.model, event.finish_reason or "unknown").inc()
+        tally.cached_tokens += int((event.usage or {}).get("cached_tokens", 0))
 
 

@@ -226,3 +226,18 @@ def test_loading_says_its_progress_in_the_log_where_no_terminal_shows_a_bar(zoo)
     total = said[-1].split("/")[1]
     assert len(said) == 4 and said[-1] == f"{total}/{total}"
     assert [int(s.split("/")[0]) for s in said] == sorted(int(s.split("/")[0]) for s in said)
+
+
+def test_an_output_says_how_many_prompt_tokens_the_prefix_cache_served(zoo):
+    """vLLM's ``num_cached_tokens``: 0 for a prompt seen first, every whole block but the one holding
+    the last token for the same prompt again; the first start's count, kept through a preemption."""
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=24)
+    prompt = [10 + i % 50 for i in range(30)]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    first, = llm.generate([prompt], params, use_tqdm=False)
+    again, other = llm.generate([prompt, [7] * 9], params, use_tqdm=False)
+    assert (first.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens) == (0, 28, 0)
+    crowded = llm.generate([prompt] + [[60 + i] * 30 for i in range(3)], SamplingParams(temperature=0.0, max_tokens=20),
+                           use_tqdm=False)
+    assert llm.engine.stats()["num_preemptions_total"] > 0
+    assert crowded[0].num_cached_tokens == 28 and [o.num_cached_tokens for o in crowded[1:]] == [0, 0, 0]

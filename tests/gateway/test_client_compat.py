@@ -223,3 +223,33 @@ def test_chat_checks_max_tokens_even_when_max_completion_tokens_wins():
     with pytest.raises(ApiError) as err:
         parse({**body, "max_tokens": Limits().max_tokens + 1}, True, Limits())
     assert err.value.param == "max_tokens"
+
+
+def test_every_api_says_how_much_of_the_prompt_the_prefix_cache_served(stack):
+    """The same long prompt twice on each API (blocks of 16): the second answer says the cache served
+    all of it in whole blocks but the last token's (which is always computed), the first less; on the
+    chat route also in a stream's final usage chunk; Messages splits the prompt as Anthropic does."""
+    text = " ".join(f"page{i}" for i in range(90))
+
+    def both(path: str, body: dict, read) -> tuple[tuple[int, int], tuple[int, int]]:
+        answers = [httpx.post(stack.url + path, json={"model": MODEL_NAME, **body}, timeout=60) for _ in range(2)]
+        assert all(a.status_code == 200 for a in answers), answers[-1].text
+        return tuple(read(a.json()) for a in answers)
+
+    def served(first: tuple[int, int], second: tuple[int, int]) -> None:
+        (early, prompt), (cached, again) = first, second
+        assert prompt == again > 64 and early < cached and cached == (prompt - 1) // 16 * 16, (first, second)
+
+    openai = lambda b: (b["usage"]["prompt_tokens_details"]["cached_tokens"], b["usage"]["prompt_tokens"])
+    served(*both("/v1/completions", {"prompt": "completions " + text, "max_tokens": 2, "temperature": 0}, openai))
+    chat = {"messages": [{"role": "user", "content": "chat " + text}], "max_tokens": 2, "temperature": 0}
+    served(*both(CHAT, chat, openai))
+    streamed = sse_events(stack.url, CHAT, {"model": MODEL_NAME, **chat, "stream": True,
+                                            "stream_options": {"include_usage": True}})
+    last = json.loads(streamed[-1].removeprefix(b"data: "))
+    assert (last["choices"], openai(last)) == ([], openai(post(stack, CHAT, **chat).json()))
+    served(*both("/v1/responses", {"input": "responses " + text, "max_output_tokens": 2, "temperature": 0},
+                 lambda b: (b["usage"]["input_tokens_details"]["cached_tokens"], b["usage"]["input_tokens"])))
+    anthropic = lambda b: (b["usage"]["cache_read_input_tokens"], b["usage"]["input_tokens"] + b["usage"]["cache_read_input_tokens"])
+    served(*both("/v1/messages", {"messages": [{"role": "user", "content": "messages " + text}], "max_tokens": 2,
+                                  "temperature": 0}, anthropic))

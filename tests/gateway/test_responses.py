@@ -31,6 +31,7 @@ def renderer(chat: bool, top_logprobs: int | None = None, tools: ToolRequest | N
 
 def test_usage_adds_up():
     assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage(3, 4, 2)["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 def test_a_choice_gathers_text_logprobs_and_keeps_its_last_finish_reason():

@@ -23,8 +23,8 @@ def completion(index=0, tokens=(), text="", new=(), delta="", reason=None, logpr
     return CompletionOutput(index, text, list(tokens), reason, 0.0, logprobs, delta, tuple(new))
 
 
-def output(*outputs, finished=False, queued_s=None, error=None, prompt_logprobs=None) -> RequestOutput:
-    return RequestOutput("r", [1, 2, 3], list(outputs), finished, error, queued_s, prompt_logprobs)
+def output(*outputs, finished=False, queued_s=None, error=None, prompt_logprobs=None, cached=None) -> RequestOutput:
+    return RequestOutput("r", [1, 2, 3], list(outputs), finished, error, queued_s, prompt_logprobs, num_cached_tokens=cached)
 
 
 def piece(token_id: int) -> str:
@@ -51,9 +51,10 @@ def test_the_end_carries_each_finish_once_usage_and_the_prompts_logprobs():
     assert [(d.index, d.finish_reason) for d in one.outputs] == [(0, "length"), (1, None)] and not one.done
     prompt = [None, SampledToken(2, -0.5, {2: -0.5, 4: -1.0}), SampledToken(3, -0.25, {3: -0.25})]
     end = event_for(f, output(completion(0, [7], "a", reason="length"), completion(1, [9, 10], "cd", [10], "d", "stop"),
-                              finished=True, prompt_logprobs=prompt), piece)
+                              finished=True, prompt_logprobs=prompt, cached=2), piece)
     assert [(d.index, d.token_ids, d.finish_reason) for d in end.outputs] == [(1, [10], "stop")]  # 0 already reported
-    assert end.done and end.finish_reason == "length" and end.usage == {"prompt_tokens": 3, "completion_tokens": 3}
+    assert end.done and end.finish_reason == "length" and end.usage == {"prompt_tokens": 3, "completion_tokens": 3,
+                                                                                   "cached_tokens": 2}
     assert end.prompt_logprobs == [None, {"token_id": 2, "token": "<2>", "logprob": -0.5, "top": {2: -0.5, 4: -1.0},
                                           "top_tokens": {2: "<2>", 4: "<4>"}},
                                    {"token_id": 3, "token": "<3>", "logprob": -0.25, "top": {3: -0.25},

@@ -186,7 +186,7 @@ def test_wire_format_is_plain_msgpack(redis_server, zoo, engine):
         assert set(lp["top_tokens"]) == set(lp["top"]) and len(lp["top"]) >= 2
         assert all(text == engine.tokenizer.decode([i]) for i, text in lp["top_tokens"].items())
     assert [e["seq"] for e in events] == list(range(len(events)))
-    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "cached_tokens": 0}
     assert all(e["v"] == 1 and e["id"] == "raw-1" for e in events)
 
 

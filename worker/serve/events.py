@@ -76,7 +76,8 @@ def event_for(flight: InFlight, out: RequestOutput, piece: Callable[[int], str])
         return None
     usage = None
     if out.finished:
-        usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": sum(len(o.token_ids) for o in out.outputs)}
+        usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": sum(len(o.token_ids) for o in out.outputs),
+                 "cached_tokens": out.num_cached_tokens or 0}
     queue_s = None
     if not flight.queue_reported and out.queued_s is not None:  # once: the stream's wait plus the engine's
         flight.queue_reported = True

@@ -39,7 +39,8 @@ class OutputBuilder:
         queued = None if req.first_scheduled is None else max(0.0, req.first_scheduled - req.arrival)
         prompt = [None, *req.prompt_logprobs] if req.finished and req.params.prompt_logprobs is not None else None
         embedding = req.embedding if req.finished else None
-        return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.error, queued, prompt, embedding)
+        return RequestOutput(req.request_id, req.prompt_ids, outputs, req.finished, req.error, queued, prompt, embedding,
+                             req.cached_tokens, req.tier_cached_tokens)
 
     def _completion(self, req: Request, seq: Sequence) -> CompletionOutput:
         seen, text, delta = self._detokenize(req, seq)

@@ -30,3 +30,5 @@ class RequestOutput:
     # with prompt_logprobs, once finished: None for the first prompt token, then one SampledToken a position
     prompt_logprobs: list[SampledToken | None] | None = None
     embedding: list[float] | None = None  # with params.pooling, once finished: the pooled, normalised vector
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (vLLM's name; None: not run yet)
+    num_tier_cached_tokens: int = 0  # of those, the ones copied up from the host or disk tier

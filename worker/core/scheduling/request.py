@@ -96,6 +96,8 @@ class Request:
     error: str | None = None
     resumed: int = 0  # output tokens a client already had when this request was re-sent (Resume)
     first_scheduled: float | None = None  # when it first ran, on the scheduler's clock (queue time)
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served when it first ran (tiers' among them)
+    tier_cached_tokens: int = 0  # of those, the ones copied up from the host or disk tier
     grammar: Future | None = None  # the compiled constraint (a pristine GrammarState) while it is built
     prompt_logprobs: list = field(default_factory=list)  # with params.prompt_logprobs: prompt positions 1.. so far
     pooled: list[float] | None = None  # with params.pooling: the pooled final hidden states so far (a sum for "mean")

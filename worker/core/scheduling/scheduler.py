@@ -301,6 +301,10 @@ class Scheduler:
                 self.stats.prefix_query_tokens += seq.num_tokens
                 self.stats.prefix_hit_tokens += seq.num_computed
                 self.stats.tier_hit_tokens += len(hits[seq.seq_id].lower) * self.config.block_size
+            if req.cached_tokens is None:  # what a client is told the cache served: its first start's hit
+                first = req.live_seqs[0]
+                req.cached_tokens = min(first.num_computed, len(req.prompt_ids))
+                req.tier_cached_tokens = min(len(hits[first.seq_id].lower) * self.config.block_size, req.cached_tokens)
             self.waiting.remove(req)
             self._run(req)
             self._emit(req, sizes, step)
