@@ -142,6 +142,7 @@ class OutputDelta:
     text: str
     finish_reason: str | None = None
     logprobs: list[dict] | None = None  # per token: {"token_id", "logprob", "top": {id: logprob}}
+    stop_reason: str | int | None = None  # with finish_reason "stop": the stop string or stop token id that matched
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,14 @@ class Collected:
 
     def __init__(self) -> None:
         self.text, self.finish, self.output_tokens = "", None, 0
+        self.stop_string: str | None = None  # the stop string that ended it, when one did
 
     def add(self, delta: OutputDelta) -> None:
         self.text += delta.text
         self.output_tokens += len(delta.token_ids)
         self.finish = delta.finish_reason or self.finish
+        if isinstance(delta.stop_reason, str):
+            self.stop_string = delta.stop_reason
 
 
 async def deltas(state, parsed: ParsedRequest, sent: Generation, got: Collected) -> AsyncIterator[OutputDelta]:

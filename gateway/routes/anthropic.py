@@ -106,14 +106,20 @@ class Reply(Collected):
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": input_tokens, "output_tokens": 0}}
 
     def stop_reason(self, calls: list) -> str:
-        return "tool_use" if calls and self.finish == "stop" else STOP_REASONS.get(self.finish or "stop", "end_turn")
+        if calls and self.finish == "stop":
+            return "tool_use"
+        if self.finish == "stop" and self.stop_string is not None:
+            return "stop_sequence"
+        return STOP_REASONS.get(self.finish or "stop", "end_turn")
 
     def message(self, input_tokens: int, cached_tokens: int = 0) -> dict:
         thinking, content, calls = whole_answer(self.text, self.reasoning_parser, self.tools, self.tool_parser)
         blocks = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
         blocks += [{"type": "text", "text": content}] if content else []
         blocks += [tool_use(call) for call in calls]
-        return {**self.head(input_tokens), "content": blocks, "stop_reason": self.stop_reason(calls),
+        reason = self.stop_reason(calls)
+        return {**self.head(input_tokens), "content": blocks, "stop_reason": reason,
+                "stop_sequence": self.stop_string if reason == "stop_sequence" else None,
                 "usage": self.usage(input_tokens, cached_tokens)}
 
     def usage(self, input_tokens: int, cached_tokens: int) -> dict:
@@ -180,7 +186,9 @@ async def _stream(response: web.StreamResponse, state, parsed: ParsedRequest, re
         for call in pieces.calls:
             await blocks.call(tool_use(call))
         await blocks.close()
-        await event(response, "message_delta", delta={"stop_reason": reply.stop_reason(pieces.calls), "stop_sequence": None},
+        reason = reply.stop_reason(pieces.calls)
+        matched = reply.stop_string if reason == "stop_sequence" else None
+        await event(response, "message_delta", delta={"stop_reason": reason, "stop_sequence": matched},
                     usage=reply.usage(len(sent.prompts[0]), sent.tally.cached_tokens))
         await event(response, "message_stop")
     except ApiError as err:

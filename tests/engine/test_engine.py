@@ -241,3 +241,20 @@ def test_an_output_says_how_many_prompt_tokens_the_prefix_cache_served(zoo):
                            use_tqdm=False)
     assert llm.engine.stats()["num_preemptions_total"] > 0
     assert crowded[0].num_cached_tokens == 28 and [o.num_cached_tokens for o in crowded[1:]] == [0, 0, 0]
+
+
+def test_an_output_names_the_stop_string_or_stop_token_that_ended_it(llm):
+    """vLLM's ``stop_reason``: the matched stop string (the earliest in the text when several
+    match), the stop token id, or None when the length ended it."""
+    prompt = "The quick brown fox"
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    assert free.stop_reason is None and free.finish_reason == "length"
+    stops = [free.text[9:11], free.text[4:6]]
+    first = min(stops, key=free.text.index)
+    by_string = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop=stops),
+                             use_tqdm=False)[0].outputs[0]
+    assert (by_string.finish_reason, by_string.stop_reason, by_string.text) == ("stop", first, free.text[: free.text.index(first)])
+    token = free.token_ids[3]
+    by_token = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[token]),
+                            use_tqdm=False)[0].outputs[0]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)

@@ -43,6 +43,25 @@ def test_a_message_is_the_chat_completion_of_the_same_conversation(stack, claude
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt  # Anthropic's split
 
 
+def test_a_matched_stop_sequence_is_the_stop_reason_with_the_string(claude):
+    """A seeded answer, then the same ask with a piece of its text as a stop sequence (and one that
+    never appears): it ends before the piece with ``stop_sequence`` and the piece, whole and streamed."""
+    ask = dict(model=MODEL_NAME, max_tokens=24, messages=[{"role": "user", "content": "pages?"}],
+               extra_body={"seed": 4, **SEEDED})
+    first = claude.messages.create(**ask)
+    text = first.content[0].text
+    piece = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(piece) == 3, text
+    stopped = claude.messages.create(**ask, stop_sequences=["<never>", piece])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", piece)
+    assert stopped.content[0].text == text[: text.index(piece)]
+    with claude.messages.stream(**ask, stop_sequences=["<never>", piece]) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", piece)
+    plain = claude.messages.create(**ask, stop_sequences=["<never>"])
+    assert (plain.stop_reason, plain.stop_sequence) == (first.stop_reason, None) and first.stop_reason != "stop_sequence"
+
+
 def test_streamed_events_reassemble_to_the_message(claude):
     ask = dict(model=MODEL_NAME, max_tokens=16, messages=[{"role": "user", "content": "blocks?"}],
                extra_body={"seed": 9, **SEEDED})

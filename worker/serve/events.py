@@ -71,7 +71,8 @@ def event_for(flight: InFlight, out: RequestOutput, piece: Callable[[int], str])
         if newly_finished:
             flight.reported_finish.add(o.index)
         deltas.append(OutputDelta(o.index, list(o.new_token_ids), o.text_delta,
-                                  o.finish_reason if newly_finished else None, _logprobs(o, piece)))
+                                  o.finish_reason if newly_finished else None, _logprobs(o, piece),
+                                  o.stop_reason if newly_finished else None))
     if not deltas and not out.finished:
         return None
     usage = None

@@ -22,6 +22,7 @@ class DetokenizerState:
     text: str = ""  # everything decoded so far (stop string removed once found)
     emitted: int = 0  # how much of ``text`` has been released
     stopped: bool = False
+    stop_string: str | None = None  # the stop string that ended the text (the earliest found)
     tokens_seen: int = field(default=0)
 
 
@@ -67,9 +68,10 @@ class Detokenizer:
     def _find_stop(state: DetokenizerState, stop: tuple[str, ...]) -> None:
         longest = max(len(s) for s in stop)
         search_from = max(0, state.emitted - longest)
-        hits = [i for i in (state.text.find(s, search_from) for s in stop) if i >= 0]
+        hits = [(i, s) for i, s in ((state.text.find(s, search_from), s) for s in stop) if i >= 0]
         if hits:
-            state.text = state.text[: min(hits)]
+            at, state.stop_string = min(hits, key=lambda hit: hit[0])
+            state.text = state.text[:at]
             state.stopped = True
 
 

@@ -49,7 +49,7 @@ class OutputBuilder:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             cumulative_logprob=seq.cumulative_logprob,
             logprobs=list(seq.logprobs) if req.params.logprobs is not None else None,
-            text_delta=delta, new_token_ids=tuple(seq.token_ids[seen:]),
+            text_delta=delta, new_token_ids=tuple(seq.token_ids[seen:]), stop_reason=seq.stop_reason,
         )
 
     def _detokenize(self, req: Request, seq: Sequence) -> tuple[int, str, str]:
@@ -69,6 +69,7 @@ class OutputBuilder:
             return seen, "", ""
         delta = detok.update(state, seq.token_ids, req.params.stop, skip, final=seq.finished)
         if state.stopped and not seq.finished:
+            seq.stop_reason = state.stop_string
             self.table.finish_seq(seq.seq_id, FinishReason.STOP)
             delta += detok.update(state, seq.token_ids, (), skip, final=True)
         return seen, state.text, delta

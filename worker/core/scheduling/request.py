@@ -39,6 +39,7 @@ class Sequence:
     index: int = 0  # position among the request's n outputs
     num_computed: int = 0
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's), else None
     logprobs: list = field(default_factory=list)  # one entry per output token when asked
     cumulative_logprob: float = 0.0
     grammar: object = None  # this sequence's GrammarState (worker.core.grammar) when the output is constrained
@@ -70,7 +71,10 @@ class Sequence:
         if self.num_output < params.min_tokens:
             return None
         last = self.token_ids[-1]
-        if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+        if last in params.stop_token_ids:
+            self.stop_reason = last
+            return FinishReason.STOP
+        if not params.ignore_eos and last in eos_token_ids:
             return FinishReason.STOP
         if self.num_output >= params.max_tokens:
             return FinishReason.LENGTH
