@@ -168,7 +168,7 @@ def served(model: str, hybrid: bool, context: int, count: int, budget_sequences:
             "preemptions": llm.engine.stats()["num_preemptions_total"]}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma-3-270m-q4_k_m")
     parser.add_argument("--context", type=int, default=8192)
@@ -181,44 +181,47 @@ def main() -> None:
     parser.add_argument("--served", type=int, nargs=2, metavar=("CONTEXT", "CONVERSATIONS"), default=None,
                         help="also serve CONVERSATIONS of CONTEXT tokens on the real model under the budget")
     parser.add_argument("--step-contexts", type=int, nargs="+", default=[2048, 8192])
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def measure(args: argparse.Namespace, hybrid: bool):
+    """Each measurement the arguments ask for, in one layout, as it ends."""
+    if not args.skip_model:
+        yield one_sequence(args.model, hybrid, args.context, args.decode, args.dtype)
+    for count in args.conversations:
+        yield conversations(args.model, hybrid, args.context, count, args.budget_sequences, args.dtype)
+    if args.served:
+        yield served(args.model, hybrid, *args.served, args.budget_sequences, args.dtype)
+    for context in args.step_contexts:
+        yield step_cpu(args.model, hybrid, context, args.step_rows, args.dtype)
+
+
+TABLES = {  # bench -> its table's columns
+    "hybrid_kv_one_sequence": [("layout", "layout"), ("lanes", "lanes"), ("held MiB", "held_mib"), ("peak MiB", "peak_mib"),
+                               ("prefill s", "prefill_s"), ("decode tok/s", "decode_tok_s")],
+    "hybrid_kv_conversations": [("layout", "layout"), ("conversations", "conversations"), ("budget GiB", "budget_gib"),
+                                ("blocks", "blocks"), ("peak concurrent", "peak_concurrent"),
+                                ("peak decoding", "peak_decoding"), ("preemptions", "preemptions"), ("steps", "steps"),
+                                ("tokens computed", "tokens_computed"), ("schedule ms/step", "schedule_ms_per_step")],
+    "hybrid_kv_served": [("layout", "layout"), ("context", "context"), ("conversations", "conversations"),
+                         ("budget MiB", "budget_mib"), ("seconds", "seconds"), ("output tok/s", "output_tok_s"),
+                         ("preemptions", "preemptions")],
+    "hybrid_kv_step_cpu": [("layout", "layout"), ("rows", "rows"), ("context", "context"), ("lanes", "lanes"),
+                           ("scheduler ms", "scheduler_ms"), ("input tensors ms", "inputs_ms")],
+}
+
+
+def main() -> None:
+    args = parse_args()
     rows = []
     for hybrid in (False, True):
-        if not args.skip_model:
-            rows.append(one_sequence(args.model, hybrid, args.context, args.decode, args.dtype))
-            print(json.dumps(rows[-1]), flush=True)
-        for count in args.conversations:
-            rows.append(conversations(args.model, hybrid, args.context, count, args.budget_sequences, args.dtype))
-            print(json.dumps(rows[-1]), flush=True)
-        if args.served:
-            rows.append(served(args.model, hybrid, *args.served, args.budget_sequences, args.dtype))
-            print(json.dumps(rows[-1]), flush=True)
-        for context in args.step_contexts:
-            rows.append(step_cpu(args.model, hybrid, context, args.step_rows, args.dtype))
-            print(json.dumps(rows[-1]), flush=True)
-    singles = [r for r in rows if r["bench"] == "hybrid_kv_one_sequence"]
-    if singles:
-        print_table(singles, [("layout", lambda r: r["layout"]), ("lanes", lambda r: r["lanes"]),
-                              ("held MiB", lambda r: r["held_mib"]), ("peak MiB", lambda r: r["peak_mib"]),
-                              ("prefill s", lambda r: r["prefill_s"]), ("decode tok/s", lambda r: r["decode_tok_s"])])
-    print_table([r for r in rows if r["bench"] == "hybrid_kv_conversations"],
-                [("layout", lambda r: r["layout"]), ("conversations", lambda r: r["conversations"]),
-                 ("budget GiB", lambda r: r["budget_gib"]),
-                 ("blocks", lambda r: r["blocks"]), ("peak concurrent", lambda r: r["peak_concurrent"]),
-                 ("peak decoding", lambda r: r["peak_decoding"]),
-                 ("preemptions", lambda r: r["preemptions"]), ("steps", lambda r: r["steps"]),
-                 ("tokens computed", lambda r: r["tokens_computed"]),
-                 ("schedule ms/step", lambda r: r["schedule_ms_per_step"])])
-    served_rows = [r for r in rows if r["bench"] == "hybrid_kv_served"]
-    if served_rows:
-        print_table(served_rows, [("layout", lambda r: r["layout"]), ("context", lambda r: r["context"]),
-                                  ("conversations", lambda r: r["conversations"]), ("budget MiB", lambda r: r["budget_mib"]),
-                                  ("seconds", lambda r: r["seconds"]), ("output tok/s", lambda r: r["output_tok_s"]),
-                                  ("preemptions", lambda r: r["preemptions"])])
-    print_table([r for r in rows if r["bench"] == "hybrid_kv_step_cpu"],
-                [("layout", lambda r: r["layout"]), ("rows", lambda r: r["rows"]), ("context", lambda r: r["context"]),
-                 ("lanes", lambda r: r["lanes"]), ("scheduler ms", lambda r: r["scheduler_ms"]),
-                 ("input tensors ms", lambda r: r["inputs_ms"])])
+        for row in measure(args, hybrid):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for bench, columns in TABLES.items():
+        picked = [r for r in rows if r["bench"] == bench]
+        if picked:
+            print_table(picked, [(title, lambda r, key=key: r[key]) for title, key in columns])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,11 @@ Conversations take turns in round-robin, each turn's prompt the whole history so
 prompts, outputs, a new user message), so by the time a chat speaks again the pool has evicted
 its blocks. Requests run one at a time (TTFT is the prompt's own prefill, not queueing).
 
-    python -m pagedserve.bench.kv_tiers [--chats 16] [--turns 6] [--model PATH]
+On a hybrid-attention model (Gemma 3) give the pool and the host tier in bytes (``--kv-bytes``,
+``--host-bytes``): the ``one-table`` configurations keep every layer's KV for every position
+(``--no-hybrid-kv-cache``), as the tiers needed before they kept each lane.
+
+    python -m pagedserve.bench.kv_tiers [--chats 16] [--turns 6] [--model PATH or packaged name]
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def first_token_seconds(engine, request_id: str, prompt: list[int], params: Samp
     return first, tokens
 
 
-def run(model: Path, label: str, chats: int, turns: int, reuse: bool, seed: int, restart_at: int = 0, **engine) -> dict:
+def run(model: Path | str, label: str, chats: int, turns: int, reuse: bool, seed: int, history: int, restart_at: int = 0,
+        **engine) -> dict:
     """One configuration over the whole workload; ``restart_at``: a new engine on the same disk
     directory takes over before that turn (what a worker restarted mid-benchmark finds)."""
     from pagedserve import LLM
@@ -50,7 +55,7 @@ def run(model: Path, label: str, chats: int, turns: int, reuse: bool, seed: int,
     vocab = llm.engine.info.config.vocab_size
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    histories = [[rng.randint(10, vocab - 1) for _ in range(96)] for _ in range(chats)]
+    histories = [[rng.randint(10, vocab - 1) for _ in range(history)] for _ in range(chats)]
     ttfts, tokens, history_tokens, started = [], 0, 0, time.perf_counter()
     restarted: dict[str, float] = {}
     for turn in range(turns):
@@ -88,21 +93,30 @@ def run(model: Path, label: str, chats: int, turns: int, reuse: bool, seed: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="a model directory (default: the llama-90m random-weight preset)")
+    parser.add_argument("--model", help="a model directory, GGUF file or packaged model's name (default: the llama-90m "
+                        "random-weight preset)")
     parser.add_argument("--chats", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--history", type=int, default=96, help="tokens of each chat's first prompt")
     parser.add_argument("--pool-blocks", type=int, default=64, help="device KV blocks of 16 tokens")
     parser.add_argument("--host-blocks", type=int, default=1024)
+    parser.add_argument("--kv-bytes", type=int, help="the device pool in bytes (instead of --pool-blocks)")
+    parser.add_argument("--host-bytes", type=int, help="the host tier in bytes (instead of --host-blocks)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workloads", default="chats,no-reuse", help="which of chats, no-reuse, in this order")
     parser.add_argument("--configs", default="recompute,host,disk,host+disk,disk-restart",
                         help="which of recompute, host, disk, host+disk (a host tier of a quarter of --host-blocks "
-                             "over the disk), disk-restart (a new engine on the disk tier's directory halfway), in this order")
+                             "over the disk), disk-restart (a new engine on the disk tier's directory halfway), "
+                             "recompute-one-table, host-one-table, in this order")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model or build_model(Path(scratch) / "model", **PRESETS["llama-90m"], seed=0)
-        common = dict(num_gpu_blocks=args.pool_blocks, block_size=16, chats=args.chats, turns=args.turns, seed=args.seed)
-        configs = {"recompute": lambda: {}, "host": lambda: dict(num_host_blocks=args.host_blocks),
+        pool = dict(kv_cache_memory=args.kv_bytes) if args.kv_bytes else dict(num_gpu_blocks=args.pool_blocks)
+        host = dict(kv_offload_host_bytes=args.host_bytes) if args.host_bytes else dict(num_host_blocks=args.host_blocks)
+        common = dict(**pool, block_size=16, chats=args.chats, turns=args.turns, seed=args.seed, history=args.history)
+        configs = {"recompute": lambda: {}, "host": lambda: host,
+                   "recompute-one-table": lambda: dict(hybrid_kv_cache=False),
+                   "host-one-table": lambda: dict(**host, hybrid_kv_cache=False),
                    "disk": lambda: dict(num_host_blocks=0, kv_offload_dir=tempfile.mkdtemp(dir=scratch)),  # each run its own
                    "host+disk": lambda: dict(num_host_blocks=args.host_blocks // 4, kv_offload_dir=tempfile.mkdtemp(dir=scratch)),
                    "disk-restart": lambda: dict(num_host_blocks=0, kv_offload_dir=tempfile.mkdtemp(dir=scratch),
@@ -110,7 +124,7 @@ def main() -> None:
         rows = [run(model, name, reuse=workload == "chats", **common, **configs[name]())
                 for workload in args.workloads.split(",") for name in args.configs.split(",")]
     for row in rows:
-        print(json.dumps({"bench": "kv_tiers", "pool_blocks": args.pool_blocks, **row}))
+        print(json.dumps({"bench": "kv_tiers", **pool, **row}))
     print_table(rows, [("workload", lambda r: "chats" if r["reuse"] else "no reuse"), ("tiers", lambda r: r["config"]),
                        ("TTFT p50 ms", lambda r: r["ttft"]["p50_ms"]),
                        ("TTFT p90 ms", lambda r: r["ttft"]["p90_ms"]),

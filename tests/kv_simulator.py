@@ -4,7 +4,9 @@ It executes a StepPlan the way the real runner must (the tiers' spills and demot
 the tiers' promotions and loads, swap in, copy-on-write copies, write the step's tokens into their
 slots) and "samples" the next token as a hash of the context
 it reads back through the block table. A wrong table, slot, copy or swap therefore changes the
-output, which ``reference_output`` computes without any paging.
+output, which ``reference_output`` computes without any paging. With lanes (``lane_windows``, full
+lanes first) every lane's blocks are written, and a sliding lane's window must read back exactly
+what the first lane holds at those positions.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ def block_payload(tokens: list[int | None]) -> bytes:
 
 class KVSimulator:
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, num_host_slots: int = 0,
-                 disk: DiskTier | None = None) -> None:
-        self.block_size = block_size
+                 disk: DiskTier | None = None, lane_windows: tuple[int, ...] = (0,)) -> None:
+        if len(lane_windows) > 1 and lane_windows[0]:
+            raise ValueError("lanes are simulated with a full first lane")
+        self.block_size, self.lane_windows = block_size, lane_windows
         self.gpu = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.host = [[None] * block_size for _ in range(num_host_slots)]
         self.disk = disk
-        self.tables: dict[int, list[int]] = {}  # seq id -> its first lane's block table
+        self.tables: dict[int, list[list[int]]] = {}  # seq id -> its tables, one per lane
 
     def execute(self, plan: StepPlan) -> StepResult:
         tier = plan.tier  # in the runner's order (worker/runner/model_runner.py: apply_block_moves)
@@ -70,16 +74,27 @@ class KVSimulator:
             self.gpu[dst] = list(self.gpu[src])
         bs = self.block_size
         for item in plan.seqs:  # as the runner, it keeps each table and takes each step's changes
-            self.tables[item.seq_id] = item.kept_table(self.tables.get(item.seq_id, []))
-            for token, slot in zip(item.token_ids, item.slot_mapping(bs, self.tables[item.seq_id])):
-                self.gpu[slot // bs][slot % bs] = token
+            kept = self.tables.get(item.seq_id, [[] for _ in self.lane_windows])
+            self.tables[item.seq_id] = [item.kept_table(table, lane) for lane, table in enumerate(kept)]
+            for table in self.tables[item.seq_id]:
+                for token, slot in zip(item.token_ids, item.slot_mapping(bs, table)):
+                    self.gpu[slot // bs][slot % bs] = token
         samples = {}
         for item in plan.seqs:
             if item.num_samples:
-                table = self.tables[item.seq_id]
-                context = [self.gpu[table[p // bs]][p % bs] for p in range(item.context_len)]
-                assert None not in context, f"seq {item.seq_id} reads unwritten KV"
+                context = self._read(item.seq_id, item.context_len)
                 # Forks draw their first token with salt = output index; everything else salt 0.
                 samples[item.seq_id] = tuple(SampledToken(next_token(context, salt=k)) for k in range(item.num_samples))
         return StepResult(samples)
 
+
+    def _read(self, seq_id: int, context_len: int) -> list[int]:
+        """The context as the first lane holds it; each sliding lane's window must agree."""
+        tables, bs = self.tables[seq_id], self.block_size
+        context = [self.gpu[tables[0][p // bs]][p % bs] for p in range(context_len)]
+        assert None not in context, f"seq {seq_id} reads unwritten KV"
+        for lane, window in enumerate(self.lane_windows[1:], 1):
+            first = max(0, context_len - window)
+            seen = [self.gpu[tables[lane][p // bs]][p % bs] for p in range(first, context_len)]
+            assert seen == context[first:], f"seq {seq_id}: lane {lane} reads other KV than the first lane"
+        return context

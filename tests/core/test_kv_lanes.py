@@ -51,13 +51,6 @@ def test_each_lane_has_its_table_and_a_sliding_lane_releases_its_old_blocks():
     assert bm.num_free_blocks == 64
 
 
-def test_tiers_take_one_lane():
-    from pagedserve.worker.core.kv_cache.tiers import KvTiers
-
-    with pytest.raises(ValueError, match="one lane"):
-        BlockManager(8, lane_windows=(0, 8), tiers=KvTiers(None, None))
-
-
 def _published(bm, seq_id, tokens):
     bm.register_full_blocks(seq_id, tokens, len(tokens))
     bm.release_outside_windows(seq_id, len(tokens))
@@ -72,7 +65,7 @@ def test_a_hit_takes_the_whole_prefix_of_a_full_lane_and_the_window_of_a_sliding
     bm.free(0)
     hit = bm.match_prefix(prompt)
     assert len(hit.blocks) == 10 and NO_BLOCK not in hit.blocks
-    (sliding,) = hit.lanes
+    _, sliding = hit.tables
     assert sliding[:8] == (NO_BLOCK,) * 8 and NO_BLOCK not in sliding[8:]  # position 40 sees 33..39: blocks 8, 9
     bm.start(1, hit)
     bm.check_invariants()
@@ -91,7 +84,36 @@ def test_a_sliding_lane_missing_its_window_shortens_the_hit_to_where_it_has_one(
     while bm.gpu.is_cached_free(lost):  # take every free block, then the least recently released: it
         bm.gpu.allocate()
     hit = bm.match_prefix(prompt)
-    assert len(hit.blocks) == 7 and hit.lanes[0][6] != NO_BLOCK  # position 28 sees 25..27: block 6
+    assert len(hit.blocks) == 7 and hit.tables[1][6] != NO_BLOCK  # position 28 sees 25..27: block 6
+
+
+def test_a_hit_from_the_host_tier_copies_up_only_what_each_lane_reads():
+    """Every block of a 41-token prompt pushed from the device to the host tier: the hit names the
+    full lane's ten blocks and the sliding lane's last two below the device, and promotes those 12
+    (not 20); the started sequence's tables hold device blocks where the hit's did."""
+    from pagedserve.worker.core.kv_cache.block_tables import BELOW
+    from pagedserve.worker.core.kv_cache.host_tier import HostTier
+    from pagedserve.worker.core.kv_cache.tiers import KvTiers
+
+    tiers = KvTiers(HostTier(32), None)
+    bm = BlockManager(num_blocks=24, block_size=4, lane_windows=(0, 8), tiers=tiers)
+    prompt = list(range(100, 141))
+    bm.start(0)
+    bm.grow(0, 41)
+    _published(bm, 0, prompt)
+    bm.free(0)
+    bm.start(1)
+    bm.grow(1, 12 * 4)  # every block of the pool (12 a lane): each cached one is evicted, demoted to the host
+    bm.free(1)
+    hit = bm.match_prefix(prompt)
+    full, sliding = hit.tables
+    assert full == (BELOW,) * 10 and sliding == (NO_BLOCK,) * 8 + (BELOW,) * 2 and len(hit.lower) == 12
+    assert bm.start_cost(hit, 41) == 11 + 11 - 8 and hit.num_lower_blocks == 10
+    bm.hold([hit])
+    assert bm.start(2, hit) == 40 and bm.promote(2, hit) == 40
+    assert BELOW not in bm.block_table(2) + bm.lane_tables(2)[0] and tiers.stats.host_hits == 12
+    assert tiers.take_moves().promotions and not bm.match_prefix(prompt).lower  # now on the device
+    bm.check_invariants()
 
 
 def test_seeded_random_workload_keeps_every_invariant():

@@ -12,6 +12,7 @@ from pagedserve.gateway.routing.kv_index import KvIndex
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
 from pagedserve.worker.core.kv_cache.host_tier import HostTier
+from pagedserve.worker.core.kv_cache.lane_hits import is_lane_hash
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
@@ -34,9 +35,10 @@ def conversations(rng: random.Random, count: int, turns: int) -> list[tuple[str,
     return out
 
 
-def config(mode: str) -> SchedulerConfig:
-    return SchedulerConfig(num_gpu_blocks=40, block_size=BLOCK, num_cpu_blocks=30, max_num_seqs=8,
-                           max_num_batched_tokens=48, max_model_len=256, preemption_mode=mode)
+def config(mode: str, lane_windows: tuple[int, ...] = (0,)) -> SchedulerConfig:
+    return SchedulerConfig(num_gpu_blocks=40 * len(lane_windows), block_size=BLOCK, num_cpu_blocks=30 * len(lane_windows),
+                           max_num_seqs=8, max_num_batched_tokens=48, max_model_len=256, preemption_mode=mode,
+                           lane_windows=lane_windows)
 
 
 def check_outputs(requests, finished) -> None:
@@ -109,3 +111,23 @@ def test_another_fingerprint_never_reads_the_blocks(tmp_path):
     DiskTier(tmp_path, "model a", 1 << 20, 8).write(5, (None, (1,), None), b"\0" * 8)
     other = DiskTier(tmp_path, "model b", 1 << 20, 8)
     assert len(other) == 0 and not other.request(5)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("host_slots,disk", [(96, False), (0, True), (12, True)])
+def test_a_hybrid_models_lanes_come_back_from_the_tiers_exactly(tmp_path, mode, host_slots, disk):
+    """A full lane and two sliding lanes of 8 (Gemma 3's shape): every lane's copy of a block is
+    demoted, spilled and found on its own; a hit takes the full lane's whole prefix and only the
+    sliding lanes' last window from wherever each is; the simulated runner checks each sliding
+    lane reads what the full lane holds."""
+    rng = random.Random(f"lanes-{mode}-{host_slots}-{disk}")
+    requests = conversations(rng, count=12, turns=5)
+    tiers = KvTiers(HostTier(host_slots) if host_slots else None,
+                    DiskTier(tmp_path, "sim", 1 << 20, BLOCK * 8) if disk else None)
+    routing = KvIndex()  # never told of a further lane's hash: only the prefixes, as with one lane
+    sched, finished = run_workload(config(mode, (0, 8, 8)), requests, rng, tiers, routing)
+    check_outputs(requests, finished)
+    assert sched.stats.tier_hit_tokens > 0
+    assert tiers.stats.host_hits > 0 if host_slots else tiers.stats.disk_hits > 0
+    lane_copies = [h for h in (tiers.host.entries() if host_slots else []) if is_lane_hash(h.block_hash)]
+    assert lane_copies or not host_slots, "no sliding lane's block was kept below"

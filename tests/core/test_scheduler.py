@@ -51,7 +51,7 @@ def test_chunked_prefill_mixes_with_decodes():
     plan, _ = step(sched, sim)
     assert [(s.request_id, s.start, s.num_tokens, s.num_samples) for s in plan.seqs] == [("a", 5, 1, 1), ("b", 14, 6, 1)]
     first = plan.seqs[0]
-    assert first.slot_mapping(4, sim.tables[first.seq_id])[:1] == [sched.blocks.block_table(0)[1] * 4 + 1]
+    assert first.slot_mapping(4, sim.tables[first.seq_id][0])[:1] == [sched.blocks.block_table(0)[1] * 4 + 1]
 
 
 def test_max_num_seqs_holds_requests_back():

@@ -32,7 +32,8 @@ def run_workload(cfg: SchedulerConfig, requests: list[tuple[str, list[int], Samp
     events = KvEvents() if kv_index is not None else None
     sched.record_kv_events(events)
     host_slots = tiers.host.num_slots if tiers is not None and tiers.host is not None else 0
-    sim = KVSimulator(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, host_slots, tiers and tiers.disk)
+    sim = KVSimulator(cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, host_slots, tiers and tiers.disk,
+                      cfg.lane_windows)
     pending = list(requests)
     finished, steps, peak_running = {}, 0, 0
     while pending or sched.has_work:

@@ -65,13 +65,15 @@ def test_beams_share_blocks_and_abort_frees_everything(zoo):
     engine = llm.engine
     engine.add_request("beam", list(range(20, 60)), SamplingParams(use_beam_search=True, beam_width=4, max_tokens=50,
                                                                    ignore_eos=True))
-    shared_seen = False
-    for _ in range(8):
+    shared_seen, kept = False, []
+    for _ in range(12):
         engine.step()
         usage = engine.scheduler.blocks.usage()
         shared_seen |= usage.logical > usage.used
         engine.scheduler.blocks.check_invariants()
+        kept.append(len(engine.runner.tables))
     assert shared_seen, "beams should share their prompt blocks"
+    assert max(kept) <= 2 * 4, kept  # the runner keeps tables of live beams (and of the last step's dropped ones) only
     assert engine.abort("beam")
     outs = engine.step()
     assert outs and outs[0].finished and outs[0].outputs[0].finish_reason == "abort"

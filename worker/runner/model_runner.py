@@ -161,7 +161,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> StepLogits:
         """Block moves, then one forward: logits of the rows that sample this step."""
-        self.tables.forget(plan.finished_request_ids)
+        self.tables.forget(plan.finished_request_ids, plan.dropped_seq_ids)
         self.tables.update(plan.seqs)
         self.apply_block_moves(plan)
         draft_rounds, draft_seconds = 0, 0.0

@@ -15,7 +15,7 @@ Swapped-in blocks come back unhashed; their content is valid but they are not re
 
 Lanes (``kv_layout.py``): the layers are grouped by their attention and cut into lanes of equal
 size; a sequence has one table per lane, every lane's blocks from the one pool. Growth, forks,
-copy-on-write, swap and the prefix cache act on every lane (a lane's copy of a cached block has its
+copy-on-write, swap, the prefix cache and the tiers under it act on every lane (a lane's copy of a cached block has its
 own hash, ``lane_hits.py``, and only the first lane's is announced to KV events); one lane is the
 model without groups.
 
@@ -37,40 +37,57 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Hashable, Sequence
+from typing import Hashable, NamedTuple, Sequence
 
 from pagedserve.shared.block_hash import block_hash
 from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE, BlockPool
-from pagedserve.worker.core.kv_cache.block_tables import NO_BLOCK, count_unique, held_blocks, move_tables
-from pagedserve.worker.core.kv_cache.lane_hits import lane_hash, lane_hit, lane_key
+from pagedserve.worker.core.kv_cache.block_tables import BELOW, NO_BLOCK, count_unique, held_blocks, move_tables
+from pagedserve.worker.core.kv_cache.lane_hits import is_lane_hash, lane_hash, lane_hit, lane_key
 from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 from pagedserve.worker.core.kv_cache.table_reports import BlockUsage, TableState, check_tables, usage_of
 from pagedserve.worker.core.kv_cache.tiers import NO_TIER_MOVES, PENDING, KvTiers, LowerHit, TierMoves
 
 
 
+class Below(NamedTuple):
+    """Where a lane's copy of a prefix block is when it is in a tier under the device."""
+    block_hash: int
+    key: tuple
+
+
 @dataclass(frozen=True)
 class PrefixHit:
-    """Cached blocks that match the start of a prompt, and their chained hashes; then the blocks
-    that go on below the device (``worker/core/kv_cache/tiers.py``), each needing a free device block."""
+    """Cached blocks that match the start of a prompt: each lane's table of the hit (device blocks;
+    ``NO_BLOCK`` where a sliding lane needs none; ``BELOW`` where a block from a tier under the
+    device fills it: ``lower``, in table order, lane after lane, each needing a free device block),
+    and the prefix's chained hashes."""
 
-    blocks: tuple[int, ...]
-    hashes: tuple[int, ...]
-    num_reclaimed: int  # how many of them are cached-free now, so taking them uses free capacity
+    tables: tuple[tuple[int, ...], ...] = ()
+    hashes: tuple[int, ...] = ()
+    num_reclaimed: int = 0  # how many of its device blocks are cached-free now, so taking them uses free capacity
     lower: tuple[LowerHit, ...] = ()
     waits_on_disk: bool = False  # the prefix goes on in a block being read from disk: start later
-    lanes: tuple[tuple[int, ...], ...] = ()  # the further lanes' tables of the hit (NO_BLOCK: not needed)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The first lane's table of the hit."""
+        return self.tables[0] if self.tables else ()
 
     def held(self) -> list[int]:
         """The device blocks the hit takes, every lane's."""
-        return held_blocks([self.blocks, *self.lanes])
+        return held_blocks(self.tables)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks) + len(self.lower)
+        return len(self.hashes)
+
+    @property
+    def num_lower_blocks(self) -> int:
+        """Of its blocks, how many some lane reads from below the device."""
+        return sum(1 for column in zip(*self.tables) if BELOW in column)
 
 
-NO_HIT = PrefixHit((), (), 0)
+NO_HIT = PrefixHit()
 
 
 class BlockManager:
@@ -87,10 +104,6 @@ class BlockManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not lane_windows or any(w < 0 for w in lane_windows):
             raise ValueError(f"lane_windows must be one window (0: full) per lane, got {lane_windows}")
-        if tiers is not None and len(lane_windows) > 1:
-            raise ValueError("the host and disk tiers (--kv-offload-*) take a model with one lane of layers; this one "
-                             f"has {len(lane_windows)} (windows {list(lane_windows)}): serve it with --no-hybrid-kv-cache "
-                             "to use them")
         self.block_size = block_size
         self.lane_windows = tuple(lane_windows)
         self.num_lanes = len(self.lane_windows)
@@ -153,35 +166,50 @@ class BlockManager:
         return (parent_hash, tuple(tokens), extra_key)
 
     def match_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None, known: Sequence[int] = ()) -> PrefixHit:
-        """Longest run of cached full blocks at the start of ``token_ids`` (last token excluded),
-        on the device, then below it. ``known``: the leading blocks' hashes where the caller keeps
-        them (a request's prompt chain)."""
-        blocks: list[int] = []
-        hashes: list[int] = []
+        """The longest run of cached full blocks at the start of ``token_ids`` (last token excluded)
+        that every lane can start from (``lane_hits.py``), each lane's copy on the device or below
+        it. ``known``: the leading blocks' hashes where the caller keeps them (a request's prompt
+        chain). Blocks the hit needs from disk are asked for; until they are read it waits."""
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        missing: set[int] = set()
+        while True:
+            chain = self._prompt_chain(token_ids, extra_key, known)
+            tables, hashes = lane_hit(lambda h, key: self._find(h, key, missing), chain, self.lane_windows, self.block_size)
+            lower, waits, lost = self._fetch_below(tables)
+            if lost is None:
+                break
+            missing.add(lost)  # gone from its tier since it was seen: the hit without it
+        if waits:
+            return replace(NO_HIT, waits_on_disk=True)
+        tables = [[BELOW if isinstance(e, Below) else e for e in table] for table in tables]
+        hit = PrefixHit(tuple(map(tuple, tables)), tuple(hashes), 0, tuple(lower))
+        return replace(hit, num_reclaimed=sum(1 for b in set(hit.held()) if self.gpu.is_cached_free(b)))
+
+    def _find(self, block_hash: int, key: tuple, missing: set[int]) -> int | Below | None:
+        """Where a lane's copy of a block is: a device block, a tier below, or nowhere (None)."""
+        block = self.gpu.lookup(block_hash, key)
+        if block is not None:
+            return block
+        if self.tiers is not None and block_hash not in missing and self.tiers.holds(block_hash, key):
+            return Below(block_hash, key)
+        return None
+
+    def _fetch_below(self, tables: list[list]) -> tuple[list[LowerHit], bool, int | None]:
+        """``(lower, waits, lost)``: the hit's blocks from below the device in table order; whether
+        one is still being read from disk (every one it needs is asked for at once); the hash of
+        one no tier has any more (None: none lost)."""
         lower: list[LowerHit] = []
         waits = False
-        chain = self._prompt_chain(token_ids, extra_key, known) if self.enable_prefix_caching else iter(())
-        if self.num_lanes > 1:  # no tiers: each lane by its own rule (lane_hits.py)
-            (first, *others), hashes = lane_hit(self.gpu, chain, self.lane_windows, self.block_size)
-            hit = PrefixHit(tuple(first), tuple(hashes), 0, lanes=tuple(tuple(t) for t in others))
-            return replace(hit, num_reclaimed=len({b for b in hit.held() if self.gpu.is_cached_free(b)}))
-        for parent, key in chain:
-            block = None if lower else self.gpu.lookup(parent, key)
-            if block is not None:
-                blocks.append(block)
-                hashes.append(parent)
-                continue
-            below = self.tiers.find(parent, key) if self.tiers is not None else None
-            if below == PENDING:  # read the rest of the prefix on disk at the same time
+        for entry in (e for table in tables for e in table if isinstance(e, Below)):
+            found = self.tiers.find(entry.block_hash, entry.key)
+            if found is None:
+                return [], False, entry.block_hash
+            if found == PENDING:
                 waits = True
-                for later, _ in chain:  # up to the first block not on disk
-                    if not self.tiers.prefetch(later):
-                        break
-            if below is None or waits:
-                break
-            lower.append(below)
-        reclaimed = sum(1 for b in blocks if self.gpu.is_cached_free(b))
-        return PrefixHit(tuple(blocks), tuple(hashes), reclaimed, tuple(lower), waits)
+            else:
+                lower.append(found)
+        return lower, waits, None
 
     def _prompt_chain(self, token_ids: Sequence[int], extra_key: Hashable, known: Sequence[int]):
         """``(hash, key)`` of each full block a prefix hit can cover, hashed only past ``known``."""
@@ -201,20 +229,18 @@ class BlockManager:
         """Give a started sequence the hit's blocks from below the device, each copied up into a
         device block this step (a sibling that promoted the same block first is shared). Returns
         the tokens now computed."""
-        if not hit.lower:
-            return self._num_slots[seq_id]
-        (table,), chain = self._tables[seq_id], self._hashes[seq_id]  # tiers: one lane
-        for below in hit.lower:
-            block = self.gpu.lookup(below.block_hash, below.key)
-            if block is not None:
-                self.gpu.incref(block)
-            else:
-                block = self.gpu.allocate()
-                self.gpu.register(block, below.block_hash, below.key)
-                self.tiers.promote(below, block)
-            table.append(block)
-            chain.append(below.block_hash)
-        self._num_slots[seq_id] = len(table) * self.block_size
+        below = iter(hit.lower)
+        for table in self._tables[seq_id]:
+            for i in [i for i, b in enumerate(table) if b == BELOW]:
+                found = next(below)
+                block = self.gpu.lookup(found.block_hash, found.key)
+                if block is not None:
+                    self.gpu.incref(block)
+                else:
+                    block = self.gpu.allocate()
+                    self.gpu.register(block, found.block_hash, found.key, announce=not is_lane_hash(found.block_hash))
+                    self.tiers.promote(found, block)
+                table[i] = block
         return self._num_slots[seq_id]
 
     def record_kv_events(self, events: KvEvents | None) -> None:
@@ -253,22 +279,22 @@ class BlockManager:
         number of tokens already computed (the cached prefix)."""
         if self.has_seq(seq_id):
             raise ValueError(f"sequence {seq_id} already has blocks")
-        hit = hit or PrefixHit((), (), 0)
+        hit = hit or NO_HIT
         for block in hit.held():
             self.gpu.incref(block)
-        lanes = [list(hit.blocks)] + [list(table) for table in hit.lanes]
-        lanes += [list(hit.blocks) for _ in range(self.num_lanes - len(lanes))]  # (no hit: every table empty)
-        self._tables[seq_id] = lanes
+        lanes = [list(table) for table in hit.tables] or [[] for _ in range(self.num_lanes)]
+        self._tables[seq_id] = lanes  # its BELOW entries are filled by ``promote``
         self._hashes[seq_id] = list(hit.hashes)
         self._released[seq_id] = [sum(1 for b in table if b == NO_BLOCK) for table in lanes]
         self._kept[seq_id] = 0
-        self._num_slots[seq_id] = len(hit.blocks) * self.block_size
+        self._num_slots[seq_id] = hit.num_blocks * self.block_size
         return self._num_slots[seq_id]
 
     def start_cost(self, hit: PrefixHit, num_tokens: int) -> int:
         """Blocks a new sequence takes from the free ones to hold ``num_tokens`` (its hit's
         included) after starting from ``hit``: every lane's new blocks and the promoted ones."""
-        return self.num_lanes * (self.blocks_for(num_tokens) - len(hit.blocks))
+        kept = sum(1 for table in hit.tables for b in table if b != BELOW)
+        return self.num_lanes * self.blocks_for(num_tokens) - kept
 
     def cost_to_grow(self, seq_ids_and_counts: Sequence[tuple[int, int]]) -> int:
         """Free GPU blocks needed to give each seq its extra slots, copy-on-write copies included.

@@ -9,13 +9,14 @@ from typing import Sequence
 from pagedserve.worker.core.kv_cache.block_pool import BlockPool
 
 NO_BLOCK = -1  # a table entry whose block was released: wholly outside its lane's sliding window
+BELOW = -2  # a prefix hit's entry that a block from a tier under the device fills (``BlockManager.promote``)
 
 Lanes = list[list[int]]  # a sequence's tables, one per lane
 
 
 def held_blocks(lanes: Lanes) -> list[int]:
-    """Every block a sequence's tables hold, lane after lane."""
-    return [b for table in lanes for b in table if b != NO_BLOCK]
+    """Every block a sequence's tables hold, lane after lane (an entry that names none is negative)."""
+    return [b for table in lanes for b in table if b >= 0]
 
 
 def count_unique(tables: dict[int, Lanes], seq_ids: Sequence[int]) -> int:

@@ -5,30 +5,42 @@ A full lane needs every block of the prefix. A sliding lane of window W needs on
 first computed position can still see: for a hit of ``n`` blocks the next position is
 ``p = n * block_size``, which sees ``p - W + 1 .. p - 1``; the lane's earlier entries stay
 released (``NO_BLOCK``). So a long conversation whose old sliding blocks were evicted still hits
-in full, and the hit is the longest ``n`` every lane accepts.
+in full, and the hit is the longest ``n`` every lane accepts. One lane is the same rule: a full
+lane takes its whole cached prefix.
+
+A lane's copy of a block may be on the device or in a tier below it (``tiers.py``): the finder
+says where, and the caller fetches only the entries the hit needs.
 
 Pure Python, no torch.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-from pagedserve.worker.core.kv_cache.block_pool import BlockPool
 from pagedserve.worker.core.kv_cache.block_tables import NO_BLOCK
 
-
 LANE_MIX = 0x9E3779B97F4A7C15  # odd: each lane's multiple differs in its low 63 bits
+LANE_BIT = 1 << 63  # set in every further lane's hash, never in a prefix's own (63 bits, shared/block_hash.py)
 
 
 def lane_hash(base: int, lane: int) -> int:
-    """The hash a lane's copy of a block is cached under: the prefix's own for the first lane, a
-    cheap mix for the others (never announced; a collision is caught by the key, as any)."""
-    return base if lane == 0 else (base ^ (lane * LANE_MIX)) & ((1 << 63) - 1)
+    """The hash a lane's copy of a block is cached under, on the device and in the tiers: the
+    prefix's own for the first lane, a cheap mix with ``LANE_BIT`` set for the others (never
+    announced to KV events; a collision is caught by the key, as any)."""
+    return base if lane == 0 else LANE_BIT | ((base ^ (lane * LANE_MIX)) & (LANE_BIT - 1))
+
+
+def is_lane_hash(block_hash: int) -> bool:
+    """Whether ``block_hash`` names a further lane's copy (not a prefix routing knows)."""
+    return block_hash >= LANE_BIT
 
 
 def lane_key(key: tuple, lane: int) -> tuple:
-    return key if lane == 0 else key + (("lane", lane),)
+    """A lane's copy's key: the lane joins the salt, so the key keeps its three parts (the disk
+    tier writes them)."""
+    parent, tokens, salt = key
+    return key if lane == 0 else (parent, tokens, ("lane", lane, salt))
 
 
 def first_seen(num_blocks: int, window: int, block_size: int) -> int:
@@ -36,19 +48,20 @@ def first_seen(num_blocks: int, window: int, block_size: int) -> int:
     return max(0, num_blocks * block_size - window + 1) // block_size if window else 0
 
 
-def lane_hit(pool: BlockPool, chain: Iterable[tuple[int, tuple]], windows: Sequence[int],
-             block_size: int) -> tuple[list[list[int]], list[int]]:
+def lane_hit(find: Callable[[int, tuple], object | None], chain: Iterable[tuple[int, tuple]],
+             windows: Sequence[int], block_size: int) -> tuple[list[list], list[int]]:
     """Each lane's table of the longest hit over ``chain`` (``(hash, key)`` of the prompt's leading
-    full blocks, read up to a full lane's first miss): the cached blocks, ``NO_BLOCK`` where a
-    sliding lane needs none; and the hit's hashes."""
-    found: list[list[int | None]] = [[] for _ in windows]
+    full blocks, read up to a full lane's first miss) and the hit's hashes. ``find(hash, key)``
+    says where a lane's copy is (a device block, or whatever the caller fetches it by), None when
+    nowhere; a table holds what it said, ``NO_BLOCK`` where a sliding lane needs nothing."""
+    found: list[list] = [[] for _ in windows]
     hashes: list[int] = []
     for base, key in chain:
-        blocks = [pool.lookup(lane_hash(base, lane), lane_key(key, lane)) for lane in range(len(windows))]
-        if any(b is None for b, w in zip(blocks, windows) if not w):  # a full lane stops here
+        entries = [find(lane_hash(base, lane), lane_key(key, lane)) for lane in range(len(windows))]
+        if any(e is None for e, w in zip(entries, windows) if not w):  # a full lane stops here
             break
-        for lane, block in enumerate(blocks):
-            found[lane].append(block)
+        for lane, entry in enumerate(entries):
+            found[lane].append(entry)
         hashes.append(base)
     for n in range(len(hashes), 0, -1):
         firsts = [first_seen(n, w, block_size) for w in windows]

@@ -7,7 +7,8 @@ forward), a disk hit is read in the background while the request waits and later
 loaded. Every block keeps its content hash and key through every tier and is found only by both.
 
 With KV events attached (a worker that routes), a demoted block is reported lowered, and a block
-that leaves the last tier holding it (and is not on the device) dropped.
+that leaves the last tier holding it (and is not on the device) dropped; a further lane's copy of a
+block (``lane_hits.py``) is kept and found as any, never reported.
 
 Pure Python, no torch: the step's ``TierMoves`` carry the copies to the runner
 (``worker/runner/kv_cache/tier_storage.py``), which applies them before anything else touches the blocks.
@@ -21,6 +22,7 @@ from typing import Callable, NamedTuple
 from pagedserve.worker.core.kv_cache.disk_tier import DiskTier
 from pagedserve.worker.core.kv_cache.host_tier import HostEntry, HostTier
 from pagedserve.worker.core.kv_cache.kv_events import KvEvents
+from pagedserve.worker.core.kv_cache.lane_hits import is_lane_hash
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class KvTiers:
 
     def _gone(self, block_hash: int) -> None:
         """A tier let ``block_hash`` go: dropped for routing unless something still holds it."""
-        if self.events is None or self.on_device(block_hash):
+        if self.events is None or is_lane_hash(block_hash) or self.on_device(block_hash):
             return
         if (self.host is not None and block_hash in self.host) or (self.disk is not None and block_hash in self.disk):
             return
@@ -136,7 +138,13 @@ class KvTiers:
         """Every hash a tier below holds that the device does not (for a KV events resync)."""
         held = dict.fromkeys(e.block_hash for e in self.host.entries()) if self.host is not None else {}
         held.update(dict.fromkeys(self.disk.hashes()) if self.disk is not None else {})
-        return [h for h in held if not self.on_device(h)]
+        return [h for h in held if not is_lane_hash(h) and not self.on_device(h)]
+
+    def holds(self, block_hash: int, key: tuple) -> bool:
+        """Whether a tier has the block (nothing is read: ``find`` does that)."""
+        if self.host is not None and self.host.lookup(block_hash, key) is not None:
+            return True
+        return self.disk is not None and (block_hash in self.disk or self.disk.take_ready(block_hash, key, keep=True) is not None)
 
     def find(self, block_hash: int, key: tuple) -> LowerHit | str | None:
         """The block below the device, ``PENDING`` while it is read from disk, else None."""

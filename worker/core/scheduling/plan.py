@@ -55,12 +55,18 @@ class ScheduledSeq:
         """The entries this row carries of ``lane``'s block table (0: ``block_table``)."""
         return self.block_table if lane == 0 else self.lane_tables[lane - 1]
 
+    def check_kept(self, num_kept: int) -> None:
+        """A ValueError unless a keeper holding ``num_kept`` entries of the table can take this row:
+        one that goes on past them means a step's changes were lost (its attention would read other
+        blocks)."""
+        if num_kept < self.table_from:
+            raise ValueError(f"seq {self.seq_id}: its row goes on from table entry {self.table_from}, but only "
+                             f"{num_kept} are kept: a step's table changes were lost")
+
     def kept_table(self, kept: Sequence[int], lane: int = 0) -> list[int]:
         """``lane``'s whole table, from ``kept`` (the table as this sequence's previous row left it)
         and this row's entries."""
-        if len(kept) < self.table_from:
-            raise ValueError(f"seq {self.seq_id}: its row goes on from table entry {self.table_from}, but only "
-                             f"{len(kept)} are kept: a step's table changes were lost")
+        self.check_kept(len(kept))
         return [*kept[: self.table_from], *self.table(lane)]
 
     def slot_mapping(self, block_size: int, table: Sequence[int]) -> list[int]:
@@ -85,6 +91,7 @@ class StepPlan:
     num_preempted: int = 0
     finished_request_ids: tuple[str, ...] = ()  # ended since the last plan: the runner drops their state
     tier: TierMoves = NO_TIER_MOVES
+    dropped_seq_ids: tuple[int, ...] = ()  # beams that fell out since the last plan: the runner drops their tables
 
     @property
     def num_tokens(self) -> int:
@@ -133,6 +140,8 @@ class StepBuilder:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: int = 0
 
-    def build(self, block_size: int, finished_request_ids: tuple[str, ...] = (), tier: TierMoves = NO_TIER_MOVES) -> StepPlan:
+    def build(self, block_size: int, ended: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
+              tier: TierMoves = NO_TIER_MOVES) -> StepPlan:
+        """``ended``: the requests ended and the sequences dropped since the last plan."""
         return StepPlan(tuple(self.seqs), block_size, tuple(self.copies), tuple(self.swap_out),
-                        tuple(self.swap_in), self.preempted, finished_request_ids, tier)
+                        tuple(self.swap_in), self.preempted, ended[0], tier, ended[1])

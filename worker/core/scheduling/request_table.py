@@ -24,6 +24,7 @@ class RequestTable:
         self.swapped: list[Request] = []
         self.ended_outside_update: list[Request] = []
         self.ended_ids: list[str] = []
+        self.dropped_seq_ids: list[int] = []  # beams that fell out since the last plan (their requests go on)
         self._seqs: dict[int, Sequence] = {}
         self._owner: dict[int, Request] = {}
         self._seq_ids = itertools.count()
@@ -60,6 +61,7 @@ class RequestTable:
         self._seqs.pop(seq.seq_id, None)
         self._owner.pop(seq.seq_id, None)
         req.seqs.remove(seq)
+        self.dropped_seq_ids.append(seq.seq_id)
 
     def finish_seq(self, seq_id: int, reason: FinishReason) -> None:
         """End one sequence (a stop token or string, its length); the request ends with its last."""
@@ -91,6 +93,9 @@ class RequestTable:
         self.finish_request(req, reason, error)
         self.ended_outside_update.append(req)
 
-    def take_ended_ids(self) -> tuple[str, ...]:
+    def take_ended_ids(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The requests that ended and the sequences dropped since the last call (the runner forgets
+        what it keeps of them)."""
         ended, self.ended_ids = tuple(self.ended_ids), []
-        return ended
+        dropped, self.dropped_seq_ids = tuple(self.dropped_seq_ids), []
+        return ended, dropped

@@ -27,8 +27,8 @@ from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.kv_cache.block_manager import NO_HIT, BlockManager, PrefixHit
 from pagedserve.worker.core.kv_cache.kv_events import KvEvents
-from pagedserve.worker.core.kv_cache.kv_layout import blocks_held
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
+from pagedserve.worker.core.scheduling.admission import admission, prompts_to_finish, start_request
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
 from pagedserve.worker.core.scheduling.drafts import NO_DRAFT, Draft, row_draft
@@ -245,24 +245,12 @@ class Scheduler:
         salt = self.config.prefix_key(req.extra_key, seq.num_tokens)
         return self.blocks.match_prefix(seq.token_ids, salt, req.prompt_hashes(self.config.block_size, salt))
 
-    def _prompt_need(self, seq: Sequence) -> int:
-        """Blocks a sequence holds once its whole prompt is in (every lane: a sliding one its window
-        and a chunk), its output to come not counted."""
-        cfg = self.config
-        return blocks_held(cfg.lane_windows, seq.prompt_len, cfg.block_size, cfg.max_num_batched_tokens)
-
-    def _prompts_to_finish(self) -> int:
-        """Blocks the running sequences still take before their prompts are in."""
-        return sum(max(0, self._prompt_need(s) - self.blocks.num_held(s.seq_id))
-                   for r in self.running for s in r.live_seqs if s.num_computed < s.prompt_len)
-
     def _schedule_waiting(self, step: StepBuilder) -> None:
-        """Admit waiting requests in order while the budget, ``max_num_seqs`` and the blocks last:
-        a request starts only when its first chunk fits and, beside running requests, its whole
-        prompt fits in what their prompts leave (a long prompt admitted on its first chunk alone is
-        preempted by the others' growth before it ends, over and over, where memory binds)."""
+        """Admit waiting requests in order while the budget, ``max_num_seqs`` and the blocks last: a
+        request starts only when its first chunk fits and, beside running requests, its whole
+        prompt fits in what their prompts leave (``admission.py``)."""
         self.waiting.sort(key=lambda r: r.sort_key)
-        reserved = self._prompts_to_finish()
+        reserved = prompts_to_finish(self.blocks, self.config, self.running)
         for req in list(self.waiting):
             if not req.grammar_ready:
                 continue  # compiling off the loop: later requests may start meanwhile
@@ -277,37 +265,19 @@ class Scheduler:
             if any(hit.waits_on_disk for hit in hits.values()):
                 self.waits_on_disk = True
                 continue  # its prefix is being read from disk: later requests run meanwhile
-            reclaimed = {b for hit in hits.values() for b in hit.held() if self.blocks.gpu.is_cached_free(b)}
-            sizes, budget, new_blocks = [], step.budget, 0
-            for seq in req.live_seqs:
-                hit = hits[seq.seq_id]
-                cached = hit.num_blocks * self.config.block_size
-                count = min(seq.num_tokens - cached, budget)
-                budget -= count
-                sizes.append((seq.seq_id, count))
-                new_blocks += self.blocks.start_cost(hit, cached + count)  # promoted blocks are new
-            whole = sum(max(0, self._prompt_need(seq) - len(hits[seq.seq_id].held())) for seq in req.live_seqs)
-            whole += len(reclaimed)
-            if len(reclaimed) + new_blocks > self.blocks.num_free_blocks:
+            taken = admission(self.blocks, self.config, req, hits, step.budget)
+            if taken.now > self.blocks.num_free_blocks:
                 return
-            if self.running and reserved + whole > self.blocks.num_free_blocks:
+            if self.running and reserved + taken.whole > self.blocks.num_free_blocks:
                 return
-            reserved += max(0, whole - len(reclaimed) - new_blocks)
-            self.blocks.hold(list(hits.values()))
-            for seq in req.live_seqs:  # every device hit taken before a promotion may evict one
-                self.blocks.start(seq.seq_id, hits[seq.seq_id])
-            for seq in req.live_seqs:
-                seq.num_computed = self.blocks.promote(seq.seq_id, hits[seq.seq_id])
-                self.stats.prefix_query_tokens += seq.num_tokens
-                self.stats.prefix_hit_tokens += seq.num_computed
-                self.stats.tier_hit_tokens += len(hits[seq.seq_id].lower) * self.config.block_size
-            if req.cached_tokens is None:  # what a client is told the cache served: its first start's hit
-                first = req.live_seqs[0]
-                req.cached_tokens = min(first.num_computed, len(req.prompt_ids))
-                req.tier_cached_tokens = min(len(hits[first.seq_id].lower) * self.config.block_size, req.cached_tokens)
+            reserved += max(0, taken.whole - taken.now)
+            asked, hit, below = start_request(self.blocks, req, taken)
+            self.stats.prefix_query_tokens += asked
+            self.stats.prefix_hit_tokens += hit
+            self.stats.tier_hit_tokens += below
             self.waiting.remove(req)
             self._run(req)
-            self._emit(req, sizes, step)
+            self._emit(req, taken.sizes, step)
 
     def _start_grammar(self, req: Request) -> bool:
         """Give each sequence its grammar state (first start only); False when it failed to compile."""

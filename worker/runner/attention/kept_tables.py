@@ -35,26 +35,32 @@ class KeptTables:
         return kept
 
     def update(self, rows: Iterable[ScheduledSeq]) -> None:
-        """Take each row's changed entries. A row that goes on from an entry this keeper never had
-        is a ValueError (a step's changes were lost): its attention would read other blocks."""
+        """Take each row's changed entries (``ScheduledSeq.check_kept``: a ValueError where a step's
+        changes were lost)."""
         for s in rows:
             row = self._row(s.seq_id, s.request_id)
-            if self._lens[row] < s.table_from:
-                raise ValueError(f"seq {s.seq_id}: its row goes on from table entry {s.table_from}, but the runner "
-                                 f"keeps {self._lens[row]}: a step's table changes were lost")
+            s.check_kept(self._lens[row])
             end = s.table_from + len(s.block_table)
             if end > s.table_from:
-                self._fit(row, end)
+                self._fit(end)
                 tails = [s.table(lane) for lane in range(self.num_lanes)]
                 self._tables[:, row, s.table_from : end] = torch.tensor(tails, dtype=torch.int32, device="cpu")
             self._lens[row] = end
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Free the rows of these (ended) requests' sequences."""
+    def forget(self, request_ids: Iterable[str], seq_ids: Iterable[int] = ()) -> None:
+        """Free the rows of these (ended) requests' sequences, and of these (dropped) sequences."""
         for request_id in request_ids:
             for seq_id in self._seqs.pop(request_id, ()):
                 del self._owner[seq_id]
                 self._free.append(self._rows.pop(seq_id))
+        for seq_id in seq_ids:
+            if seq_id in self._rows:
+                self._seqs[self._owner.pop(seq_id)].discard(seq_id)
+                self._free.append(self._rows.pop(seq_id))
+
+    def __len__(self) -> int:
+        """Sequences that hold a row."""
+        return len(self._rows)
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._rows
@@ -62,11 +68,12 @@ class KeptTables:
     def length(self, seq_id: int) -> int:
         return self._lens[self._rows[seq_id]]
 
-    def tables(self, seq_ids: list[int], lane: int, device: torch.device) -> torch.Tensor:
-        """int32 ``[len(seq_ids), longest]``: ``lane``'s tables of these sequences, in order."""
+    def tables(self, seq_ids: list[int], device: torch.device) -> torch.Tensor:
+        """int32 ``[lanes, len(seq_ids), longest]``: every lane's tables of these sequences, in order
+        (one gather for all lanes)."""
         rows = [self._rows[s] for s in seq_ids]
         width = max((self._lens[r] for r in rows), default=0)
-        picked = self._tables[lane, :, :width].index_select(0, torch.tensor(rows, dtype=torch.int64, device="cpu"))
+        picked = self._tables[:, :, :width].index_select(1, torch.tensor(rows, dtype=torch.int64, device="cpu"))
         return picked.to(device, non_blocking=True)
 
     def slots(self, seq_ids: list[int], positions: list[int], block_size: int, device: torch.device) -> torch.Tensor:
@@ -92,7 +99,7 @@ class KeptTables:
             self._seqs.setdefault(request_id, set()).add(seq_id)
         return row
 
-    def _fit(self, row: int, end: int) -> None:
+    def _fit(self, end: int) -> None:
         if end > self._tables.shape[2]:
             self._grow(width=max(end, 2 * self._tables.shape[2]))
 

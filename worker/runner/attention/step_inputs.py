@@ -38,19 +38,14 @@ def step_inputs(rows, block_size: int, device: torch.device, needs_seq_lens: boo
         last_index.append(len(ids) - 1)
     num_decodes = sum(1 for s in items if s.num_tokens == 1)
     slots = tables.slots(token_seqs, positions, block_size, device)
-    lanes = [_lane(items, num_decodes, slots[lane], tables, lane, device) for lane in range(num_lanes)]
+    seq_ids = [s.seq_id for s in items]
+    decode_tables, prefill_tables = tables.tables(seq_ids[:num_decodes], device), tables.tables(seq_ids[num_decodes:], device)
+    lanes = [dict(slot_mapping=slots[lane], decode_block_tables=decode_tables[lane], prefill_block_tables=prefill_tables[lane])
+             for lane in range(num_lanes)]
     meta = _metadata(items, num_decodes, device, needs_seq_lens, lanes[0])
     meta = replace(meta, other_lanes=tuple(replace(meta, **lane) for lane in lanes[1:]))
     return StepInputs(items, torch.tensor(ids, dtype=torch.int64, device=device),
                       torch.tensor(positions, dtype=torch.int64, device=device), meta, last_index)
-
-
-def _lane(items: list[ScheduledSeq], num_decodes: int, slots: torch.Tensor, tables: KeptTables, lane: int,
-          dev: torch.device) -> dict:
-    """One lane's slots and tables (the decode rows', the prefill rows')."""
-    seq_ids = [s.seq_id for s in items]
-    return dict(slot_mapping=slots, decode_block_tables=tables.tables(seq_ids[:num_decodes], lane, dev),
-                prefill_block_tables=tables.tables(seq_ids[num_decodes:], lane, dev))
 
 
 def _metadata(items: list[ScheduledSeq], num_decodes: int, dev: torch.device, needs_seq_lens: bool,

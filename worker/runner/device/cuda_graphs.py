@@ -116,13 +116,14 @@ class DecodeGraphs:
         for name, values in host.items():
             _copy(getattr(bucket, name), values)
         slots = kept.slots(seq_ids, host["positions"], self.block_size, torch.device("cpu"))
+        every_lane = kept.tables(seq_ids, torch.device("cpu"))
         for lane, (lane_slots, target) in enumerate(zip(bucket.lane_slots, bucket.lane_tables)):
             lane_slots[:n].copy_(slots[lane], non_blocking=True)
             lane_slots[n:].fill_(-1)
             # Table entries past a row's length are never read: only the live part is copied. Padding
             # rows read position 0 of their row: block 0, not what an earlier, larger step left there
             # (a sliding-window row's first entry can be the released-block marker, -1).
-            tables = kept.tables(seq_ids, lane, torch.device("cpu"))
+            tables = every_lane[lane]
             target[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
             target[n:, : tables.shape[1]].zero_()
 
