@@ -18,6 +18,7 @@ from pathlib import Path
 from pagedserve.bench.kv_quality import text
 from pagedserve.bench.table import print_table
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.offline_outputs import best_token, prompt_token_logprobs
 
 CONFIGS = {  # name -> LLM options
     "as stored, float32": {"quantization": "gguf", "dtype": "float32"},
@@ -48,8 +49,7 @@ def engine_logprobs(model: str, ids: list[int], chunk: int, **options) -> tuple[
 
     llm = LLM(model, max_num_batched_tokens=chunk, num_gpu_blocks=max(64, len(ids) // 16 + 8), **options)
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
-    entries = out.prompt_logprobs[1:]
-    return [e.logprob for e in entries], [max(e.top_logprobs.items(), key=lambda kv: kv[1])[0] for e in entries]
+    return prompt_token_logprobs(out), [best_token(entry) for entry in out.prompt_logprobs[1:]]
 
 
 def compare(reference: tuple[list[float], list[int]], ours: tuple[list[float], list[int]]) -> dict:

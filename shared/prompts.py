@@ -12,13 +12,19 @@ from typing import Sequence
 from pagedserve.shared.errors import InvalidRequestError
 
 
+def render_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                template_kwargs: dict | None = None) -> str:
+    """The conversation as the chat template writes it, ready for the assistant's turn. ``tools``:
+    OpenAI tool objects, handed to the template (which decides how a model sees them);
+    ``template_kwargs``: the template's own variables (Qwen3's ``enable_thinking``)."""
+    return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=True, **(template_kwargs or {}))
+
+
 def encode_chat(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None,
                 template_kwargs: dict | None = None) -> list[int]:
-    """``tools``: OpenAI tool objects, handed to the template (which decides how a model sees them);
-    ``template_kwargs``: the template's own variables (Qwen3's ``enable_thinking``)."""
-    text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=True, **(template_kwargs or {}))
-    return tokenizer.encode(text, add_special_tokens=False)
+    """``render_chat``'s text as token ids (the template writes its own special tokens)."""
+    return tokenizer.encode(render_chat(tokenizer, messages, tools, template_kwargs), add_special_tokens=False)
 
 
 def is_token_id(value) -> bool:

@@ -4,6 +4,9 @@
     llm = LLM()  # the default model; or LLM("path/to/model", ...), LLM("model.gguf"), LLM("demo")
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     print(outs[0].outputs[0].text)
+
+The outputs are vLLM's shapes (``offline_outputs.py``): a program written for vLLM's ``LLM`` runs
+after swapping its import (``tests/engine/test_vllm_program.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from typing import Sequence as Seq
 
 from tqdm.auto import tqdm
 
-from pagedserve.shared.prompts import encode_chat
+from pagedserve.shared.prompts import render_chat
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.scheduling.outputs import RequestOutput
+from pagedserve.worker.core.scheduling.token_pieces import TokenPieces
 from pagedserve.worker.engine import Engine
+from pagedserve.worker.offline_outputs import offline_output
 from pagedserve.worker.runner.lora.request import LoRARequest
 from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.source.resolve import model_or_default
@@ -32,33 +37,24 @@ class LLM:
         self.engine = Engine(EngineConfig(model=model_or_default(model), **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._pieces = TokenPieces(self.tokenizer)
 
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order. ``lora_request``: the LoRA
-        adapter every prompt runs under, or one per prompt (None: the base model); an adapter not
-        loaded yet is read from its path (the engine needs ``enable_lora=True``)."""
+        """Generate for every prompt (text or token ids); outputs come back in input order, in vLLM's
+        shapes (``worker/offline_outputs.py``). ``lora_request``: the LoRA adapter every prompt runs
+        under, or one per prompt (None: the base model); an adapter not loaded yet is read from its
+        path (the engine needs ``enable_lora=True``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = _broadcast(params or self.get_default_sampling_params(), len(prompts))
-        adapters = self._adapters(lora_request, len(prompts))
-        ids: list[str] = []
-        try:
-            for prompt, p, adapter in zip(prompts, params_list, adapters):
-                ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p, adapter=adapter)
-        except Exception:
-            for request_id in ids:  # one bad prompt: nothing of this call stays queued
-                self.engine.abort(request_id)
-            self.engine.step()
-            raise
-        return self._run(ids, use_tqdm)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._generate(list(prompts), texts, sampling_params, use_tqdm, lora_request)
 
     def embed(self, prompts: Prompt | Seq[Prompt], pooling: str = "last", *, use_tqdm: bool = True) -> list[list[float]]:
         """Each prompt's embedding: its final hidden states pooled (``"last"`` token, or ``"mean"``)
@@ -74,14 +70,33 @@ class LLM:
     def chat(
         self,
         messages: list[dict] | Seq[list[dict]],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate
+        (each output's ``prompt``: the templated text)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [encode_chat(self.tokenizer, c) for c in conversations]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        texts = [render_chat(self.tokenizer, c) for c in conversations]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        return self._generate(prompts, texts, sampling_params, use_tqdm, lora_request)
+
+    def _generate(self, prompts: list[Prompt], texts: list[str | None], params, use_tqdm: bool,
+                  lora_request) -> list[RequestOutput]:
+        params_list = _broadcast(params or self.get_default_sampling_params(), len(prompts))
+        adapters = self._adapters(lora_request, len(prompts))
+        ids: list[str] = []
+        try:
+            for prompt, p, adapter in zip(prompts, params_list, adapters):
+                ids.append(f"offline-{next(self._ids)}")
+                self.engine.add_request(ids[-1], prompt, p, adapter=adapter)
+        except Exception:
+            for request_id in ids:  # one bad prompt: nothing of this call stays queued
+                self.engine.abort(request_id)
+            self.engine.step()
+            raise
+        return [offline_output(out, text, self._pieces) for out, text in zip(self._run(ids, use_tqdm), texts)]
 
     def _adapters(self, lora_request, count: int) -> list[str | None]:
         """Each prompt's adapter name, reading those not loaded yet."""

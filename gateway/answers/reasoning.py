@@ -53,6 +53,26 @@ class ReasoningStream:
         return text[: len(text) - keep], ""
 
 
+@dataclass
+class ReasoningCount:
+    """How many of an output's tokens are its thinking (Responses' ``reasoning_tokens``), counted as
+    its deltas arrive: a delta's tokens are the thinking's when the output was thinking before it or
+    is after it (so the tokens that close the thinking are the thinking's); tokens whose side is not
+    known yet (the start of a tag, held back) wait until it is."""
+    stream: ReasoningStream
+    tokens: int = 0
+    undecided: int = 0
+
+    def add(self, text: str, num_tokens: int, final: bool = False) -> None:
+        before = self.stream.thinking
+        self.stream.feed(text, final)
+        self.undecided += num_tokens
+        if before or self.stream.thinking:
+            self.tokens += self.undecided
+        if self.stream.thinking is not None:
+            self.undecided = 0
+
+
 def _tag_start(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (0 if none)."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):

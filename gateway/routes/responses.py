@@ -24,6 +24,7 @@ import uuid
 from aiohttp import web
 from redis.exceptions import RedisError
 
+from pagedserve.gateway.answers.reasoning import ReasoningCount, ReasoningStream
 from pagedserve.gateway.answers.text import Pieces, parsed_tools, whole_answer
 from pagedserve.gateway.bodies.parse import ParsedRequest, joined_text, parse
 from pagedserve.gateway.bodies.responses import ResponsesRequest
@@ -32,6 +33,7 @@ from pagedserve.gateway.http import sse
 from pagedserve.gateway.http.api_error import ApiError
 from pagedserve.gateway.routes.answer_parts import Collected, deltas
 from pagedserve.gateway.service.generation import STATE, generation, read_json
+from pagedserve.shared.protocol import OutputDelta
 
 
 def chat_body(req: ResponsesRequest, history: list[dict]) -> dict:
@@ -84,6 +86,12 @@ class Answer(Collected):
         self.tools = parsed_tools(parsed.tools)
         self.message_id, self.reasoning_id = "msg_" + uuid.uuid4().hex, "rs_" + uuid.uuid4().hex
         self.settled: tuple[str | None, str | None, list[dict]] | None = None  # parts(), once known
+        self.thinking = ReasoningCount(ReasoningStream(reasoning_parser)) if reasoning_parser else None
+
+    def add(self, delta: OutputDelta) -> None:
+        super().add(delta)
+        if self.thinking is not None:
+            self.thinking.add(delta.text, len(delta.token_ids), final=delta.finish_reason is not None)
 
     @property
     def status(self) -> str:
@@ -127,7 +135,7 @@ class Answer(Collected):
             "text": {"format": _dump(req.text.format) if req.text and req.text.format else {"type": "text"}},
             "store": req.store is not False, "metadata": req.metadata or {}, "user": req.user,
             "usage": {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-                      "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": self.thinking.tokens if self.thinking else 0},
                       "total_tokens": input_tokens + self.output_tokens},
         }
 

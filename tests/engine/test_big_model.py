@@ -14,6 +14,7 @@ import torch
 from pagedserve import LLM
 from pagedserve.bench.kv_quality import text
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.offline_outputs import prompt_token_logprobs
 from pagedserve.worker.runner.cpu.gguf_linear import GgufEmbedding, GgufLinear
 from pagedserve.worker.runner.cpu.prepack import bf16_in_hardware
 
@@ -50,9 +51,8 @@ def test_the_default_dtype_of_a_quantized_gguf_is_bf16_where_the_cpu_multiplies_
 def prose_logprobs(big_model, **engine) -> list[float]:
     ids = big_model.tokenizer.encode(text(), add_special_tokens=False)[:PROSE_TOKENS]
     llm = LLM(big_model.gguf, num_gpu_blocks=64, max_model_len=1024, **engine)
-    entries = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-                           use_tqdm=False)[0].prompt_logprobs[1:]
-    return [e.logprob for e in entries]
+    return prompt_token_logprobs(llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                                              use_tqdm=False)[0])
 
 
 @pytest.mark.parametrize("dtype, chunk, bound", [("float32", 16, 1e-3), ("float32", 512, 1e-3),
@@ -67,9 +67,9 @@ def test_perplexity_as_stored_is_transformers_dequantized_reading(big_model, dty
     ids = big_model.tokenizer.encode(text(), add_special_tokens=False)[:PROSE_TOKENS]
     reference = big_model.hf_logprobs(ids[:1], ids[1:])
     llm = LLM(big_model.gguf, dtype=dtype, max_num_batched_tokens=chunk, num_gpu_blocks=64, max_model_len=1024)
-    entries = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-                           use_tqdm=False)[0].prompt_logprobs[1:]
-    assert abs(perplexity([e.logprob for e in entries]) / perplexity(reference) - 1) <= bound
+    ours = prompt_token_logprobs(llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                                              use_tqdm=False)[0])
+    assert abs(perplexity(ours) / perplexity(reference) - 1) <= bound
 
 
 def test_int8_activations_stay_within_two_percent_of_transformers_perplexity(big_model):
@@ -83,7 +83,7 @@ def test_int8_activations_stay_within_two_percent_of_transformers_perplexity(big
               gguf_activations="int8")
     if not llm.engine.runner.model.model.layers[0].mlp.down_proj.kernels.gguf_x8_runs(GGUF_X8_TYPES[0]):
         pytest.skip("no AVX-512 VNNI here: int8 activations take the int16 kernel")
-    entries = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-                           use_tqdm=False)[0].prompt_logprobs[1:]
-    change = abs(perplexity([e.logprob for e in entries]) / perplexity(big_model.hf_logprobs(ids[:1], ids[1:])) - 1)
+    ours = prompt_token_logprobs(llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                                              use_tqdm=False)[0])
+    change = abs(perplexity(ours) / perplexity(big_model.hf_logprobs(ids[:1], ids[1:])) - 1)
     assert 1e-3 < change <= 2e-2

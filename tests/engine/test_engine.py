@@ -62,18 +62,24 @@ def test_deadline_in_the_past_aborts(llm):
 def test_logprobs_through_the_engine_match_a_full_forward(llm, zoo):
     from transformers import AutoModelForCausalLM
 
+    """vLLM's shapes: each position's dict holds its token (its rank in the whole vocabulary, by the
+    reference's log-softmax) and the two best ranked 1 and 2; sampled, so not always the best."""
     prompt = [40, 41, 42, 43]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2, ignore_eos=True), use_tqdm=False)
-    completion = out[0].outputs[0]
+    params = SamplingParams(temperature=1.5, seed=5, max_tokens=8, logprobs=2, ignore_eos=True)
+    completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     hf = AutoModelForCausalLM.from_pretrained(zoo.path("llama-gqa"), dtype=torch.float32)
     with torch.inference_mode():
         logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0]
     ref = torch.log_softmax(logits.float(), dim=-1)
-    for k, tok in enumerate(completion.logprobs):
-        pos = len(prompt) - 1 + k
-        assert abs(tok.logprob - float(ref[pos, tok.token_id])) < 1e-4
-        assert len(tok.top_logprobs) in (2, 3)
-    assert abs(completion.cumulative_logprob - sum(t.logprob for t in completion.logprobs)) < 1e-6
+    for k, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = ref[len(prompt) - 1 + k]
+        assert abs(entry[token].logprob - float(row[token])) < 1e-4
+        best = row.topk(2).indices.tolist()
+        assert list(entry)[0] == token and {t: lp.rank for t, lp in entry.items()} == {
+            token: 1 + int((row > row[token]).sum()), **{t: i + 1 for i, t in enumerate(best)}}
+        assert entry[token].decoded_token == llm.tokenizer.decode([token])
+    assert any(entry[token].rank > 2 for token, entry in zip(completion.token_ids, completion.logprobs))
+    assert abs(completion.cumulative_logprob - sum(e[t].logprob for t, e in zip(completion.token_ids, completion.logprobs))) < 1e-6
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):

@@ -10,6 +10,7 @@ import pytest
 from pagedserve import LLM
 from pagedserve.bench.kv_quality import text
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.offline_outputs import prompt_token_logprobs
 
 POSITIONS = 768
 # The bound on the mean |logprob change| per format, against what it measured here (AVX-512):
@@ -24,7 +25,7 @@ def logprobs(real_model, kv_cache_dtype: str) -> list[float]:
               kv_cache_dtype=kv_cache_dtype, seed=0)
     ids = real_model.tokenizer.encode(text(), add_special_tokens=False)[:POSITIONS + 1]
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    return [e.logprob for e in out.prompt_logprobs[1:]]
+    return prompt_token_logprobs(out)
 
 
 @pytest.fixture(scope="module")

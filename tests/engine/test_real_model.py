@@ -103,7 +103,7 @@ def test_logprobs_equal_transformers_log_softmax(llm, real_model):
     prompt = real_model.chat_ids("Name three primary colors.")
     out = llm.generate([prompt], greedy(16, logprobs=3), use_tqdm=False)[0].outputs[0]
     expected = real_model.hf_logprobs(prompt, out.token_ids)
-    got = [t.logprob for t in out.logprobs]
+    got = [entry[token].logprob for token, entry in zip(out.token_ids, out.logprobs)]
     assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-4, list(zip(got, expected))
 
 

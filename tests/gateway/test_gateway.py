@@ -59,11 +59,11 @@ def test_n_stop_and_logprobs(client, offline):
     assert cut.finish_reason == "stop" and cut.text == base[: base.index(stop)]
     lp = client.completions.create(prompt="blocks", max_tokens=4, logprobs=2, **greedy()).choices[0].logprobs
     ref = offline.generate(["blocks"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), use_tqdm=False)[0]
-    ref_tokens = ref.outputs[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(ref_tokens)
-    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref_tokens], abs=1e-5)
-    for top, t in zip(lp.top_logprobs, ref_tokens):
-        assert sorted(top.values(), reverse=True) == pytest.approx(sorted(t.top_logprobs.values(), reverse=True), abs=1e-5)
+    ref_entries = ref.outputs[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ref_entries)
+    assert lp.token_logprobs == pytest.approx([e[t].logprob for t, e in zip(ref.outputs[0].token_ids, ref_entries)], abs=1e-5)
+    for top, entry in zip(lp.top_logprobs, ref_entries):
+        assert sorted(top.values(), reverse=True) == pytest.approx(sorted(e.logprob for e in entry.values())[::-1], abs=1e-5)
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True,
                                           top_logprobs=2, **greedy()).choices[0].logprobs
     assert len(chat.content) == 3

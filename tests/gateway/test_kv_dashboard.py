@@ -163,15 +163,13 @@ def test_a_gateway_shutting_down_ends_open_feeds_at_once(stack):
             async with http.get(url + "/dashboard/events") as feed:
                 async for event, _ in frames(feed):
                     break
-                started = time.monotonic()
                 shutdown = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(runner.cleanup(), stack.loop))
-                async with asyncio.timeout(10):
+                async with asyncio.timeout(10):  # a feed left open holds the shutdown for its 60 s grace
                     async for _ in frames(feed):
                         pass
                     await shutdown
-                return time.monotonic() - started
 
-    assert asyncio.run(go()) < 5
+    asyncio.run(go())
 
 
 def test_dashboards_past_the_limit_are_refused_with_503_and_a_freed_place_is_taken(stack):

@@ -4,7 +4,6 @@ an adapter as its ``model`` runs under it, as the offline engine does."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import openai
@@ -128,7 +127,6 @@ def test_an_adapter_in_use_is_unloaded_when_its_requests_end(lora_stack, monkeyp
 def test_loading_an_adapter_where_no_worker_has_lora_on_is_a_400_at_once(stack):
     """Found by schemathesis: the registry was written, no worker ever loaded it, and the answer was a
     504 after 30 s with the entry left behind."""
-    started = time.monotonic()
     status, text = post(stack.url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nowhere"})
-    assert status == 400 and "--enable-lora" in text and time.monotonic() - started < 5
+    assert status == 400 and "--enable-lora" in text  # refused at once: the wait for a worker ends in a 504
     assert redis.Redis.from_url(stack.redis.url).hlen(Keys().adapters(MODEL_NAME)) == 0

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from pagedserve.stack import LocalStack
+from pagedserve.worker.offline_outputs import prompt_token_logprobs
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -92,9 +93,9 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_engine_does(client, real_mo
     assert len(lp["tokens"]) == len(ids) + 1 and "".join(lp["tokens"][: len(ids)]) == text
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     offline = LLM(real_model.gguf, device="cpu", kv_cache_dtype="int8", num_gpu_blocks=64)  # the worker's defaults
-    expected = offline.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
-                                use_tqdm=False)[0].prompt_logprobs
-    assert max(abs(a - b.logprob) for a, b in zip(lp["token_logprobs"][1 : len(ids)], expected[1:])) < 1e-4
+    expected = prompt_token_logprobs(offline.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                                                      use_tqdm=False)[0])
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1 : len(ids)], expected)) < 1e-4
     assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])
     plain = httpx.post(str(sdk.base_url).rstrip("/") + "/completions", json={**body, "logprobs": None}, timeout=120).json()
     assert plain["choices"][0]["text"] == choice["text"] and plain["choices"][0]["logprobs"] is None

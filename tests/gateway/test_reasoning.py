@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from pagedserve.gateway.answers.reasoning import ReasoningStream, split
+from pagedserve.gateway.answers.reasoning import ReasoningCount, ReasoningStream, split
 from tests.service_helpers import MODEL_NAME
 
 TEXTS = {  # text -> (deepseek_r1's split, qwen3's split)
@@ -38,6 +38,23 @@ def test_the_split_streamed_in_any_pieces_is_the_whole_split(parser, text):
                 got = stream.feed(piece, final=i == len(pieces) - 1)
                 thought, answer = thought + got[0], answer + got[1]
             assert (thought or None, answer or None) == want, (size, start)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("text", sorted(TEXTS))
+def test_the_thinking_counts_its_tokens_up_to_its_closing_tag_in_any_pieces(parser, text):
+    """A character a token: the reasoning tokens are the output's up to the end of ``</think>`` (all of
+    it where the thinking never closes), none where the output is all answer; in deltas of several
+    tokens, up to the end of the delta that closes it (a delta is not split)."""
+    thinks = parser == "deepseek_r1" or text.lstrip().startswith("<think>")
+    close = text.find("</think>")
+    end = close + len("</think>") if close >= 0 else len(text)
+    for size in (1, 2, 3, 5):
+        count = ReasoningCount(ReasoningStream(parser))
+        pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+        for i, piece in enumerate(pieces):
+            count.add(piece, len(piece), final=i == len(pieces) - 1)
+        assert count.tokens == (min(len(text), -(-end // size) * size) if thinks else 0), (size, count)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +110,7 @@ def test_the_responses_and_messages_apis_carry_the_thinking_as_their_own_items(s
     assert thought and chat.choices[0].message.content is None
     made = thinking.responses.create(**ask, input="think", max_output_tokens=10)
     assert [item.type for item in made.output] == ["reasoning"] and made.output[0].content[0].text == thought
+    assert made.usage.output_tokens_details.reasoning_tokens == made.usage.output_tokens == 10  # never closed: all thinking
     with thinking.responses.stream(**ask, input="think", max_output_tokens=10) as stream:
         events = list(stream)
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought

@@ -3,7 +3,6 @@
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,9 @@ def test_a_second_run_with_nothing_changed_installs_nothing():
     venv = Path(sys.prefix)
     if not (venv / ".pagedserve-dev").exists():
         pytest.skip("this environment was not set up by `make test`")
-    started = time.monotonic()
     result = run("dev", venv=venv)
     assert result.returncode == 0, result.stderr
     assert result.stdout == result.stderr == ""  # no step ran
-    assert time.monotonic() - started < 5
 
 
 def test_without_a_usable_python_it_says_which_it_needs(tmp_path):

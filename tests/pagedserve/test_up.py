@@ -131,11 +131,9 @@ def test_ctrl_c_in_a_terminal_drains_the_request_in_flight_and_stops_redis_last(
         with urllib.request.urlopen(request, timeout=120) as stream:
             assert stream.readline().startswith(b"data: ")  # generating now
             os.killpg(proc.pid, signal.SIGINT)
-            started = time.monotonic()
             rest = stream.read()
         assert b'"finish_reason":"length"' in rest and rest.endswith(b"data: [DONE]\n\n"), rest[-300:]
-        assert proc.wait(timeout=60) == 0
-        assert time.monotonic() - started < 30
+        assert proc.wait(timeout=60) == 0  # drained and gone, not killed at a deadline
         assert not alive(redis[0])
         said = [line for line in (tmp_path / "stderr.log").read_text().splitlines() if line.startswith("pagedserve: ")]
         assert said[0].startswith(f"pagedserve: starting 'demo' on http://127.0.0.1:{port}")  # at once, before the model loads

@@ -14,6 +14,7 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.offline_outputs import prompt_token_logprobs
 from pagedserve.worker.runner.device.failures import DeviceFailure
 from pagedserve.worker.runner.parallel.shard import ShardError
 from pagedserve import LoRARequest
@@ -190,8 +191,7 @@ def test_beam_search_prompt_logprobs_and_seeded_samples_under_tp2_are_tp1s(zoo):
     one, two = run(1), run(2)
     for a, b in zip(one, two):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
-    prompt_one = [p.logprob for p in one[1].prompt_logprobs[1:]]
-    prompt_two = [p.logprob for p in two[1].prompt_logprobs[1:]]
+    prompt_one, prompt_two = prompt_token_logprobs(one[1]), prompt_token_logprobs(two[1])
     assert len(prompt_one) == len(prompts[1]) - 1 and prompt_two == pytest.approx(prompt_one, abs=1e-4)
 
 

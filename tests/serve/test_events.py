@@ -9,8 +9,8 @@ from pagedserve.shared.protocol import OutputDelta, ReplyTarget, Resume, WireReq
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.scheduling.outputs import CompletionOutput, RequestOutput
 from pagedserve.worker.core.scheduling.plan import SampledToken
-from pagedserve.worker.serve.events import (InFlight, TokenPieces, error_event, event_for, lost_event,
-                                            request_finish_reason)
+from pagedserve.worker.core.scheduling.token_pieces import TokenPieces
+from pagedserve.worker.serve.events import InFlight, error_event, event_for, lost_event, request_finish_reason
 
 
 def flight(resume: Resume | None = None, created: float = 100.0, n: int = 1) -> InFlight:

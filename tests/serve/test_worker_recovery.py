@@ -285,20 +285,18 @@ def test_a_redis_restart_without_persistence_loses_no_request(tmp_path, zoo):
                 queued_at_stop = len(cases) - len(worker.inflight)
                 await asyncio.sleep(0.5)
                 server.start()  # empty: the queue, the group and every entry are gone
-                started = time.monotonic()
                 await apoll(lambda: group_exists(server.url), 15, "the worker to create its consumer group again")
                 results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-                return results, queued_at_stop, time.monotonic() - started
+                return results, queued_at_stop
 
     try:
-        results, queued_at_stop, took = asyncio.run(main())
+        results, queued_at_stop = asyncio.run(main())
     finally:
         server.stop()
     assert queued_at_stop > 0, "some requests were meant to be waiting in the queue when Redis went away"
     for got, want in zip(results, expected):
         assert [e.seq for e in got.events] == list(range(len(got.events)))
         assert got.tokens() == want and got.last.finish_reason == "length"
-    assert took < 60
 
 
 def test_a_worker_whose_entry_was_taken_stops_the_request_and_sends_nothing(redis_server, zoo):

@@ -32,7 +32,7 @@ from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier
 from pagedserve.worker.runner.lora.adapters import Adapters
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
-from pagedserve.worker.runner.sampling.sampler import Sampler, scored_token
+from pagedserve.worker.runner.sampling.sampler import Sampler, scored_token, vocab_ranks
 from pagedserve.worker.runner.speculative.draft_check import check_drafts
 from pagedserve.worker.runner.speculative.draft_model import Drafter
 
@@ -221,10 +221,12 @@ class ModelRunner:
             hi = min(lo + PROMPT_LOGPROB_ROWS, len(targets))
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo : first + hi]).float(), dim=-1)
             wanted = torch.tensor(targets[lo:hi], dtype=torch.int64, device=logprobs.device)
-            chosen = logprobs.gather(1, wanted[:, None])[:, 0].tolist()
+            chosen = logprobs.gather(1, wanted[:, None])[:, 0]
+            ranks = vocab_ranks(logprobs, chosen).tolist()
             top = logprobs.topk(top_n, dim=-1) if top_n else None  # read to the host once a slice
             tops = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [None] * (hi - lo)
-            out.extend(scored_token(token, logprob, best, True) for token, logprob, best in zip(targets[lo:hi], chosen, tops))
+            out.extend(scored_token(token, logprob, best, True, rank)
+                       for token, logprob, best, rank in zip(targets[lo:hi], chosen.tolist(), tops, ranks))
         return tuple(out)
 
 

@@ -1,5 +1,5 @@
 """Engine outputs -> wire events: one event per request per step, numbered per request. Logprob
-entries carry each token's text (``TokenPieces``), so no reader needs a tokenizer to show them."""
+entries carry each token's text (``core/scheduling/token_pieces.py``), so no reader needs a tokenizer to show them."""
 
 from __future__ import annotations
 
@@ -9,20 +9,6 @@ from typing import Callable
 
 from pagedserve.shared.protocol import OutputDelta, ReplyTarget, WireEvent, WireRequest, can_resume
 from pagedserve.worker.core.scheduling.outputs import CompletionOutput, RequestOutput
-
-
-class TokenPieces:
-    """A token id's text as a logprob shows it (``tokenizer.decode([id])``), decoded once per id."""
-
-    def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._pieces: dict[int, str] = {}  # at most one entry per vocabulary id
-
-    def __call__(self, token_id: int) -> str:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            piece = self._pieces[token_id] = self._tokenizer.decode([token_id])
-        return piece
 
 
 @dataclass

@@ -23,7 +23,7 @@ log = structlog.get_logger("pagedserve.worker")
 
 class InFlightTable:
     def __init__(self, max_inflight: int, read_ahead: int, piece: Callable[[int], str]) -> None:
-        """``piece``: a token id's text, for the logprobs events carry (``events.TokenPieces``)."""
+        """``piece``: a token id's text, for the logprobs events carry (``core/scheduling/token_pieces.py``)."""
         self.max_inflight = max_inflight
         self._piece = piece
         self.read_ahead = read_ahead

@@ -53,7 +53,8 @@ from pagedserve.worker.engine import Engine
 from pagedserve.worker.serve.adapter_sync import AdapterSync
 from pagedserve.worker.serve.bridge import ConsumerNameTaken, Entry, Outgoing, RedisBridge
 from pagedserve.worker.serve.dashboard_publisher import DashboardPublisher
-from pagedserve.worker.serve.events import InFlight, TokenPieces, error_event, lost_event
+from pagedserve.worker.core.scheduling.token_pieces import TokenPieces
+from pagedserve.worker.serve.events import InFlight, error_event, lost_event
 from pagedserve.worker.serve.inflight import InFlightTable
 from pagedserve.worker.serve.intake import Rejected, admit, salvage_reply
 from pagedserve.worker.serve.kv_publisher import KvPublisher

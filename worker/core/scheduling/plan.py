@@ -107,6 +107,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None  # when the request asked for logprobs
+    rank: int | None = None  # with them: the token's rank in the vocabulary by logprob (1: the most likely)
 
 
 @dataclass(frozen=True)

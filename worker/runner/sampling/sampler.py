@@ -59,10 +59,12 @@ class Sampler:
         tokens = self._draw(processed, flat)
         picked = raw_logprobs.gather(1, tokens[:, None])[:, 0]
         tops = _top_logprobs(raw_logprobs, params)
+        ranks = vocab_ranks(raw_logprobs, picked).tolist() if any(p.logprobs is not None for p in params) else None
         token_list, picked_list = tokens.tolist(), picked.tolist()  # the step's one move to the host
         out, i = [], 0
         for r in rows:
-            out.append([scored_token(token_list[i + k], picked_list[i + k], tops.get(i + k), r.params.logprobs is not None)
+            out.append([scored_token(token_list[i + k], picked_list[i + k], tops.get(i + k), r.params.logprobs is not None,
+                                     ranks[i + k] if ranks else None)
                         for k in range(r.num_samples)])
             i += r.num_samples
         return out
@@ -162,14 +164,21 @@ def _top_logprobs(raw_logprobs: torch.Tensor, params: Sequence[SamplingParams]) 
     return {i: (ids[j][: params[i].logprobs], values[j][: params[i].logprobs]) for j, i in enumerate(wanted)}
 
 
-def scored_token(token: int, logprob: float, top: tuple[list[int], list[float]] | None, alternatives: bool) -> SampledToken:
+def vocab_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each row's rank of its ``chosen`` logprob among the row's (1: none higher; vLLM's ``rank``)."""
+    return (logprobs > chosen[:, None]).sum(dim=-1) + 1
+
+
+def scored_token(token: int, logprob: float, top: tuple[list[int], list[float]] | None, alternatives: bool,
+                 rank: int | None = None) -> SampledToken:
     """``token`` with its logprob and, when ``alternatives``, the top ``(ids, logprobs)`` with the
-    token itself always among them (sampled tokens, and prompt tokens for ``prompt_logprobs``)."""
+    token itself always among them, and its rank in the vocabulary (sampled tokens, and prompt
+    tokens for ``prompt_logprobs``)."""
     found = None
     if alternatives:
         found = dict(zip(*top)) if top else {}
         found[token] = logprob
-    return SampledToken(token, logprob, found)
+    return SampledToken(token, logprob, found, rank if alternatives else None)
 
 
 def _mix(seed: int, seq_index: int, position: int) -> int:
