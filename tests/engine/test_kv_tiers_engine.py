@@ -117,3 +117,33 @@ def test_the_kv_events_say_which_blocks_left_the_device_for_a_tier(zoo, tmp_path
     loop.finish()
     loop.run()
     assert [(set(c.published), set(c.lowered), c.reset) for c in sent] == [(set(llm.engine.cached_hashes()), lowered, True)]
+
+
+def test_the_tiers_sized_in_bytes_hold_what_their_bytes_buy(zoo, tmp_path):
+    """``--kv-offload-host-bytes`` and ``--kv-offload-disk-bytes`` (every other test sizes the tiers in
+    blocks): the host tier takes whole blocks of the pool's size, the disk tier stays under its bound."""
+    block_bytes = tiered(zoo).engine.kv_bytes_per_token * 16
+    llm = tiered(zoo, kv_offload_host_bytes=5 * block_bytes + block_bytes // 2, kv_offload_dir=str(tmp_path),
+                 kv_offload_disk_bytes=3 * block_bytes + 512)
+    tiers = llm.engine.scheduler.blocks.tiers
+    assert tiers.host.num_slots == 5 and tiers.disk.max_bytes == 3 * block_bytes + 512
+    one_at_a_time(llm, zoo, prompts(4) + prompts(4))
+    assert 0 < tiers.disk.num_bytes <= 3 * block_bytes + 512 and len(tiers.host) == 5
+    assert llm.engine.stats()["kv_tier_hit_tokens_total"] > 0
+
+
+@pytest.mark.parametrize("first, second", [(dict(kv_cache_dtype="int8"), dict(kv_cache_dtype="fp8_e4m3")),
+                                           (dict(), dict(quantization="int8"))], ids=["cache format", "weights"])
+def test_an_engine_of_another_cache_format_or_weights_never_reads_the_directorys_blocks(zoo, tmp_path, first, second):
+    """int8 and fp8 rows have one layout, and int8 weights write other KV than float ones: an engine
+    that differs in either starts on a folder of its own (the fingerprint); one alike finds the blocks."""
+    from tests.engine.test_parity import run_checked
+
+    writer = tiered(zoo, kv_offload_dir=str(tmp_path), **first)
+    for prompt in prompts(3):
+        run_checked(writer, [prompt], [GREEDY])
+    writer.engine.close()  # what only its device held is written back
+    written = len(writer.engine.scheduler.blocks.tiers.disk)
+    other = tiered(zoo, kv_offload_dir=str(tmp_path), **second).engine.scheduler.blocks.tiers.disk
+    alike = tiered(zoo, kv_offload_dir=str(tmp_path), **first).engine.scheduler.blocks.tiers.disk
+    assert written > 0 and len(other) == 0 and len(alike) == written and other.root != alike.root

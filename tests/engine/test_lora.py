@@ -157,3 +157,34 @@ def test_an_adapter_on_a_hybrid_model_keeps_its_own_prefix_in_every_lane(zoo, tm
                             use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outs] == want, round
     assert llm.engine.stats()["prefix_cache_hits_total"] == 2 * 40  # the second round: both prompts' 10 blocks
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank_as_peft_does(zoo, tmp_path):
+    """``use_rslora``: alpha / sqrt(r), not alpha / r. The same weights without it answer otherwise, so
+    the equality says the scale is PEFT's."""
+    stabilized = make_adapter(zoo, "llama-gqa", tmp_path / "rs", 8, ALL_TARGETS, seed=9, use_rslora=True)
+    plain = make_adapter(zoo, "llama-gqa", tmp_path / "plain", 8, ALL_TARGETS, seed=9)
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=32, enable_lora=True)
+    prompt = [10, 20, 7, 300] * 4
+    ours = llm.generate([prompt], GREEDY, lora_request=LoRARequest("rs", 1, str(tmp_path / "rs")), use_tqdm=False)
+    assert list(ours[0].outputs[0].token_ids) == greedy(stabilized, prompt, 12) != greedy(plain, prompt, 12)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("alpha_pattern", {"q_proj": 4}, "alpha_pattern is not supported"),
+    ("modules_to_save", ["lm_head"], r"modules_to_save \['lm_head'\] are not supported"),
+    ("bias", "lora_only", r"trained biases \(bias='lora_only'\) are not supported"),
+])
+def test_what_an_adapter_trains_besides_its_lora_layers_is_refused(zoo, adapters, tmp_path, field, value, message):
+    """What PEFT can train that the LoRA layers cannot run as written: refused with the field named,
+    nothing loaded (served, it would answer as another model)."""
+    import shutil
+
+    copy = shutil.copytree(adapters["all8"][0], tmp_path / field)
+    config = json.loads((copy / "adapter_config.json").read_text())
+    (copy / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=16, enable_lora=True)
+    with pytest.raises(LoraError, match=message):
+        llm.engine.load_adapter("a", str(copy))
+    assert not llm.engine.adapters.loaded
+    llm.engine.load_adapter("a", str(adapters["all8"][0]))  # the same adapter as trained loads

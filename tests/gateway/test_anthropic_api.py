@@ -24,20 +24,28 @@ def claude(stack):
     return anthropic.Anthropic(base_url=stack.url, api_key="unused", max_retries=0, timeout=60)
 
 
-def chat_content(client, system: str, content: str, max_tokens: int, seed: int) -> str:
+STOP_REASON = {"length": "max_tokens", "stop": "end_turn", "tool_calls": "tool_use"}  # the chat's finish_reason ->
+
+
+def chat_choice(client, system: str, content: str, max_tokens: int, seed: int):
     """What the chat completions route answers for the same conversation and seed."""
     body = {"model": MODEL_NAME, "max_tokens": max_tokens, "seed": seed, "extra_body": SEEDED,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": content}]}
-    return client.chat.completions.create(**body).choices[0].message.content
+    return client.chat.completions.create(**body).choices[0]
+
+
+def chat_content(client, system: str, content: str, max_tokens: int, seed: int) -> str:
+    return chat_choice(client, system, content, max_tokens, seed).message.content
 
 
 def test_a_message_is_the_chat_completion_of_the_same_conversation(stack, claude, client):
     message = claude.messages.create(model=MODEL_NAME, max_tokens=12, system="be brief", extra_body={"seed": 5, **SEEDED},
                                      messages=[{"role": "user", "content": [{"type": "text", "text": "pages?"}]}])
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
-    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens <= 12
+    chat = chat_choice(client, "be brief", "pages?", 12, seed=5)
+    assert message.stop_reason == STOP_REASON[chat.finish_reason] and message.usage.output_tokens <= 12
     text = "".join(block.text for block in message.content if block.type == "text")
-    assert text == chat_content(client, "be brief", "pages?", 12, seed=5)
+    assert text == chat.message.content
     prompt = httpx.post(stack.url + "/tokenize", json={"messages": [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "pages?"}]}).json()["count"]
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == prompt  # Anthropic's split
@@ -85,13 +93,17 @@ def test_a_tool_round_trip(claude, streamed):
     call = next(block for block in first.content if block.type == "tool_use")
     assert first.stop_reason == "tool_use" and call.name == "weather" and call.id.startswith("toolu_")
     jsonschema.validate(call.input, CITY)
-    second = claude.messages.create(model=MODEL_NAME, max_tokens=4, tools=TOOLS, messages=[
-        {"role": "user", "content": "weather in paris?"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": "weather", "input": call.input}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"}]}])
-    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    def answered(result: str):
+        return claude.messages.create(model=MODEL_NAME, max_tokens=4, tools=TOOLS, extra_body={"seed": 2, **SEEDED}, messages=[
+            {"role": "user", "content": "weather in paris?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": call.id, "name": "weather", "input": call.input}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": result}]}])
+
+    second, longer = answered("sunny, 21 C"), answered("sunny, 21 C, then rain from the west by evening")
+    assert second.stop_reason == "max_tokens" and second.usage.output_tokens == 4  # seeded: four tokens of text
     prompt = lambda message: message.usage.input_tokens + message.usage.cache_read_input_tokens
     assert prompt(second) > prompt(first)  # the call and its result reached the template
+    assert prompt(longer) > prompt(second)  # the result's own text did, not just its turn
 
 
 @pytest.mark.parametrize("body, kind", [

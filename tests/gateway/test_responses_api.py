@@ -19,20 +19,33 @@ TOOL = {"type": "function", "name": "weather", "description": "forecast for a ci
 SEEDED = {"top_k": 40}
 
 
-def chat_text(client, messages: list[dict], max_tokens: int, seed: int) -> str:
+STATUS = {"length": "incomplete", "stop": "completed"}  # the chat's finish_reason -> the response's status
+
+
+def chat_choice(client, messages: list[dict], max_tokens: int, seed: int):
     return client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=max_tokens, seed=seed,
-                                          temperature=1.0, extra_body=SEEDED).choices[0].message.content
+                                          temperature=1.0, extra_body=SEEDED).choices[0]
+
+
+def chat_text(client, messages: list[dict], max_tokens: int, seed: int) -> str:
+    return chat_choice(client, messages, max_tokens, seed).message.content
 
 
 def test_a_response_is_the_chat_completion_of_the_same_conversation(client):
     made = client.responses.create(model=MODEL_NAME, input="pages?", instructions="be brief", max_output_tokens=12,
                                    temperature=1.0, extra_body={"seed": 4, **SEEDED})
-    assert made.object == "response" and made.id.startswith("resp_") and made.status in ("completed", "incomplete")
-    assert made.output_text == chat_text(client, [{"role": "system", "content": "be brief"},
-                                                  {"role": "user", "content": "pages?"}], 12, seed=4)
-    assert made.usage.output_tokens <= 12 and made.usage.total_tokens == made.usage.input_tokens + made.usage.output_tokens
-    if made.status == "incomplete":
-        assert made.incomplete_details.reason == "max_output_tokens"
+    assert made.object == "response" and made.id.startswith("resp_")
+    for max_tokens in (12, 2):  # cut by max_output_tokens or not, each status as the chat's finish says
+        made = client.responses.create(model=MODEL_NAME, input="pages?", instructions="be brief",
+                                       max_output_tokens=max_tokens, temperature=1.0, extra_body={"seed": 4, **SEEDED})
+        chat = chat_choice(client, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "pages?"}],
+                           max_tokens, seed=4)
+        assert made.output_text == chat.message.content and made.status == STATUS[chat.finish_reason]
+        assert made.usage.output_tokens <= max_tokens
+        assert made.usage.total_tokens == made.usage.input_tokens + made.usage.output_tokens
+        reason = made.incomplete_details.reason if made.incomplete_details else None
+        assert reason == {"incomplete": "max_output_tokens", "completed": None}[made.status]
+    assert made.status == "incomplete"  # two tokens: cut
 
 
 def test_streamed_events_reassemble_to_the_response(client):
@@ -90,9 +103,14 @@ def test_a_function_call_round_trip(client, streamed):
     jsonschema.validate(json.loads(call.arguments), CITY)
     if streamed:
         assert "".join(argument_deltas) == call.arguments
-    second = client.responses.create(model=MODEL_NAME, previous_response_id=first.id, max_output_tokens=4, tools=[TOOL],
-                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    def answered(output: str):
+        return client.responses.create(model=MODEL_NAME, previous_response_id=first.id, max_output_tokens=4, tools=[TOOL],
+                                       input=[{"type": "function_call_output", "call_id": call.call_id, "output": output}])
+
+    second, longer = answered("sunny"), answered("sunny, then rain from the west by evening")
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output reached the template
+    assert longer.usage.input_tokens > second.usage.input_tokens  # the output's own text did, not just its turn
+    assert first.status == "completed" and second.status == "incomplete"  # a call ends it; 4 tokens cut the second
 
 
 def test_text_format_json_schema_constrains_the_answer(client):
@@ -100,6 +118,16 @@ def test_text_format_json_schema_constrains_the_answer(client):
                                    text={"format": {"type": "json_schema", "name": "city", "schema": CITY}},
                                    extra_body={"seed": 8})
     jsonschema.validate(json.loads(made.output_text), CITY)
+    assert made.status == "completed" and made.incomplete_details is None  # the grammar ended it
+
+
+def test_text_format_json_object_answers_a_json_object(client):
+    made = client.responses.create(model=MODEL_NAME, input="an object", max_output_tokens=64, temperature=1.0,
+                                   text={"format": {"type": "json_object"}}, extra_body={"seed": 8})
+    assert made.text.format.type == "json_object"
+    # random weights write one long key: cut inside the object (seeded), which the grammar opened
+    assert made.status == "incomplete" and made.incomplete_details.reason == "max_output_tokens"
+    assert made.output_text.startswith('{"') and made.usage.output_tokens == 64
 
 
 @pytest.mark.parametrize("body, param", [
