@@ -1,6 +1,8 @@
 """Anthropic's Messages API request body (``POST /v1/messages``), declared once as the OpenAI ones
 are (``gateway/bodies/openai.py``: strict types, unknown fields accepted and ignored): ``system``,
-``messages`` of text, ``tool_use`` and ``tool_result`` blocks, ``max_tokens`` (required, as
+``messages`` of text, ``tool_use`` and ``tool_result`` blocks (and the ``thinking`` and
+``redacted_thinking`` blocks of earlier answers, which clients send back and the template never sees,
+as Anthropic strips earlier turns' thinking from the context), ``max_tokens`` (required, as
 Anthropic's is), ``stop_sequences``, ``temperature`` (Anthropic's range, [0, 1]), ``top_p``,
 ``top_k``, ``tools`` with ``input_schema``, ``tool_choice``, ``metadata.user_id``."""
 
@@ -35,7 +37,22 @@ class ToolResultBlock(BaseModel):
     is_error: Optional[bool] = None
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+class ThinkingBlock(BaseModel):
+    """An earlier answer's thinking, sent back with it (its ``signature`` is not checked: ours are empty)."""
+    model_config = OPEN
+    type: Literal["thinking"]
+    thinking: str
+    signature: Optional[str] = None
+
+
+class RedactedThinkingBlock(BaseModel):
+    model_config = OPEN
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+                  Field(discriminator="type")]
 
 
 class Turn(BaseModel):

@@ -61,17 +61,19 @@ def chat_body(req: MessagesRequest) -> dict:
 
 def _turn(turn) -> list[dict]:
     """One Anthropic turn as chat messages: a user's tool results first (each a tool message), then
-    its text; an assistant's text and its calls in one message."""
+    its text; an assistant's text and its calls in one message (its thinking blocks left out: the
+    template sees earlier answers without their thinking)."""
     if isinstance(turn.content, str):
         return [{"role": turn.role, "content": turn.content}]
-    kinds = {kind: [b for b in turn.content if b.type == kind] for kind in ("text", "tool_use", "tool_result")}
+    kinds = {kind: [b for b in turn.content if b.type == kind]
+             for kind in ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")}
     text = "\n".join(b.text for b in kinds["text"])
     if turn.role == "assistant":
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                  for b in kinds["tool_use"]]
         return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
-    if kinds["tool_use"]:
-        raise ApiError(400, "tool_use blocks belong to the assistant's turns", "messages")
+    if kinds["tool_use"] or kinds["thinking"] or kinds["redacted_thinking"]:
+        raise ApiError(400, "tool_use and thinking blocks belong to the assistant's turns", "messages")
     out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": joined_text(b.content)} for b in kinds["tool_result"]]
     return out + ([{"role": "user", "content": text}] if kinds["text"] or not out else [])
 

@@ -106,6 +106,45 @@ def test_a_tool_round_trip(claude, streamed):
     assert prompt(longer) > prompt(second)  # the result's own text did, not just its turn
 
 
+def test_tool_choice_any_calls_a_tool_and_none_calls_none(claude):
+    """``any`` must call one of the tools (a grammar of calls: OpenAI's ``required``); ``none`` writes
+    text with the tools still shown to the template; ``auto`` is the model's choice (random weights
+    here write text, seeded)."""
+    ask = dict(model=MODEL_NAME, max_tokens=48, tools=TOOLS, messages=[{"role": "user", "content": "weather in paris?"}],
+               extra_body={"seed": 4, **SEEDED})
+    forced = claude.messages.create(**ask, tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    calls = [block for block in forced.content if block.type == "tool_use"]
+    assert forced.stop_reason == "tool_use" and [c.name for c in calls] == ["weather"]
+    for call in calls:
+        jsonschema.validate(call.input, CITY)
+    for choice in ({"type": "none"}, {"type": "auto"}):
+        answer = claude.messages.create(**ask, tool_choice=choice)
+        assert [block.type for block in answer.content] == ["text"] and answer.stop_reason == "max_tokens", choice
+    prompt = lambda usage: usage.input_tokens + usage.cache_read_input_tokens
+    bare = claude.messages.create(**{k: v for k, v in ask.items() if k != "tools"})
+    assert prompt(answer.usage) > prompt(bare.usage)  # with "none" the template still saw the tools
+
+
+def test_an_earlier_answers_thinking_sent_back_is_taken_and_left_out_of_the_prompt(claude):
+    """Clients send an answer back whole, its thinking blocks too (Anthropic's SDKs do, with tools): taken,
+    and the template sees the answer without them, as Anthropic strips earlier turns' thinking; in a
+    user's turn a thinking block is a 400."""
+    def asked(*assistant_blocks):
+        return claude.messages.create(model=MODEL_NAME, max_tokens=2, extra_body={"seed": 1, **SEEDED}, messages=[
+            {"role": "user", "content": "pages?"}, {"role": "assistant", "content": list(assistant_blocks)},
+            {"role": "user", "content": "and blocks?"}])
+
+    text = {"type": "text", "text": "fixed-size pages"}
+    plain = asked(text)
+    thought = asked({"type": "thinking", "thinking": "a long chain of thought " * 20, "signature": ""}, text,
+                    {"type": "redacted_thinking", "data": "opaque"})
+    prompt = lambda message: message.usage.input_tokens + message.usage.cache_read_input_tokens
+    assert prompt(thought) == prompt(plain) and thought.content[0].text == plain.content[0].text
+    with pytest.raises(anthropic.BadRequestError, match="belong to the assistant"):
+        claude.messages.create(model=MODEL_NAME, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": ""}]}])
+
+
 @pytest.mark.parametrize("body, kind", [
     ({"messages": [{"role": "user", "content": "hi"}]}, "invalid_request_error"),  # max_tokens is required
     ({"max_tokens": 4, "messages": []}, "invalid_request_error"),
