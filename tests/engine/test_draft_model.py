@@ -104,3 +104,26 @@ def test_a_batch_makes_no_first_pass_before_its_steps_are_priced():
     assert made.tokens == (0, 0, 0, 0) and made.draft_context == tuple(range(10, 109))
     caught_up = draft(95, blind=True)
     assert caught_up.draft_context == tuple(range(105, 109)) and caught_up.tokens == (0,)
+
+
+def test_a_draft_model_beside_grammar_constrained_rows_changes_no_token(zoo):
+    """Rows under a JSON schema and free rows in one batch, drafted by a model: a draft is cut where
+    the row's grammar refuses it (every drafted position masked), so the constrained rows end valid
+    and every row's tokens are the ones without a draft."""
+    import json
+
+    from pagedserve.shared.structured import StructuredOutputs
+    from tests.engine.test_speculative import finished
+
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["page", "block"]},
+                                                        "minItems": 2, "maxItems": 4}},
+              "required": ["tags"], "additionalProperties": False}
+    batch = random_batch(6, seed=21)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured=StructuredOutputs(json=schema))
+              if i % 2 else SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for i in range(len(batch))]
+    spec = engine(zoo, draft(zoo))
+    ours = finished(spec, batch, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in finished(engine(zoo), batch, params)]
+    for i in range(1, len(batch), 2):
+        assert ours[i].finish_reason == "stop" and json.loads(ours[i].text)["tags"]
+    assert kept_share(spec) > 0.5  # the target drafting itself: its drafts hold where the grammar lets them

@@ -111,6 +111,11 @@ def test_a_function_call_round_trip(client, streamed):
     assert second.usage.input_tokens > first.usage.input_tokens  # the call and its output reached the template
     assert longer.usage.input_tokens > second.usage.input_tokens  # the output's own text did, not just its turn
     assert first.status == "completed" and second.status == "incomplete"  # a call ends it; 4 tokens cut the second
+    whole = client.responses.create(model=MODEL_NAME, max_output_tokens=4, tools=[TOOL], input=[
+        {"role": "user", "content": "weather in paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert whole.usage.input_tokens == second.usage.input_tokens  # the call sent as an input item: the same prompt
 
 
 def test_text_format_json_schema_constrains_the_answer(client):
