@@ -36,6 +36,7 @@ from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.core.scheduling.plan import StepResult
 from pagedserve.worker.core.scheduling.request import Request
 from pagedserve.worker.core.scheduling.scheduler import Scheduler
+from pagedserve.worker.core.scheduling.step_time import pairs
 from pagedserve.worker.core.speculative.config import prices_drafts
 from pagedserve.worker.runner.attention.key_rotation import calibration_text
 from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard, is_device_failure
@@ -103,7 +104,7 @@ class Engine:
                 max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode, lane_windows=layout.lane_windows,
                 rope_switch=rope_switch(info.config), speculative=config.speculative,
-                max_loras=config.max_loras if config.enable_lora else 0,
+                max_loras=config.max_loras if config.enable_lora else 0, max_step_ms=config.max_step_ms,
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer), tiers=tiers,
         )
@@ -294,6 +295,9 @@ class Engine:
             self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
             result = StepResult()
         self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, time.perf_counter() - started)
+        if self.scheduler.step_time is not None and plan.seqs and not any(s.num_draft for s in plan.seqs):
+            attended = sum(pairs(s.start, s.num_tokens) for s in plan.seqs)
+            self.scheduler.step_time.observe(plan.num_tokens, attended, self.last_forward.seconds)
         if self.scheduler.step_cost is not None and plan.seqs and all(map(prices_drafts, plan.seqs)):
             drafted = any(s.num_draft for s in plan.seqs)
             self.scheduler.step_cost.observe(len(plan.seqs), plan.num_tokens, self.last_forward.seconds, drafted,

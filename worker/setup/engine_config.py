@@ -104,6 +104,11 @@ class EngineConfig:
     max_num_seqs: int = flag(256, "sequences in one running batch at most", kind=positive(int))
     max_num_batched_tokens: int = flag(2048, "tokens in one engine step at most (prefill chunks and decodes)",
                                        kind=positive(int))
+    max_step_ms: float | None = flag(
+        None, "a step that carries decoding sequences takes about this long at most: prefill chunks beside them are "
+        "sized by a fit of the engine's own step times (attention over a long context included), so a long prompt "
+        "never pauses the streams for longer (default: off, chunks sized by --max-num-batched-tokens alone)",
+        kind=positive(float))
     max_model_len: int | None = flag(None, "the longest prompt + output served (default: the model's context)",
                                      kind=positive(int))
     enable_prefix_caching: bool = flag(True, "share KV blocks of identical prompt prefixes", switch="both")

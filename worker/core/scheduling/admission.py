@@ -11,7 +11,7 @@ No I/O and no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from pagedserve.worker.core.kv_cache.block_manager import BlockManager, PrefixHit
 from pagedserve.worker.core.kv_cache.kv_layout import blocks_held
@@ -39,14 +39,15 @@ def prompts_to_finish(blocks: BlockManager, config: SchedulerConfig, running: It
 
 
 def admission(blocks: BlockManager, config: SchedulerConfig, req: Request, hits: dict[int, PrefixHit],
-              budget: int) -> Admission:
-    """What starting ``req`` from ``hits`` with ``budget`` tokens left in the step takes."""
+              budget: int, timed: Callable[[int, int], int] = lambda start, count: count) -> Admission:
+    """What starting ``req`` from ``hits`` with ``budget`` tokens left in the step takes; ``timed``
+    cuts a first chunk of ``count`` tokens from ``start`` to the step's time (``Scheduler._timed``)."""
     reclaimed = {b for hit in hits.values() for b in hit.held() if blocks.gpu.is_cached_free(b)}
     sizes, new_blocks = [], 0
     for seq in req.live_seqs:
         hit = hits[seq.seq_id]
         cached = hit.num_blocks * config.block_size
-        count = min(seq.num_tokens - cached, budget)
+        count = timed(cached, min(seq.num_tokens - cached, budget))
         budget -= count
         sizes.append((seq.seq_id, count))
         new_blocks += blocks.start_cost(hit, cached + count)  # promoted blocks are new

@@ -30,6 +30,7 @@ class SchedulerConfig:
     rope_switch: int = 0  # > 0 (long-rope): a sequence growing past this length has its KV recomputed
     speculative: SpeculativeConfig | None = None  # prompt-lookup drafts, checked in one forward (worker/core/speculative/config.py)
     max_loras: int = 0  # LoRA adapters among the running requests at most (0: no limit; worker/runner/lora/)
+    max_step_ms: float | None = None  # a step with decoding rows stays about within this (step_time.py); None: off
 
     def __post_init__(self) -> None:
         positive = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -41,6 +42,8 @@ class SchedulerConfig:
             raise ValueError(f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.max_step_ms is not None and not (isinstance(self.max_step_ms, (int, float)) and self.max_step_ms > 0):
+            raise ValueError(f"max_step_ms must be a number of milliseconds > 0, got {self.max_step_ms!r}")
         if not self.lane_windows or any(not isinstance(w, int) or w < 0 for w in self.lane_windows):
             raise ValueError(f"lane_windows must be one window >= 0 per lane, got {self.lane_windows!r}")
 

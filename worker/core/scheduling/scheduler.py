@@ -38,8 +38,13 @@ from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepBuilder, St
 from pagedserve.worker.core.scheduling.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.scheduling.request_table import RequestTable
 from pagedserve.worker.core.scheduling.step_apply import StepApplier
+from pagedserve.worker.core.scheduling.step_time import StepTime, pairs
 from pagedserve.worker.core.scheduling.structured_state import grammar_error, start_state
 from pagedserve.worker.core.speculative.draft_cost import StepCost
+
+
+MIN_PREFILL = 16  # tokens a prefill chunk carries at least under max_step_ms
+UNPRICED_PREFILL = 128  # ... and at most beside decoding rows while the step time is not priced (the fit learns from them)
 
 
 @dataclass
@@ -76,6 +81,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.applier = StepApplier(self.table, self.eos_token_ids, config)
         self.step_cost = StepCost() if config.speculative else None  # what a drafted token costs (Engine.step feeds it)
+        self.step_time = StepTime() if config.max_step_ms else None  # what a step costs in time (Engine.step feeds it)
         self.outputs = OutputBuilder(self.table, detokenizer)
         self._orders = itertools.count()
 
@@ -157,7 +163,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepPlan:
         self._expire_deadlines()
-        step = StepBuilder(budget=self.config.max_num_batched_tokens)
+        step = StepBuilder(budget=self.config.max_num_batched_tokens, seconds_left=self._prefill_seconds())
         self.waits_on_disk = False
         self._schedule_running(step)
         if not step.preempted:
@@ -172,14 +178,38 @@ class Scheduler:
             if req.deadline is not None and now >= req.deadline:
                 self.table.end_outside_update(req, FinishReason.ABORT, "deadline exceeded")
 
-    def _chunk_sizes(self, req: Request, budget: int) -> list[tuple[int, int]]:
-        """(seq_id, tokens) for each live seq, taking from ``budget`` in order."""
-        sizes = []
+    def _chunk_sizes(self, req: Request, step: StepBuilder) -> list[tuple[int, int]]:
+        """(seq_id, tokens) for each live seq, taking from the step's budget in order (a prefill
+        chunk also within its time, ``_timed``)."""
+        sizes, budget = [], step.budget
         for seq in req.live_seqs:
-            count = min(seq.num_uncomputed, budget)
+            count = self._timed(step, seq.num_computed, min(seq.num_uncomputed, budget))
             budget -= count
             sizes.append((seq.seq_id, count))
         return sizes
+
+    def _prefill_seconds(self) -> float | None:
+        """Under ``max_step_ms``, what prefill chunks may add to this step beside its decoding rows;
+        None (no limit) when nobody decodes: a lone prompt goes as fast as the token budget allows."""
+        if self.step_time is None:
+            return None
+        starts = [s.num_computed for r in self.running for s in r.live_seqs if s.num_uncomputed == 1]
+        if not starts:
+            return None
+        decoding = self.step_time.seconds(len(starts), sum(pairs(start, 1) for start in starts))
+        return self.config.max_step_ms / 1000 - (decoding or 0.0)
+
+    def _timed(self, step: StepBuilder, start: int, count: int) -> int:
+        """A prefill chunk of ``count`` tokens from ``start``, cut to what the step's time left allows
+        (at least ``MIN_PREFILL`` tokens: a prompt always moves; ``UNPRICED_PREFILL`` at most until the
+        fit prices a step), its time taken from the step's."""
+        if count <= 1 or step.seconds_left is None:
+            return count
+        if self.step_time.coefficients() is None:
+            return min(count, UNPRICED_PREFILL)
+        tokens = max(min(count, MIN_PREFILL), self.step_time.chunk(step.seconds_left, start, count))
+        step.seconds_left -= self.step_time.chunk_seconds(start, tokens)
+        return tokens
 
     def _schedule_running(self, step: StepBuilder) -> None:
         self.running.sort(key=lambda r: r.sort_key)
@@ -191,7 +221,7 @@ class Scheduler:
             req = queue.pop(0)
             if self._crossed_rope_switch(req):
                 continue
-            sizes = self._chunk_sizes(req, step.budget)
+            sizes = self._chunk_sizes(req, step)
             draft = self._draft(req, sizes, step.budget, share, blind)
             if draft:  # only into free blocks: a draft never preempts anyone
                 drafted = [(seq_id, count + len(draft.tokens)) for seq_id, count in sizes]
@@ -232,7 +262,7 @@ class Scheduler:
             if not self._adapter_fits(req):
                 continue
             ids = [s.seq_id for s in req.live_seqs]
-            sizes = self._chunk_sizes(req, step.budget)
+            sizes = self._chunk_sizes(req, step)
             cost = self.blocks.swap_in_cost(ids) + self.blocks.cost_to_grow(sizes)
             if not self._may_start(req, step) or cost > self.blocks.num_free_blocks:
                 return
@@ -265,7 +295,8 @@ class Scheduler:
             if any(hit.waits_on_disk for hit in hits.values()):
                 self.waits_on_disk = True
                 continue  # its prefix is being read from disk: later requests run meanwhile
-            taken = admission(self.blocks, self.config, req, hits, step.budget)
+            taken = admission(self.blocks, self.config, req, hits, step.budget,
+                              lambda start, count: self._timed(step, start, count))
             if taken.now > self.blocks.num_free_blocks:
                 return
             if self.running and reserved + taken.whole > self.blocks.num_free_blocks:

@@ -1,0 +1,100 @@
+"""Prefill chunks sized by time (``max_step_ms``, worker/core/scheduling/step_time.py): the step-time fit
+recovers what a step costs, and the real scheduler, given a fit (a fake clock: no step is timed here),
+cuts a long prompt's chunks beside decoding streams so that every step stays within the target, the
+later chunks (attending over more context) smaller, every stream still getting its token each step;
+a lone prompt's chunks are as large as the token budget allows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedserve.shared.sampling import SamplingParams
+from pagedserve.worker.core.scheduling.config import SchedulerConfig
+from pagedserve.worker.core.scheduling.scheduler import Scheduler
+from pagedserve.worker.core.scheduling.step_time import StepTime, pairs
+from tests.kv_simulator import KVSimulator
+
+COST = (0.01, 1e-4, 2e-8)  # seconds: fixed, per token, per query-key pair
+
+
+def fitted(fixed: float, per_token: float, per_pair: float) -> StepTime:
+    fit, rng = StepTime(), random.Random(0)
+    for _ in range(40):
+        tokens, attended = rng.randint(1, 2048), rng.uniform(0, 1e7)
+        fit.observe(tokens, attended, fixed + per_token * tokens + per_pair * attended)
+    return fit
+
+
+def test_the_fit_recovers_a_steps_parts_and_waits_until_it_can_tell_them_apart():
+    assert fitted(*COST).coefficients() == pytest.approx(COST, rel=1e-6)
+    alike = StepTime()
+    for _ in range(20):
+        alike.observe(64, 5000.0, 0.02)  # one kind of step: the parts cannot be told apart
+    assert alike.coefficients() is None and StepTime().chunk(0.01, 0, 100) == 100  # not priced: no cut
+    fit = fitted(*COST)
+    most = fit.chunk(0.03, 4000, 2048)
+    assert fit.chunk_seconds(4000, most) <= 0.03 < fit.chunk_seconds(4000, most + 1)
+    assert fit.chunk(10.0, 4000, 2048) == 2048 and fit.chunk(0.0, 4000, 2048) == 0
+
+
+def run_streams_and_a_long_prompt(max_step_ms: float | None, streams: int = 8, long: int = 7000):
+    """``streams`` requests decoding, then a ``long`` prompt: each step's plan while it prefills."""
+    cfg = SchedulerConfig(num_gpu_blocks=1200, block_size=16, max_num_batched_tokens=2048, max_model_len=8192,
+                          max_step_ms=max_step_ms)
+    sched = Scheduler(cfg)
+    if sched.step_time is not None:
+        sched.step_time = fitted(*COST)
+    sim = KVSimulator(16, 1200, 0)
+    for i in range(streams):
+        sched.add(f"s{i}", [1 + (i * 7 + k) % 90 for k in range(32)], SamplingParams(max_tokens=1000, ignore_eos=True))
+    for _ in range(2):  # their prompts in, every stream decoding
+        plan = sched.schedule()
+        sched.update(plan, sim.execute(plan))
+    sched.add("long", [1 + k % 90 for k in range(long)], SamplingParams(max_tokens=1, ignore_eos=True))
+    plans = []
+    while "long" in sched.requests and sched.requests["long"].seqs[0].num_computed < long:
+        plan = sched.schedule()
+        plans.append(plan)
+        sched.update(plan, sim.execute(plan))
+        assert len(plans) < 500
+    return plans
+
+
+def test_a_long_prompt_beside_streams_is_cut_to_the_step_time_and_every_stream_moves_every_step():
+    plans = run_streams_and_a_long_prompt(max_step_ms=50)
+    fit = fitted(*COST)
+    chunks = [next(s for s in plan.seqs if s.request_id == "long") for plan in plans]
+    for plan in plans:
+        assert sum(1 for s in plan.seqs if s.request_id != "long") == 8  # no stream waits for the prompt
+        seconds = fit.seconds(plan.num_tokens, sum(pairs(s.start, s.num_tokens) for s in plan.seqs))
+        assert seconds <= 0.050 + 1e-9, seconds
+    sizes = [c.num_tokens for c in chunks]
+    assert sizes[0] > sizes[-2] and sizes == sorted(sizes[:-1], reverse=True) + sizes[-1:]  # smaller as context grows
+    assert 150 < sizes[-2] < sizes[0] < 2048 and sum(sizes) == 7000 - chunks[0].start  # (a prefix hit: a stream's prompt)
+
+
+def test_without_a_target_or_without_streams_chunks_take_the_token_budget():
+    plain = run_streams_and_a_long_prompt(max_step_ms=None)
+    alone = run_streams_and_a_long_prompt(max_step_ms=50, streams=0)
+    for plans in (plain, alone):
+        sizes = [next(s for s in plan.seqs if s.request_id == "long").num_tokens for plan in plans]
+        assert sizes[0] >= 2048 - 8 and len(plans) <= 4, sizes  # 7000 tokens in chunks of (nearly) the budget
+
+
+def test_until_the_fit_prices_a_step_a_prompt_beside_streams_moves_in_small_chunks():
+    """The fit learns from the steps themselves: until it can tell their parts apart, a chunk beside
+    decoding rows carries ``UNPRICED_PREFILL`` tokens at most (a first chunk of the whole budget would
+    be the pause the target is there to prevent)."""
+    from pagedserve.worker.core.scheduling import scheduler
+
+    cfg = SchedulerConfig(num_gpu_blocks=400, block_size=16, max_num_batched_tokens=2048, max_step_ms=50)
+    sched = Scheduler(cfg)
+    sim = KVSimulator(16, 400, 0)
+    sched.add("stream", [5] * 20, SamplingParams(max_tokens=100, ignore_eos=True))
+    plan = sched.schedule()
+    sched.update(plan, sim.execute(plan))
+    sched.add("long", [7] * 1000, SamplingParams(max_tokens=1, ignore_eos=True))
+    plan = sched.schedule()
+    assert [s.num_tokens for s in plan.seqs] == [1, scheduler.UNPRICED_PREFILL]

@@ -1,0 +1,96 @@
+"""What a step costs in time, from what it computes, fitted over the engine's own recent steps: a
+fixed part, a part per token and a part per query-key pair attention computes (a row of ``n`` new
+tokens from position ``s`` attends over ``n * s + n * (n + 1) / 2`` pairs: the last chunks of a long
+prompt cost several times its first). Least squares over the recent steps, each older step weighing
+``DECAY`` as much as the next (the per-batch-size fit that prices speculation,
+``worker/core/speculative/draft_cost.py``, is the same kind of fit without the pairs).
+
+The scheduler sizes prefill chunks by it under ``max_step_ms`` (``Scheduler``): a step that carries
+decoding rows stays within the target, so a long prompt's prefill never pauses the streams for
+longer than that; with no row decoding, chunks are as large as the token budget allows.
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DECAY = 0.98
+MIN_STEPS = 8  # steps seen before the fit is used
+FEATURES = 3  # 1, tokens, pairs
+
+
+def pairs(start: int, tokens: int) -> float:
+    """Query-key pairs a row of ``tokens`` new tokens from position ``start`` attends over."""
+    return tokens * start + tokens * (tokens + 1) / 2
+
+
+@dataclass
+class StepTime:
+    xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * FEATURES for _ in range(FEATURES)])
+    xty: list[float] = field(default_factory=lambda: [0.0] * FEATURES)
+    steps: float = 0.0  # weighed as the sums are
+
+    def observe(self, tokens: int, attended: float, seconds: float) -> None:
+        """A step: its tokens, their query-key pairs (``pairs`` summed over its rows) and its seconds."""
+        x = (1.0, float(tokens), float(attended))
+        self.xtx = [[DECAY * self.xtx[i][j] + x[i] * x[j] for j in range(FEATURES)] for i in range(FEATURES)]
+        self.xty = [DECAY * self.xty[i] + x[i] * seconds for i in range(FEATURES)]
+        self.steps = DECAY * self.steps + 1
+
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(fixed seconds, seconds per token, seconds per pair), none negative; None while the steps
+        seen are too few or too alike to tell the parts apart."""
+        if self.steps < MIN_STEPS:
+            return None
+        solved = _solve(self.xtx, self.xty)
+        if solved is None:
+            return None
+        fixed, per_token, per_pair = solved
+        return max(fixed, 0.0), max(per_token, 0.0), max(per_pair, 0.0)
+
+    def seconds(self, tokens: int, attended: float) -> float | None:
+        """A step's seconds (None while not priced)."""
+        fit = self.coefficients()
+        return None if fit is None else fit[0] + fit[1] * tokens + fit[2] * attended
+
+    def chunk_seconds(self, start: int, tokens: int) -> float:
+        """What a prefill chunk adds to a step (0 while not priced)."""
+        fit = self.coefficients()
+        return 0.0 if fit is None else fit[1] * tokens + fit[2] * pairs(start, tokens)
+
+    def chunk(self, seconds_left: float, start: int, most: int) -> int:
+        """The most tokens (up to ``most``) a prefill chunk from position ``start`` may carry within
+        ``seconds_left`` of the step (0 when not even one fits)."""
+        fit = self.coefficients()
+        if fit is None:
+            return most
+        _, per_token, per_pair = fit
+        cost = lambda n: per_token * n + per_pair * pairs(start, n)  # noqa: E731  (grows with n)
+        if cost(most) <= seconds_left:
+            return most
+        low, high = 0, most  # cost(low) fits, cost(high) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if cost(middle) <= seconds_left else (low, middle)
+        return low
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` by Gaussian elimination with partial pivoting; None when ``a`` is (nearly) singular."""
+    n = len(b)
+    rows = [list(a[i]) + [b[i]] for i in range(n)]
+    scale = max(abs(v) for row in a for v in row) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) <= 1e-12 * scale:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(col + 1, n):
+            factor = rows[r][col] / rows[col][col]
+            rows[r] = [v - factor * p for v, p in zip(rows[r], rows[col])]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        x[i] = (rows[i][n] - sum(rows[i][j] * x[j] for j in range(i + 1, n))) / rows[i][i]
+    return x
