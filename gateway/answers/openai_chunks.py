@@ -1,4 +1,5 @@
-"""OpenAI response and chunk objects, built from wire events."""
+"""OpenAI response and chunk objects, built from wire events. Each choice also carries vLLM's
+``stop_reason`` (the stop string or stop token id that ended it, else null), as vLLM's server's do."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ class Choice:
     text: str = ""
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
 
     def add(self, delta: OutputDelta) -> None:
         self.text += delta.text
         self.logprobs.extend(delta.logprobs or [])
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
 
     def echo(self, prompt: str, entries: list[dict]) -> None:
         """``echo``: the prompt's text (and its tokens' logprob entries) before the generated ones."""
@@ -60,7 +63,8 @@ class Renderer:
     def response(self, choices: list[Choice], use: dict) -> dict:
         out = []
         for c in choices:
-            item = {"index": c.index, "logprobs": self.logprobs(c.logprobs, 0), "finish_reason": c.finish_reason}
+            item = {"index": c.index, "logprobs": self.logprobs(c.logprobs, 0), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason}
             if self.chat:
                 reasoning, content, calls = whole_answer(c.text, self.reasoning_parser, self.tools, self.tool_parser)
                 item["message"] = {"role": "assistant", "content": content}
@@ -80,7 +84,8 @@ class Renderer:
         text = delta.text if delta else ""
         reason = delta.finish_reason if delta else None
         entries = (delta.logprobs or []) if delta else []
-        item = {"index": index, "logprobs": self.logprobs(entries, text_offset), "finish_reason": reason}
+        item = {"index": index, "logprobs": self.logprobs(entries, text_offset), "finish_reason": reason,
+                "stop_reason": delta.stop_reason if delta else None}
         if self.chat:
             item["delta"] = (({"role": "assistant"} if first else {}) | ({"reasoning_content": reasoning} if reasoning else {})
                              | ({"content": text} if text or first and not reasoning else {}))

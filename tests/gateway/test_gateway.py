@@ -57,6 +57,13 @@ def test_n_stop_and_logprobs(client, offline):
     stop = base[8:11]
     cut = client.completions.create(prompt="pages and blocks", max_tokens=30, stop=[stop], **greedy()).choices[0]
     assert cut.finish_reason == "stop" and cut.text == base[: base.index(stop)]
+    assert cut.stop_reason == stop and client.completions.create(  # vLLM's field: which stop ended it, else null
+        prompt="pages and blocks", max_tokens=30, **greedy()).choices[0].stop_reason is None
+    ask = dict(messages=[{"role": "user", "content": "pages and blocks"}], max_tokens=30, **greedy())
+    chat_stop = client.chat.completions.create(**ask).choices[0].message.content[8:11]
+    said = client.chat.completions.create(**ask, stop=[chat_stop]).choices[0]
+    final = [c.choices[0] for c in client.chat.completions.create(**ask, stop=[chat_stop], stream=True) if c.choices][-1]
+    assert (said.finish_reason, said.stop_reason) == (final.finish_reason, final.stop_reason) == ("stop", chat_stop)
     lp = client.completions.create(prompt="blocks", max_tokens=4, logprobs=2, **greedy()).choices[0].logprobs
     ref = offline.generate(["blocks"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), use_tqdm=False)[0]
     ref_entries = ref.outputs[0].logprobs
