@@ -45,10 +45,10 @@ def test_a_choice_gathers_text_logprobs_and_keeps_its_last_finish_reason():
 
 
 def test_a_whole_text_completion():
-    choice = Choice(1, "Paris.", [], "stop")
+    choice = Choice(1, "Paris.", [], "stop", "\n")  # ended by the stop string "\n": vLLM's stop_reason says so
     assert renderer(False).response([choice], usage(5, 2)) == {
         **HEAD, "object": "text_completion",
-        "choices": [{"index": 1, "logprobs": None, "finish_reason": "stop", "text": "Paris."}],
+        "choices": [{"index": 1, "logprobs": None, "finish_reason": "stop", "stop_reason": "\n", "text": "Paris."}],
         "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
     }
 
@@ -57,7 +57,7 @@ def test_a_whole_chat_completion_without_tools():
     choice = Choice(0, "Hi there", [], "length")
     assert renderer(True).response([choice], usage(1, 2)) == {
         **HEAD, "object": "chat.completion",
-        "choices": [{"index": 0, "logprobs": None, "finish_reason": "length",
+        "choices": [{"index": 0, "logprobs": None, "finish_reason": "length", "stop_reason": None,
                      "message": {"role": "assistant", "content": "Hi there"}}],
         "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
     }
@@ -77,7 +77,7 @@ def test_a_chat_answer_that_calls_a_tool_ends_for_the_calls():
     cut = renderer(True, tools=tools).response([Choice(0, text, [], "length")], usage(1, 1))
     assert cut["choices"][0]["finish_reason"] == "length"
     plain = renderer(True, tools=tools).response([Choice(0, "No call.", [], "stop")], usage(1, 1))
-    assert plain["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
+    assert plain["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop", "stop_reason": None,
                                    "message": {"role": "assistant", "content": "No call."}}
     none = renderer(True, tools=ToolRequest(TOOLS, "none")).response([Choice(0, text, [], "stop")], usage(1, 1))
     assert none["choices"][0]["message"] == {"role": "assistant", "content": text}
@@ -112,12 +112,13 @@ def test_stream_chunks(chat):
     first = r.chunk(0, OutputDelta(0, [7], "Hi", None, [entry("Hi", -0.5, {"Hi": -0.5})]), True, True, text_offset=4)
     logprobs = r.logprobs([entry("Hi", -0.5, {"Hi": -0.5})], 4)
     if chat:
-        item = {"index": 0, "logprobs": logprobs, "finish_reason": None, "delta": {"role": "assistant", "content": "Hi"}}
+        item = {"index": 0, "logprobs": logprobs, "finish_reason": None, "stop_reason": None,
+                "delta": {"role": "assistant", "content": "Hi"}}
     else:
-        item = {"index": 0, "logprobs": logprobs, "finish_reason": None, "text": "Hi"}
+        item = {"index": 0, "logprobs": logprobs, "finish_reason": None, "stop_reason": None, "text": "Hi"}
     assert first == {**HEAD, "object": obj, "choices": [item], "usage": None}
-    last = r.chunk(2, OutputDelta(2, [], "", "stop"), False, False)
-    tail = {"index": 2, "logprobs": r.logprobs([], 0), "finish_reason": "stop"}
+    last = r.chunk(2, OutputDelta(2, [], "", "stop", stop_reason=2), False, False)  # ended by stop token 2
+    tail = {"index": 2, "logprobs": r.logprobs([], 0), "finish_reason": "stop", "stop_reason": 2}
     assert last == {**HEAD, "object": obj, "choices": [{**tail, **({"delta": {}} if chat else {"text": ""})}]}
     assert r.usage_chunk(usage(2, 3)) == {**HEAD, "object": obj, "choices": [],
                                           "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
@@ -126,6 +127,7 @@ def test_stream_chunks(chat):
 def test_an_empty_first_chat_chunk_still_opens_the_message():
     r = renderer(True)
     assert r.chunk(0, None, True, False)["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": None,
+                                                         "stop_reason": None,
                                                          "delta": {"role": "assistant", "content": ""}}
     assert r.chunk(0, OutputDelta(0, [3], "x"), False, False)["choices"][0]["delta"] == {"content": "x"}
 
