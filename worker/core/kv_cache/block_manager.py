@@ -36,58 +36,17 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
-from typing import Hashable, NamedTuple, Sequence
+from typing import Hashable, Sequence
 
 from pagedserve.shared.block_hash import block_hash
 from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE, BlockPool
 from pagedserve.worker.core.kv_cache.block_tables import BELOW, NO_BLOCK, count_unique, held_blocks, move_tables
-from pagedserve.worker.core.kv_cache.lane_hits import is_lane_hash, lane_hash, lane_hit, lane_key
+from pagedserve.worker.core.kv_cache.lane_hits import is_lane_hash, lane_hash, lane_key
 from pagedserve.worker.core.kv_cache.kv_events import KvEvents
+from pagedserve.worker.core.kv_cache.prefix_hit import NO_HIT, PrefixHit, find_hit
 from pagedserve.worker.core.kv_cache.table_reports import BlockUsage, TableState, check_tables, usage_of
-from pagedserve.worker.core.kv_cache.tiers import NO_TIER_MOVES, PENDING, KvTiers, LowerHit, TierMoves
+from pagedserve.worker.core.kv_cache.tiers import NO_TIER_MOVES, KvTiers, TierMoves
 
-
-
-class Below(NamedTuple):
-    """Where a lane's copy of a prefix block is when it is in a tier under the device."""
-    block_hash: int
-    key: tuple
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """Cached blocks that match the start of a prompt: each lane's table of the hit (device blocks;
-    ``NO_BLOCK`` where a sliding lane needs none; ``BELOW`` where a block from a tier under the
-    device fills it: ``lower``, in table order, lane after lane, each needing a free device block),
-    and the prefix's chained hashes."""
-
-    tables: tuple[tuple[int, ...], ...] = ()
-    hashes: tuple[int, ...] = ()
-    num_reclaimed: int = 0  # how many of its device blocks are cached-free now, so taking them uses free capacity
-    lower: tuple[LowerHit, ...] = ()
-    waits_on_disk: bool = False  # the prefix goes on in a block being read from disk: start later
-
-    @property
-    def blocks(self) -> tuple[int, ...]:
-        """The first lane's table of the hit."""
-        return self.tables[0] if self.tables else ()
-
-    def held(self) -> list[int]:
-        """The device blocks the hit takes, every lane's."""
-        return held_blocks(self.tables)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.hashes)
-
-    @property
-    def num_lower_blocks(self) -> int:
-        """Of its blocks, how many some lane reads from below the device."""
-        return sum(1 for column in zip(*self.tables) if BELOW in column)
-
-
-NO_HIT = PrefixHit()
 
 
 class BlockManager:
@@ -167,49 +126,13 @@ class BlockManager:
 
     def match_prefix(self, token_ids: Sequence[int], extra_key: Hashable = None, known: Sequence[int] = ()) -> PrefixHit:
         """The longest run of cached full blocks at the start of ``token_ids`` (last token excluded)
-        that every lane can start from (``lane_hits.py``), each lane's copy on the device or below
-        it. ``known``: the leading blocks' hashes where the caller keeps them (a request's prompt
-        chain). Blocks the hit needs from disk are asked for; until they are read it waits."""
+        that every lane can start from, each lane's copy on the device or below it
+        (``prefix_hit.py``). ``known``: the leading blocks' hashes where the caller keeps them (a
+        request's prompt chain)."""
         if not self.enable_prefix_caching:
             return NO_HIT
-        missing: set[int] = set()
-        while True:
-            chain = self._prompt_chain(token_ids, extra_key, known)
-            tables, hashes = lane_hit(lambda h, key: self._find(h, key, missing), chain, self.lane_windows, self.block_size)
-            lower, waits, lost = self._fetch_below(tables)
-            if lost is None:
-                break
-            missing.add(lost)  # gone from its tier since it was seen: the hit without it
-        if waits:
-            return replace(NO_HIT, waits_on_disk=True)
-        tables = [[BELOW if isinstance(e, Below) else e for e in table] for table in tables]
-        hit = PrefixHit(tuple(map(tuple, tables)), tuple(hashes), 0, tuple(lower))
-        return replace(hit, num_reclaimed=sum(1 for b in set(hit.held()) if self.gpu.is_cached_free(b)))
-
-    def _find(self, block_hash: int, key: tuple, missing: set[int]) -> int | Below | None:
-        """Where a lane's copy of a block is: a device block, a tier below, or nowhere (None)."""
-        block = self.gpu.lookup(block_hash, key)
-        if block is not None:
-            return block
-        if self.tiers is not None and block_hash not in missing and self.tiers.holds(block_hash, key):
-            return Below(block_hash, key)
-        return None
-
-    def _fetch_below(self, tables: list[list]) -> tuple[list[LowerHit], bool, int | None]:
-        """``(lower, waits, lost)``: the hit's blocks from below the device in table order; whether
-        one is still being read from disk (every one it needs is asked for at once); the hash of
-        one no tier has any more (None: none lost)."""
-        lower: list[LowerHit] = []
-        waits = False
-        for entry in (e for table in tables for e in table if isinstance(e, Below)):
-            found = self.tiers.find(entry.block_hash, entry.key)
-            if found is None:
-                return [], False, entry.block_hash
-            if found == PENDING:
-                waits = True
-            else:
-                lower.append(found)
-        return lower, waits, None
+        return find_hit(self.gpu, self.tiers, self.lane_windows, self.block_size,
+                        lambda: self._prompt_chain(token_ids, extra_key, known))
 
     def _prompt_chain(self, token_ids: Sequence[int], extra_key: Hashable, known: Sequence[int]):
         """``(hash, key)`` of each full block a prefix hit can cover, hashed only past ``known``."""

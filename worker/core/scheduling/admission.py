@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from pagedserve.worker.core.kv_cache.block_manager import BlockManager, PrefixHit
+from pagedserve.worker.core.kv_cache.block_manager import BlockManager
+from pagedserve.worker.core.kv_cache.prefix_hit import PrefixHit
 from pagedserve.worker.core.kv_cache.kv_layout import blocks_held
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.request import Request, Sequence

@@ -25,7 +25,8 @@ from typing import Callable, Hashable, Sequence as Seq
 
 from pagedserve.shared.errors import InvalidRequestError
 from pagedserve.shared.sampling import SamplingParams
-from pagedserve.worker.core.kv_cache.block_manager import NO_HIT, BlockManager, PrefixHit
+from pagedserve.worker.core.kv_cache.block_manager import BlockManager
+from pagedserve.worker.core.kv_cache.prefix_hit import NO_HIT, PrefixHit
 from pagedserve.worker.core.kv_cache.kv_events import KvEvents
 from pagedserve.worker.core.kv_cache.tiers import KvTiers
 from pagedserve.worker.core.scheduling.admission import admission, prompts_to_finish, start_request
