@@ -87,7 +87,7 @@ def test_until_the_fit_prices_a_step_a_prompt_beside_streams_moves_in_small_chun
     """The fit learns from the steps themselves: until it can tell their parts apart, a chunk beside
     decoding rows carries ``UNPRICED_PREFILL`` tokens at most (a first chunk of the whole budget would
     be the pause the target is there to prevent)."""
-    from pagedserve.worker.core.scheduling import scheduler
+    from pagedserve.worker.core.scheduling import step_time
 
     cfg = SchedulerConfig(num_gpu_blocks=400, block_size=16, max_num_batched_tokens=2048, max_step_ms=50)
     sched = Scheduler(cfg)
@@ -97,4 +97,4 @@ def test_until_the_fit_prices_a_step_a_prompt_beside_streams_moves_in_small_chun
     sched.update(plan, sim.execute(plan))
     sched.add("long", [7] * 1000, SamplingParams(max_tokens=1, ignore_eos=True))
     plan = sched.schedule()
-    assert [s.num_tokens for s in plan.seqs] == [1, scheduler.UNPRICED_PREFILL]
+    assert [s.num_tokens for s in plan.seqs] == [1, step_time.UNPRICED_PREFILL]

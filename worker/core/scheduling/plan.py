@@ -140,7 +140,7 @@ class StepBuilder:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: int = 0
-    seconds_left: float | None = None  # under max_step_ms, what prefill chunks may still add to the step
+    prefill: object = None  # under max_step_ms, the step's time for prefill chunks (step_time.PrefillBudget)
 
     def build(self, block_size: int, ended: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
               tier: TierMoves = NO_TIER_MOVES) -> StepPlan:

@@ -39,13 +39,9 @@ from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepBuilder, St
 from pagedserve.worker.core.scheduling.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.scheduling.request_table import RequestTable
 from pagedserve.worker.core.scheduling.step_apply import StepApplier
-from pagedserve.worker.core.scheduling.step_time import StepTime, pairs
+from pagedserve.worker.core.scheduling.step_time import PrefillBudget, StepTime
 from pagedserve.worker.core.scheduling.structured_state import grammar_error, start_state
 from pagedserve.worker.core.speculative.draft_cost import StepCost
-
-
-MIN_PREFILL = 16  # tokens a prefill chunk carries at least under max_step_ms
-UNPRICED_PREFILL = 128  # ... and at most beside decoding rows while the step time is not priced (the fit learns from them)
 
 
 @dataclass
@@ -164,7 +160,7 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepPlan:
         self._expire_deadlines()
-        step = StepBuilder(budget=self.config.max_num_batched_tokens, seconds_left=self._prefill_seconds())
+        step = StepBuilder(budget=self.config.max_num_batched_tokens, prefill=self._prefill_budget())
         self.waits_on_disk = False
         self._schedule_running(step)
         if not step.preempted:
@@ -189,28 +185,17 @@ class Scheduler:
             sizes.append((seq.seq_id, count))
         return sizes
 
-    def _prefill_seconds(self) -> float | None:
-        """Under ``max_step_ms``, what prefill chunks may add to this step beside its decoding rows;
-        None (no limit) when nobody decodes: a lone prompt goes as fast as the token budget allows."""
+    def _prefill_budget(self) -> PrefillBudget | None:
+        """Under ``max_step_ms``, the step's time for prefill chunks beside its decoding rows."""
         if self.step_time is None:
             return None
         starts = [s.num_computed for r in self.running for s in r.live_seqs if s.num_uncomputed == 1]
-        if not starts:
-            return None
-        decoding = self.step_time.seconds(len(starts), sum(pairs(start, 1) for start in starts))
-        return self.config.max_step_ms / 1000 - (decoding or 0.0)
+        return PrefillBudget.beside(self.step_time, self.config.max_step_ms, starts)
 
-    def _timed(self, step: StepBuilder, start: int, count: int) -> int:
-        """A prefill chunk of ``count`` tokens from ``start``, cut to what the step's time left allows
-        (at least ``MIN_PREFILL`` tokens: a prompt always moves; ``UNPRICED_PREFILL`` at most until the
-        fit prices a step), its time taken from the step's."""
-        if count <= 1 or step.seconds_left is None:
-            return count
-        if self.step_time.coefficients() is None:
-            return min(count, UNPRICED_PREFILL)
-        tokens = max(min(count, MIN_PREFILL), self.step_time.chunk(step.seconds_left, start, count))
-        step.seconds_left -= self.step_time.chunk_seconds(start, tokens)
-        return tokens
+    @staticmethod
+    def _timed(step: StepBuilder, start: int, count: int) -> int:
+        """A prefill chunk cut to the step's time (``PrefillBudget.cut``), as is without a target."""
+        return count if step.prefill is None else step.prefill.cut(start, count)
 
     def _schedule_running(self, step: StepBuilder) -> None:
         self.running.sort(key=lambda r: r.sort_key)

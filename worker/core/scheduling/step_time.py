@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 DECAY = 0.98
 MIN_STEPS = 8  # steps seen before the fit is used
 FEATURES = 3  # 1, tokens, pairs
+MIN_PREFILL = 16  # tokens a prefill chunk carries at least under max_step_ms
+UNPRICED_PREFILL = 128  # ... and at most beside decoding rows while the step time is not priced (the fit learns from them)
 
 
 def pairs(start: int, tokens: int) -> float:
@@ -31,6 +33,7 @@ class StepTime:
     xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * FEATURES for _ in range(FEATURES)])
     xty: list[float] = field(default_factory=lambda: [0.0] * FEATURES)
     steps: float = 0.0  # weighed as the sums are
+    _solved: tuple[float, float, float] | None = field(default=None, repr=False)  # coefficients(), until the next step
 
     def observe(self, tokens: int, attended: float, seconds: float) -> None:
         """A step: its tokens, their query-key pairs (``pairs`` summed over its rows) and its seconds."""
@@ -38,17 +41,16 @@ class StepTime:
         self.xtx = [[DECAY * self.xtx[i][j] + x[i] * x[j] for j in range(FEATURES)] for i in range(FEATURES)]
         self.xty = [DECAY * self.xty[i] + x[i] * seconds for i in range(FEATURES)]
         self.steps = DECAY * self.steps + 1
+        self._solved = None
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(fixed seconds, seconds per token, seconds per pair), none negative; None while the steps
-        seen are too few or too alike to tell the parts apart."""
-        if self.steps < MIN_STEPS:
-            return None
-        solved = _solve(self.xtx, self.xty)
-        if solved is None:
-            return None
-        fixed, per_token, per_pair = solved
-        return max(fixed, 0.0), max(per_token, 0.0), max(per_pair, 0.0)
+        seen are too few or too alike to tell the parts apart. Solved once a step seen."""
+        if self._solved is None and self.steps >= MIN_STEPS:
+            solved = _solve(self.xtx, self.xty)
+            if solved is not None:
+                self._solved = tuple(max(part, 0.0) for part in solved)
+        return self._solved
 
     def seconds(self, tokens: int, attended: float) -> float | None:
         """A step's seconds (None while not priced)."""
@@ -75,6 +77,35 @@ class StepTime:
             middle = (low + high) // 2
             low, high = (middle, high) if cost(middle) <= seconds_left else (low, middle)
         return low
+
+
+@dataclass
+class PrefillBudget:
+    """One step's time for prefill chunks under ``max_step_ms``: what the target leaves beside the
+    step's decoding rows (None: no limit, nobody decodes: a lone prompt goes as fast as the token
+    budget allows), handed out chunk by chunk in the order the scheduler asks."""
+    fit: StepTime
+    seconds_left: float | None
+
+    @classmethod
+    def beside(cls, fit: StepTime, max_step_ms: float, decoding_starts: list[int]) -> PrefillBudget:
+        """The budget of a step whose decoding rows are at these positions."""
+        if not decoding_starts:
+            return cls(fit, None)
+        decoding = fit.seconds(len(decoding_starts), sum(pairs(start, 1) for start in decoding_starts))
+        return cls(fit, max_step_ms / 1000 - (decoding or 0.0))
+
+    def cut(self, start: int, count: int) -> int:
+        """A prefill chunk of ``count`` tokens from ``start``, cut to the time left (at least
+        ``MIN_PREFILL`` tokens: a prompt always moves; ``UNPRICED_PREFILL`` at most until the fit
+        prices a step), its time taken from what is left."""
+        if count <= 1 or self.seconds_left is None:
+            return count
+        if self.fit.coefficients() is None:
+            return min(count, UNPRICED_PREFILL)
+        tokens = max(min(count, MIN_PREFILL), self.fit.chunk(self.seconds_left, start, count))
+        self.seconds_left -= self.fit.chunk_seconds(start, tokens)
+        return tokens
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
