@@ -39,6 +39,16 @@ def test_the_fit_recovers_a_steps_parts_and_waits_until_it_can_tell_them_apart()
     assert fit.chunk(10.0, 4000, 2048) == 2048 and fit.chunk(0.0, 4000, 2048) == 0
 
 
+
+def test_older_steps_fade_so_the_fit_follows_a_step_time_that_changed():
+    """The fit is a ``DecayedFit``: a step 0.98 ** 300 steps old weighs nothing beside today's."""
+    fit, rng = fitted(*COST), random.Random(1)
+    for _ in range(300):  # the machine got twice as slow (another process, a thermal limit)
+        tokens, attended = rng.randint(1, 2048), rng.uniform(0, 1e7)
+        fit.observe(tokens, attended, 2 * (COST[0] + COST[1] * tokens + COST[2] * attended))
+    assert fit.coefficients() == pytest.approx(tuple(2 * part for part in COST), rel=1e-2)
+    assert fit.seen.weight == pytest.approx(1 / (1 - 0.98), rel=1e-2)
+
 def run_streams_and_a_long_prompt(max_step_ms: float | None, streams: int = 8, long: int = 7000):
     """``streams`` requests decoding, then a ``long`` prompt: each step's plan while it prefills."""
     cfg = SchedulerConfig(num_gpu_blocks=1200, block_size=16, max_num_batched_tokens=2048, max_model_len=8192,

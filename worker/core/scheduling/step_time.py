@@ -2,8 +2,8 @@
 fixed part, a part per token and a part per query-key pair attention computes (a row of ``n`` new
 tokens from position ``s`` attends over ``n * s + n * (n + 1) / 2`` pairs: the last chunks of a long
 prompt cost several times its first). Least squares over the recent steps, each older step weighing
-``DECAY`` as much as the next (the per-batch-size fit that prices speculation,
-``worker/core/speculative/draft_cost.py``, is the same kind of fit without the pairs).
+``DECAY`` as much as the next: a ``DecayedFit``, as is the per-batch-size fit that prices
+speculation (``worker/core/speculative/draft_cost.py``), there without the pairs.
 
 The scheduler sizes prefill chunks by it under ``max_step_ms`` (``Scheduler``): a step that carries
 decoding rows stays within the target, so a long prompt's prefill never pauses the streams for
@@ -15,6 +15,8 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pagedserve.worker.core.scheduling.decayed_fit import DecayedFit
 
 DECAY = 0.98
 MIN_STEPS = 8  # steps seen before the fit is used
@@ -30,27 +32,17 @@ def pairs(start: int, tokens: int) -> float:
 
 @dataclass
 class StepTime:
-    xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * FEATURES for _ in range(FEATURES)])
-    xty: list[float] = field(default_factory=lambda: [0.0] * FEATURES)
-    steps: float = 0.0  # weighed as the sums are
-    _solved: tuple[float, float, float] | None = field(default=None, repr=False)  # coefficients(), until the next step
+    seen: DecayedFit = field(default_factory=lambda: DecayedFit(FEATURES, DECAY))
 
     def observe(self, tokens: int, attended: float, seconds: float) -> None:
         """A step: its tokens, their query-key pairs (``pairs`` summed over its rows) and its seconds."""
-        x = (1.0, float(tokens), float(attended))
-        self.xtx = [[DECAY * self.xtx[i][j] + x[i] * x[j] for j in range(FEATURES)] for i in range(FEATURES)]
-        self.xty = [DECAY * self.xty[i] + x[i] * seconds for i in range(FEATURES)]
-        self.steps = DECAY * self.steps + 1
-        self._solved = None
+        self.seen.observe((1.0, float(tokens), float(attended)), seconds)
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(fixed seconds, seconds per token, seconds per pair), none negative; None while the steps
-        seen are too few or too alike to tell the parts apart. Solved once a step seen."""
-        if self._solved is None and self.steps >= MIN_STEPS:
-            solved = _solve(self.xtx, self.xty)
-            if solved is not None:
-                self._solved = tuple(max(part, 0.0) for part in solved)
-        return self._solved
+        seen are too few or too alike to tell the parts apart."""
+        solved = self.seen.solve() if self.seen.weight >= MIN_STEPS else None
+        return None if solved is None else tuple(max(part, 0.0) for part in solved)
 
     def seconds(self, tokens: int, attended: float) -> float | None:
         """A step's seconds (None while not priced)."""
@@ -107,21 +99,3 @@ class PrefillBudget:
         self.seconds_left -= self.fit.chunk_seconds(start, tokens)
         return tokens
 
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """``a x = b`` by Gaussian elimination with partial pivoting; None when ``a`` is (nearly) singular."""
-    n = len(b)
-    rows = [list(a[i]) + [b[i]] for i in range(n)]
-    scale = max(abs(v) for row in a for v in row) or 1.0
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
-        if abs(rows[pivot][col]) <= 1e-12 * scale:
-            return None
-        rows[col], rows[pivot] = rows[pivot], rows[col]
-        for r in range(col + 1, n):
-            factor = rows[r][col] / rows[col][col]
-            rows[r] = [v - factor * p for v, p in zip(rows[r], rows[col])]
-    x = [0.0] * n
-    for i in range(n - 1, -1, -1):
-        x[i] = (rows[i][n] - sum(rows[i][j] * x[j] for j in range(i + 1, n))) / rows[i][i]
-    return x

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.worker.core.scheduling.decayed_fit import DecayedFit
+
 COST_DECAY = 0.98  # a fit: each older step weighs this much as the next
 MIN_COST_STEPS = 8  # steps seen before a fit is used
 
@@ -21,7 +23,8 @@ MIN_COST_STEPS = 8  # steps seen before a fit is used
 @dataclass
 class StepFit:
     """One batch size's step time as a fixed part and a part per token, fitted over its recent
-    steps (least squares, each older step weighing ``COST_DECAY`` as much as the next), and a draft
+    steps (least squares, each older step weighing ``COST_DECAY`` as much as the next: a
+    ``DecayedFit``, as the step time that sizes prefill chunks is), and a draft
     model's time per round (its forward over the step's drafting rows), averaged alike.
     ``token_share(rows)``: the part of a step of ``rows`` one-token rows that one more token each
     costs, per row the price of checking a drafted token (and drafting it) against what a kept one
@@ -29,16 +32,14 @@ class StepFit:
     where the forward's cost grows with every token or a draft round costs nearly a step. While the
     recent steps are all of one size and drafted (every row drafting the same),
     ``wants_plain_step`` asks for a step without drafts."""
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, xx, xy
+    seen: DecayedFit = field(default_factory=lambda: DecayedFit(2, COST_DECAY))  # over 1 and tokens
     draft: list[float] = field(default_factory=lambda: [0.0, 0.0])  # draft rounds, their seconds
-    drafted: float = 0.0  # the steps that carried drafts, weighed as ``sums[0]``
+    drafted: float = 0.0  # the steps that carried drafts, weighed as ``seen.weight``
 
     def observe(self, tokens: int, seconds: float, drafted: bool = False, draft_rounds: int = 0,
                 draft_seconds: float = 0.0) -> None:
         """A step: its tokens and seconds, of which ``draft_seconds`` were a draft model's rounds."""
-        seconds -= draft_seconds
-        w, x, y, xx, xy = (v * COST_DECAY for v in self.sums)
-        self.sums = [w + 1, x + tokens, y + seconds, xx + tokens * tokens, xy + tokens * seconds]
+        self.seen.observe((1.0, tokens), seconds - draft_seconds)
         self.drafted = COST_DECAY * self.drafted + drafted
         if draft_rounds:
             rounds, spent = (v * COST_DECAY for v in self.draft)
@@ -46,12 +47,9 @@ class StepFit:
 
     def _fit(self) -> tuple[float, float] | None:
         """(fixed seconds, seconds per token), or None while the steps seen are too few or too alike."""
-        w, x, y, xx, xy = self.sums
-        spread = w * xx - x * x
-        if w < MIN_COST_STEPS or spread <= 0.01 * x * x:
-            return None
-        per_token = (w * xy - x * y) / spread
-        return (y - per_token * x) / w, max(per_token, 0.0)
+        w, x, xx = self.seen.weight, self.seen.xtx[0][1], self.seen.xtx[1][1]
+        solved = self.seen.solve() if w >= MIN_COST_STEPS and w * xx - x * x > 0.01 * x * x else None
+        return None if solved is None else (solved[0], max(solved[1], 0.0))
 
     def priced(self) -> bool:
         """Whether the steps seen tell what a token costs (8 or more, their sizes spread)."""
@@ -60,7 +58,7 @@ class StepFit:
     def wants_plain_step(self) -> bool:
         """Whether the recent steps all carried drafts and were all of one size: the fit cannot
         tell what a drafted token costs until a step without them is seen."""
-        return self.sums[0] >= MIN_COST_STEPS and self.drafted > self.sums[0] / 2 and self._fit() is None
+        return self.seen.weight >= MIN_COST_STEPS and self.drafted > self.seen.weight / 2 and self._fit() is None
 
     def token_share(self, rows: int) -> float:
         fit, (rounds, spent) = self._fit(), self.draft
