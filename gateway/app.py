@@ -11,6 +11,7 @@ from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from pagedserve.gateway.bodies.parse import ApiError
+from pagedserve.gateway.http.api_error import REFUSAL, note_refusal
 from pagedserve.gateway.http.sse import CLIENT_GONE
 from pagedserve.gateway.routes import lora as lora_api
 from pagedserve.gateway.routes import responses as responses_api
@@ -27,7 +28,6 @@ from pagedserve.gateway.service.settings import GatewaySettings
 log = structlog.get_logger("pagedserve.gateway")
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/openapi.json", "/version", "/docs", *ASSETS, *DOCS_ASSETS}  # /dashboard/events: keyed
 QUIET_PATHS = {"/health", "/ready", "/metrics"}
-REFUSAL = web.RequestKey("refusal", str)  # why the request was answered with an error
 ANTHROPIC_PATH = "/v1/messages"  # its errors are in Anthropic's shape
 
 
@@ -69,8 +69,12 @@ async def _start(app: web.Application) -> None:
 
 
 async def _end_feeds(app: web.Application) -> None:
-    """Before connections close: long-lived dashboard feeds end, so shutdown does not wait on them."""
-    await app[STATE].dashboard.close()
+    """Before connections close: long-lived dashboard feeds end, so shutdown does not wait on them;
+    the requests held are waited for (``--drain-timeout``) unless Redis is unreachable, when they
+    end at once with a 503 (nothing can come for them)."""
+    state = app[STATE]
+    state.dispatcher.drain()
+    await state.dashboard.close()
 
 
 async def _stop(app: web.Application) -> None:
@@ -103,7 +107,7 @@ async def _access_log(request: web.Request, handler):
             fields["error"] = request[REFUSAL]
         if request.get(CLIENT_GONE):
             fields["status"] = "client gone"
-        (log.warning if response.status >= 400 else log.info)("http", **fields)
+        (log.warning if response.status >= 400 or request.get(REFUSAL) else log.info)("http", **fields)
     return response
 
 
@@ -112,7 +116,7 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as err:
-        request[REFUSAL] = f"{err.code or err.type}: {err.message}"[:300]
+        note_refusal(request, err)
         return _error_response(err, request.path)
     except (RedisConnectionError, RedisTimeoutError) as err:
         log.warning("redis unavailable", path=request.path, error=str(err))

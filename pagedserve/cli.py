@@ -176,11 +176,13 @@ def serve(args: argparse.Namespace) -> int:
     gateway_args = [arg for key in args.api_key or () for arg in ("--api-key", key)]
     gateway_args += ["--tool-call-parser", args.tool_call_parser]
     gateway_args += ["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []
+    gateway_args += ["--outage-grace", str(args.outage_grace)]
     try:
-        worker_args = (*engine_argv(args), "--log-stats-interval", str(args.log_stats_interval))
+        worker_args = (*engine_argv(args), "--log-stats-interval", str(args.log_stats_interval),
+                       "--outage-grace", str(args.outage_grace))
         stack = LocalStack(model=model, workers=args.workers, port=args.port, host=args.host, redis_url=args.redis_url,
                            extra_worker_args=worker_args, extra_gateway_args=tuple(gateway_args),
-                           served_model_name=args.served_model_name)
+                           served_model_name=args.served_model_name, drain_timeout_s=args.drain_timeout)
         port_free(stack.host, stack.port)  # a busy port is the one line said, before anything starts
         workers = f"{args.workers} worker{'s' if args.workers > 1 else ''}"
         print(f"pagedserve: starting {stack.served_model_name!r} on {stack.url}: {workers} loading the model, "
@@ -196,8 +198,22 @@ def serve(args: argparse.Namespace) -> int:
     except StackError as err:
         print(f"pagedserve: {err}", file=sys.stderr)
         return 1
-    print("pagedserve: stopped", file=sys.stderr, flush=True)
-    return 0
+    return stopped(stack.exit_codes)
+
+
+def stopped(exit_codes: dict[str, int]) -> int:
+    """The exit code of a stopped stack, said in a line: 0 when every child drained cleanly, 4
+    (``EXIT_CUT``) when they stopped on time but cut requests short (drain timeout, Redis
+    unreachable), 1 otherwise (one failed, or had to be killed)."""
+    from pagedserve.runtime.supervision import EXIT_CUT
+
+    unclean = {name: code for name, code in exit_codes.items() if code != 0}
+    if not unclean:
+        print("pagedserve: stopped", file=sys.stderr, flush=True)
+        return 0
+    print(f"pagedserve: stopped; not cleanly: {', '.join(f'{n} exited {c}' for n, c in unclean.items())}",
+          file=sys.stderr, flush=True)
+    return EXIT_CUT if all(code == EXIT_CUT for code in unclean.values()) else 1
 
 
 def _engine(args: argparse.Namespace):

@@ -8,7 +8,7 @@ import argparse
 import os
 
 from pagedserve.gateway.answers.reasoning import PARSERS as REASONING_PARSERS
-from pagedserve.runtime.env import checked, env_default, non_negative, with_env_help
+from pagedserve.runtime.env import checked, env_default, non_negative, positive, with_env_help
 from pagedserve.worker.setup.engine_flags import add_engine_args
 from pagedserve.worker.source.resolve import MODEL_HELP
 
@@ -42,6 +42,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                              help="a Redis (or redis+cluster://) to use instead of starting one (default: start one)")),
         ("--log-stats-interval", dict(type=non_negative(float), default=e("log_stats_interval", 10.0, float),
                                       help="seconds between the workers' stats lines while busy; 0: none")),
+        ("--drain-timeout", dict(type=positive(float), default=e("drain_timeout", 30.0, float),
+                                 help="seconds Ctrl-C or SIGTERM waits for the requests held to finish (at once "
+                                      "while Redis is unreachable); the whole stack is stopped within about 10 s more")),
+        ("--outage-grace", dict(type=positive(float), default=e("outage_grace", 30.0, float),
+                                help="seconds an external Redis may be unreachable before the requests held end "
+                                     "with an error (their blocks freed)")),
     ]
     with_env_help([serve.add_argument(flag, **options) for flag, options in rows])
     serve.add_argument("--api-key", action="append", default=None,

@@ -1,8 +1,9 @@
 """A whole local deployment as child processes: Redis (embedded unless ``REDIS_URL`` is set),
 N workers and one gateway. Used by ``pagedserve up`` and ``bench/serve.py``.
 
-Every child is started in its own process group and stopped (SIGTERM, then SIGKILL after a
-grace period) when the stack closes, the embedded Redis last, so nothing is left running. While
+Every child is started in its own process group and stopped (SIGTERM, then SIGKILL once its drain
+timeout and ``STOP_MARGIN_S`` have passed) when the stack closes, the embedded Redis last, so
+nothing is left running; ``exit_codes`` then says how each child ended. While
 the stack runs, ``revive`` restarts a child that died (a restarted worker takes back the entries it
 held: their clients get their answer or an error at once, not at their deadline); a child that
 dies more than ``MAX_RESTARTS`` times ends the stack with a ``StackError``. A process that uses
@@ -28,7 +29,8 @@ from pagedserve.runtime.env import redis_url_from_env
 from pagedserve.shared.keys import served_name
 from pagedserve.worker.source.resolve import model_dir
 
-GRACE_S = 15.0
+DRAIN_TIMEOUT_S = 30.0  # the children's --drain-timeout unless told otherwise
+STOP_MARGIN_S = 10.0  # past its drain timeout, what a child may take to stop its I/O before it is killed
 MAX_RESTARTS = 5
 
 
@@ -39,8 +41,12 @@ class StackError(RuntimeError):
 class LocalStack:
     def __init__(self, model: str | None = None, workers: int = 1, port: int | None = None, host: str = "127.0.0.1",
                  extra_worker_args: tuple[str, ...] = (), extra_gateway_args: tuple[str, ...] = (),
-                 served_model_name: str | None = None, redis_url: str | None = None) -> None:
-        """``redis_url``: a Redis to use (else ``REDIS_URL``, else one started here)."""
+                 served_model_name: str | None = None, redis_url: str | None = None,
+                 drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """``redis_url``: a Redis to use (else ``REDIS_URL``, else one started here); ``drain_timeout_s``:
+        the children's ``--drain-timeout`` (a stop takes at most that and ``STOP_MARGIN_S``)."""
+        self.drain_timeout_s = drain_timeout_s
+        self.exit_codes: dict[str, int] = {}  # after ``stop``: each child's exit code (-9: killed)
         self.model = model
         self.redis_url = redis_url
         self._served_model_name = served_model_name
@@ -92,7 +98,8 @@ class LocalStack:
             self.redis = RedisServer(Path(self._tmp.name)).start()
             redis_url = self.redis.url
         model_args = ["--model", self.model] if self.model else []
-        common = [*model_args, "--redis-url", redis_url, "--served-model-name", self.served_model_name]
+        common = [*model_args, "--redis-url", redis_url, "--served-model-name", self.served_model_name,
+                  "--drain-timeout", str(self.drain_timeout_s)]
         try:
             model_dir(self.model)  # fetch, build or convert it once here, not in every child at the same time
         except (ValueError, RuntimeError, OSError) as err:  # no such model, not fetchable, a corrupt file
@@ -140,13 +147,16 @@ class LocalStack:
         """SIGTERM every child (gateway first, so no new work arrives), then the embedded Redis."""
         for child in reversed(self.children):
             _signal_group(child, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
+        deadline = time.monotonic() + self.drain_timeout_s + STOP_MARGIN_S
         for child in reversed(self.children):
             try:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                print(f"pagedserve: {_name(child)} did not stop within its drain timeout; killing it", file=sys.stderr,
+                      flush=True)
                 _signal_group(child, signal.SIGKILL)
                 child.wait()
+            self.exit_codes[_name(child)] = child.returncode
         self.children.clear()
         if self.redis is not None:
             self.redis.stop()

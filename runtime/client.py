@@ -7,7 +7,8 @@
 Replies come on this client's own pub/sub channel (subscribed before anything is pushed), or, with
 ``durable=True``, on a result stream that survives a disconnect and can be re-read. On the channel
 path a request whose worker dies mid-stream, or whose entry Redis lost, is sent again and goes on
-(``runtime/mailbox.py``); durable requests end with the error instead.
+(``runtime/mailbox.py``); durable requests end with the error instead. Redis unreachable for longer
+than ``outage_grace_s`` (``runtime/outage.py``): the channel path's iterations raise ``RedisGone``.
 Leaving the iteration early cancels the request.
 """
 
@@ -19,6 +20,7 @@ import uuid
 from typing import AsyncIterator
 
 from pagedserve.runtime.mailbox import Mailbox
+from pagedserve.runtime.outage import DEFAULT_GRACE_S, Outage
 from pagedserve.runtime.producer import Producer
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.redis_io import REDIS_DOWN
@@ -29,12 +31,14 @@ from pagedserve.shared.sampling import SamplingParams
 
 
 class QueueClient:
-    def __init__(self, redis_url: str, keys: Keys | None = None, client_id: str | None = None) -> None:
+    def __init__(self, redis_url: str, keys: Keys | None = None, client_id: str | None = None,
+                 outage_grace_s: float = DEFAULT_GRACE_S) -> None:
         self.redis = connect(redis_url)
         self.keys = keys or Keys()
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.producer = Producer(self.redis, self.keys)
-        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(self.client_id), self.producer)
+        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(self.client_id), self.producer,
+                                          outage=Outage(outage_grace_s))
 
     async def __aenter__(self) -> "QueueClient":
         await self.dispatcher.start()

@@ -64,6 +64,7 @@ class Mailbox:
         self._holder = 0  # the highest delivery count heard for the current attempt (WireEvent.delivery)
         self._keep_tokens = request is not None and can_resume(request.params)
         self._tokens: list[int] = []  # output 0's tokens delivered: where a resumed run goes on
+        self._failed: Exception | None = None  # raised by ``events`` once what came before it is read (``fail``)
 
     @property
     def wire_id(self) -> str:
@@ -81,10 +82,26 @@ class Mailbox:
             self._events.append(event)
         self._ready.set()
 
+    def fail(self, error: Exception) -> None:
+        """End the request on this side: ``events`` raises ``error`` after the events already here
+        (Redis gone past the outage grace: nothing more can come)."""
+        if not self.done and self._failed is None:
+            self._failed = error
+            self._ready.set()
+
+    @property
+    def failed(self) -> bool:
+        """Whether ``fail`` ended it."""
+        return self._failed is not None
+
     async def events(self) -> AsyncIterator[WireEvent]:
-        """Events in order, ending with exactly one terminal event (``done``)."""
+        """Events in order, ending with exactly one terminal event (``done``), or raising what
+        ``fail`` was given."""
         while not self.done:
             if not self._events:
+                if self._failed is not None:
+                    self.done = True
+                    raise self._failed
                 self._ready.clear()
                 await self._ready.wait()
                 continue

@@ -1,7 +1,9 @@
 """The Prometheus names and types of the workers' numbers, for the worker's own endpoint and the
 gateway's sum over workers: vLLM's V1 names where vLLM has the metric (so its dashboards and alerts
 work unchanged), ``pagedserve:`` for the ones only pagedserve has. Counters are exported as
-counters (``_total`` added by the exposition), gauges as gauges."""
+counters (``_total`` added by the exposition), gauges as gauges, histograms (``HISTOGRAMS``) from
+their flat cumulative numbers (``{key}_le_{bound}``, ``{key}_count``, ``{key}_sum``: summed over
+workers like counters) as histograms."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Callable, Iterable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,37 @@ WORKER_SERIES = {  # the key a worker stores in Redis -> how it is exported
 }
 
 
+HISTOGRAMS = {  # the key's stem a worker stores in Redis -> (exported name, help)
+    "engine_step_seconds": ("pagedserve:engine_step_seconds",
+                            "seconds each engine step took: how long every running stream waited for its next token"),
+}
+
+
+def is_worker_key(key: str) -> bool:
+    """Whether a worker's number of this key is exported (a series, or a histogram's part)."""
+    return key in WORKER_SERIES or any(key.startswith(stem + "_") for stem in HISTOGRAMS)
+
+
+def combine(key: str, values: Iterable[float]) -> float:
+    """The workers' values of ``key`` as one (a histogram's parts are summed)."""
+    series = WORKER_SERIES.get(key)
+    return series.combine(values) if series is not None else sum(values)
+
+
+def histogram_families(values: dict[str, float], model: str) -> Iterator[Metric]:
+    for stem, (name, help_text) in HISTOGRAMS.items():
+        bounds = sorted((float(key[len(stem) + 4:]), value) for key, value in values.items() if key.startswith(stem + "_le_"))
+        if not bounds or stem + "_count" not in values:
+            continue
+        family = HistogramMetricFamily(name, help_text, labels=["model_name"])
+        family.add_metric([model], [(f"{bound:g}", count) for bound, count in bounds] + [("+Inf", values[stem + "_count"])],
+                          sum_value=values.get(stem + "_sum", 0.0))
+        yield family
+
+
 def families(values: dict[str, float], model: str) -> Iterator[Metric]:
     """One metric family per known value, labelled with the model; unknown keys are skipped."""
+    yield from histogram_families(values, model)
     for key, value in values.items():
         series = WORKER_SERIES.get(key)
         if series is None:

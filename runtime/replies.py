@@ -7,6 +7,11 @@ second the watch looks up the stream entry of each request that has heard nothin
 an entry gone on two looks in a row (Redis restarted empty, or lost the last second of an
 append-only file; the stream or group was deleted) and no terminal event means nobody will answer,
 so the mailbox sends the request again (``Mailbox`` decides how: from the prompt, or resumed).
+
+Redis unreachable (the subscription lost and not back) for longer than the outage grace
+(``runtime/outage.py``): every open mailbox fails with ``RedisGone`` at once, so nobody waits for
+a deadline on a Redis that is not coming back; ``end_all`` does the same when the gateway stops
+while Redis is away.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pagedserve.runtime.mailbox import Mailbox, failure
+from pagedserve.runtime.outage import Outage
 from pagedserve.runtime.producer import Producer, QueueLimit
 from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 from pagedserve.shared.errors import InvalidRequestError
@@ -32,12 +38,15 @@ VANISHED = "the request's queue entry vanished (did Redis restart without persis
 
 class ReplyDispatcher:
     def __init__(self, client: aioredis.Redis, channel: str, producer: Producer,
-                 watch_every_s: float = 1.0, quiet_s: float = 2.0) -> None:
+                 watch_every_s: float = 1.0, quiet_s: float = 2.0, outage: Outage | None = None) -> None:
         self.client = client
         self.channel = channel
         self.producer = producer
         self.watch_every_s = watch_every_s
         self.quiet_s = quiet_s
+        self.outage = outage or Outage()  # how long the subscription has been lost
+        self._draining = False  # the process is stopping: with Redis away, nothing held is waited for
+        self.cut_at_stop = 0  # requests ended so while stopping (the gateway's exit code says so)
         self._boxes: dict[str, Mailbox] = {}
         self._tasks: list[asyncio.Task] = []
         self._subscribed = asyncio.Event()
@@ -104,8 +113,44 @@ class ReplyDispatcher:
         return len(self._boxes)
 
     async def _read(self) -> None:
-        await listen_forever(self.client, self.channel, self._deliver, self._subscribed.set, self._subscribed.clear,
-                             self._stop)
+        await listen_forever(self.client, self.channel, self._deliver, self._on_subscribed, self._on_lost, self._stop)
+
+    def _on_subscribed(self) -> None:
+        self._subscribed.set()
+        self.outage.reached()
+
+    def _on_lost(self) -> None:
+        self._subscribed.clear()
+        self.outage.failed()
+
+    @property
+    def redis_down(self) -> bool:
+        """Whether the subscription is lost now (Redis unreachable, or a connection being made again)."""
+        return self.outage.since is not None
+
+    def drain(self) -> None:
+        """The process is stopping: from now on, while Redis is unreachable, every request held ends
+        at once (``RedisGone``) instead of after the outage grace."""
+        self._draining = True
+        self._end_if_gone()
+
+    def _end_if_gone(self) -> bool:
+        """End every open mailbox if Redis is gone past the grace (or away at all while draining)."""
+        if not (self.outage.past_grace() or (self._draining and self.redis_down)):
+            return False
+        ended = self.end_all(self.outage.gone())
+        self.cut_at_stop += ended if self._draining else 0
+        if ended:
+            log.error("Redis unreachable: requests held here end with an error", requests=ended,
+                      down_s=round(self.outage.down_s, 1), grace_s=self.outage.grace_s, stopping=self._draining)
+        return True
+
+    def end_all(self, error: Exception) -> int:
+        """Fail every open mailbox with ``error`` (``Mailbox.fail``); how many were open."""
+        boxes = [box for box in self._boxes.values() if not box.done and not box.failed]
+        for box in boxes:
+            box.fail(error)
+        return len(boxes)
 
     def _deliver(self, data: bytes) -> None:
         try:
@@ -123,6 +168,8 @@ class ReplyDispatcher:
             with contextlib.suppress(asyncio.TimeoutError):  # stopping returns at once, not after a grace
                 await asyncio.wait_for(self._stop.wait(), self.watch_every_s)
                 return
+            if self._end_if_gone():
+                continue
             try:
                 await self.check_entries()
             except REDIS_DOWN:

@@ -12,6 +12,9 @@ from typing import Awaitable, Callable
 import structlog
 
 log = structlog.get_logger("pagedserve.supervision")
+# How a service's process ended (the worker, the gateway, ``pagedserve serve``): 0 a clean stop, 1 a
+# task that kept failing, 2 could not start, 3 a broken device (the worker: exiting for a restart).
+EXIT_CUT = 4  # stopped on time, but requests held were cut short (the drain timeout, or Redis unreachable)
 
 
 async def supervise(name: str, run: Callable[[], Awaitable[None]], on_give_up: Callable[[str], None], *,

@@ -34,6 +34,7 @@ class Stack:
     model_path: object
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     runners: list = field(default_factory=list)
+    worker_overrides: dict = field(default_factory=dict)  # WorkerSettings fields
 
     def run(self, coro, timeout: float = 120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -46,7 +47,8 @@ class Stack:
 
             # The gateways share this loop with the worker's I/O: under a burst of streams a 0.6 s
             # liveness key (3 x 0.2 s heartbeats) can lapse and the gateway answers 503 "no worker".
-            settings = settings_for(self.redis.url, self.model_path, heartbeat_s=1.0, claim_idle_ms=5000)
+            settings = settings_for(self.redis.url, self.model_path, **{"heartbeat_s": 1.0, "claim_idle_ms": 5000,
+                                                                        **self.worker_overrides})
             self.worker = WorkerService(settings, self.engine)
             self.worker_task = asyncio.create_task(self.worker.run())
             while not await self.worker.redis.exists(self.worker.keys.alive(MODEL_NAME, "test-worker")):

@@ -276,6 +276,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         self.check_ranks()
+        step_started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty and (compiling := self.scheduler.compiling()):
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built
@@ -302,7 +303,10 @@ class Engine:
             drafted = any(s.num_draft for s in plan.seqs)
             self.scheduler.step_cost.observe(len(plan.seqs), plan.num_tokens, self.last_forward.seconds, drafted,
                                              result.draft_rounds, result.draft_seconds)
-        return self.scheduler.update(plan, result)
+        outputs = self.scheduler.update(plan, result)
+        if plan.seqs:  # a stream waits this long for its next token (scheduling, the forward, the outputs)
+            self.scheduler.stats.step_seconds.observe(time.perf_counter() - step_started)
+        return outputs
 
     def _fail_holders(self, plan, message: str) -> None:
         """End with an error every request the failed step touched or whose KV it may have moved

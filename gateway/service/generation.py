@@ -17,13 +17,16 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from pagedserve.gateway.bodies.parse import ApiError, ParsedRequest, prompt_count
+from pagedserve.gateway.http.api_error import note_refusal
 from pagedserve.gateway.service.instance import GatewayService
 from pagedserve.runtime.mailbox import Mailbox
+from pagedserve.runtime.outage import RedisGone
 from pagedserve.runtime.producer import QueueFull
 from pagedserve.shared.protocol import WireEvent
 
 STATE = web.AppKey("state", GatewayService)
 TALLY: web.RequestKey["Tally"] = web.RequestKey("tally", "Tally")  # a generation request's Tally, for the access log
+CANCEL_WAIT_S = 2.0  # the longest a finished handler waits for its cancel to go out
 
 
 async def read_json(request: web.Request):
@@ -60,8 +63,10 @@ async def generation(request: web.Request, parsed: ParsedRequest) -> AsyncIterat
     state.metrics.prompt_tokens.labels(parsed.model).inc(tally.prompt_tokens)
     try:
         deadline = started + (parsed.timeout or state.settings.request_timeout_s) + 5
-        yield Generation(base, prompts, _merged(boxes, deadline), tally)
+        yield Generation(base, prompts, _merged(request, boxes, deadline), tally)
     finally:
+        if tally.longest_gap:  # two token events of one request, or more
+            state.metrics.longest_gap.labels(parsed.model).observe(tally.longest_gap)
         await _close(state, boxes, cancel=True)
 
 
@@ -90,21 +95,29 @@ async def _admitted(state: GatewayService, parsed: ParsedRequest) -> tuple[str, 
 async def _close(state: GatewayService, boxes: list[Mailbox], cancel: bool) -> None:
     """Close the mailboxes first, before any await (a handler cancelled again while the cancel goes
     out, a client gone and then the server stopping, must not leave them open for good); then, with
-    ``cancel``, ask the workers to stop what is not finished."""
-    unfinished = [b.wire_id for b in boxes if not b.done]
+    ``cancel``, ask the workers to stop what is not finished: at most ``CANCEL_WAIT_S`` (a Redis cut
+    off would hold the handler, and a stopping gateway, for a command timeout; its workers abort
+    what they hold past the outage grace anyway)."""
+    unfinished = [b.wire_id for b in boxes if not b.done and not b.failed]
     for box in boxes:
         state.dispatcher.close(box)
-    if cancel:
-        await asyncio.shield(state.cancel(unfinished, "client gone"))
+    if cancel and unfinished:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(state.cancel(unfinished, "client gone")), CANCEL_WAIT_S)
 
 
-async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[int, WireEvent]]:
-    """(prompt index, event) from every mailbox as they arrive, until all are done."""
+async def _merged(request: web.Request, boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[int, WireEvent]]:
+    """(prompt index, event) from every mailbox as they arrive, until all are done; a 504 past the
+    deadline, a 503 once Redis is gone past the outage grace (``RedisGone``)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, box: Mailbox) -> None:
-        async for event in box.events():
-            queue.put_nowait((index, event))
+        try:
+            async for event in box.events():
+                queue.put_nowait((index, event))
+        except RedisGone as gone:
+            queue.put_nowait((index, gone))
+            return
         queue.put_nowait((index, None))
 
     tasks = [asyncio.create_task(pump(i, b)) for i, b in enumerate(boxes)]
@@ -114,7 +127,11 @@ async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[
             try:
                 index, event = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                raise ApiError(504, "the request timed out before a worker finished it", None, "timeout", "timeout") from None
+                raise _refused(request, ApiError(504, "the request timed out before a worker finished it", None, "timeout",
+                                                 "timeout")) from None
+            if isinstance(event, RedisGone):
+                raise _refused(request, ApiError(503, str(event), None, "redis_unavailable", "service_unavailable",
+                                                 {"Retry-After": "5"})) from None
             if event is None:
                 open_count -= 1
             else:
@@ -122,6 +139,11 @@ async def _merged(boxes: list[Mailbox], deadline: float) -> AsyncIterator[tuple[
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _refused(request: web.Request, err: ApiError) -> ApiError:
+    note_refusal(request, err)
+    return err
 
 
 @dataclass
@@ -133,6 +155,7 @@ class Tally:
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the workers' prefix caches served (their terminal events say)
     last: dict = field(default_factory=dict)  # wire id -> when its last tokens came
+    longest_gap: float = 0.0  # the longest wait between two token events of one wire request
 
 
 def account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tally: Tally, now: float) -> None:
@@ -146,6 +169,7 @@ def account(state: GatewayService, parsed: ParsedRequest, event: WireEvent, tall
         state.metrics.generation_tokens.labels(model).inc(tokens)
         if event.id in last:
             state.metrics.next_token(model, now - last[event.id])
+            tally.longest_gap = max(tally.longest_gap, now - last[event.id])
         elif not last:
             state.metrics.first_token(model, now - tally.started)
         last[event.id] = now

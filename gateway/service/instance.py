@@ -27,6 +27,7 @@ from pagedserve.gateway.routing.worker_directory import WorkerDirectory, Workers
 from pagedserve.gateway.service.metrics import GatewayMetrics
 from pagedserve.gateway.service.openapi import openapi_spec
 from pagedserve.gateway.service.settings import GatewaySettings
+from pagedserve.runtime.outage import Outage
 from pagedserve.runtime.producer import Producer, QueueLimit
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.redis_io import stop_tasks
@@ -61,7 +62,8 @@ class GatewayService:
                              retry_on_error=[RedisConnectionError])
         self.producer = Producer(self.redis, self.keys)
         self.admitting = 0  # entries between their admission check and their add to a stream (``admission``)
-        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id), self.producer)
+        self.dispatcher = ReplyDispatcher(self.redis, self.keys.replies(settings.gateway_id), self.producer,
+                                          outage=Outage(settings.outage_grace_s))
         self._tokenizing = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self.metrics = GatewayMetrics(self.redis, self.keys, settings.served_model_name)
         self.metrics.open_requests.set_function(lambda: self.dispatcher.open_count)

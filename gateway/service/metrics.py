@@ -8,7 +8,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedserve.gateway.dashboard.recent_latencies import RecentLatencies
-from pagedserve.runtime.metric_names import WORKER_SERIES, SnapshotCollector
+from pagedserve.runtime.metric_names import SnapshotCollector, combine, is_worker_key
 from pagedserve.shared.keys import Keys
 
 V = "vllm:"
@@ -25,6 +25,9 @@ class GatewayMetrics:
         self.queue_time = Histogram(V + "request_queue_time_seconds", "time from queued to first scheduled", labels,
                                     registry=self.registry, buckets=LATENCY_BUCKETS)
         self.e2e = Histogram(V + "e2e_request_latency_seconds", "request latency", labels, registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.longest_gap = Histogram("pagedserve:request_longest_gap_seconds", "the longest wait between two token "
+                                     "events a request saw (a long prompt's prefill pauses every stream beside it)",
+                                     labels, registry=self.registry, buckets=LATENCY_BUCKETS)
         self.prompt_tokens = Counter(V + "prompt_tokens", "prompt tokens", labels, registry=self.registry)
         self.generation_tokens = Counter(V + "generation_tokens", "generated tokens", labels, registry=self.registry)
         self.requests = Counter(V + "request_success", "finished requests by reason", labels + ["finished_reason"], registry=self.registry)
@@ -45,10 +48,10 @@ class GatewayMetrics:
         self.recent.add("itl", seconds)
 
     async def render(self) -> bytes:
-        values: dict[str, list[float]] = {name: [] for name in WORKER_SERIES}
+        values: dict[str, list[float]] = {}
         async for key in self.redis.scan_iter(match=self.keys.metrics(self.model, "*"), count=100):
             for name, raw in (await self.redis.hgetall(key)).items():
-                if name.decode() in values:
-                    values[name.decode()].append(float(raw))
-        self.workers.values = {name: WORKER_SERIES[name].combine(v) for name, v in values.items() if v}
+                if is_worker_key(name.decode()):
+                    values.setdefault(name.decode(), []).append(float(raw))
+        self.workers.values = {name: combine(name, v) for name, v in values.items()}
         return generate_latest(self.registry)

@@ -39,6 +39,8 @@ class GatewaySettings:
     routing_load_weight: float = 1.0
     routing_busy_waiting: int = 8
     routing_imbalance: int = 16
+    outage_grace_s: float = 30.0  # Redis unreachable longer than this: held requests end with a 503 (runtime/outage.py)
+    drain_timeout_s: float = 30.0  # SIGTERM: the longest the requests held are waited for before they are cut
 
 
 def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -85,6 +87,11 @@ def gateway_parser(environ: Mapping[str, str] | None = None) -> argparse.Argumen
                    help="a worker with this many requests waiting gets no routed requests (they go to the shared stream)")
     p.add_argument("--routing-imbalance", type=positive(int), default=e("routing_imbalance", 16, int),
                    help="nor does one holding this many more requests than the least loaded worker")
+    p.add_argument("--outage-grace", type=positive(float), default=e("outage_grace", 30.0, float),
+                   help="seconds Redis may be unreachable (a restart, a failover) before the requests held end "
+                        "with a 503 error instead of waiting for it")
+    p.add_argument("--drain-timeout", type=positive(float), default=e("drain_timeout", 30.0, float),
+                   help="seconds SIGTERM waits for the requests held to finish (at once while Redis is unreachable)")
     with_env_help([a for a in p._actions[1:] if a.dest not in ("api_key", "cors_origin")])  # those say their own
     return p
 
@@ -108,4 +115,5 @@ def gateway_settings(argv: list[str] | None = None, environ: Mapping[str, str] |
         tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         responses_ttl_s=args.responses_ttl, routing=args.routing, routing_load_weight=args.routing_load_weight,
         routing_busy_waiting=args.routing_busy_waiting, routing_imbalance=args.routing_imbalance,
+        outage_grace_s=args.outage_grace, drain_timeout_s=args.drain_timeout,
     )

@@ -108,3 +108,32 @@ def test_until_the_fit_prices_a_step_a_prompt_beside_streams_moves_in_small_chun
     sched.add("long", [7] * 1000, SamplingParams(max_tokens=1, ignore_eos=True))
     plan = sched.schedule()
     assert [s.num_tokens for s in plan.seqs] == [1, step_time.UNPRICED_PREFILL]
+
+
+def test_long_prompts_beside_streams_share_the_prefill_time_and_a_higher_priority_goes_first():
+    """Two long prompts of one priority move together, each step's prefill time split between them
+    (not the first taking it all, the second 16 tokens); a prompt of a higher priority still takes
+    what it can use first."""
+    cfg = SchedulerConfig(num_gpu_blocks=2400, block_size=16, max_num_batched_tokens=2048, max_model_len=8192,
+                          max_step_ms=50)
+    sched, sim = Scheduler(cfg), KVSimulator(16, 2400, 0)
+    sched.step_time = fitted(*COST)
+    for i in range(8):
+        sched.add(f"s{i}", [1 + (i * 7 + k) % 90 for k in range(32)], SamplingParams(max_tokens=1000, ignore_eos=True))
+    for name, priority in (("a", 0), ("b", 0)):
+        sched.add(name, [1 + k % 89 for k in range(7000)], SamplingParams(max_tokens=1, ignore_eos=True), priority=priority)
+
+    def chunks(steps: int) -> list[dict[str, int]]:
+        seen = []
+        for _ in range(steps):
+            plan = sched.schedule()
+            seen.append({s.request_id: s.num_tokens for s in plan.seqs if s.num_tokens > 1})
+            sched.update(plan, sim.execute(plan))
+        return seen
+
+    shared = chunks(6)[2:]  # both running (the first steps admit them)
+    assert all({"a", "b"} <= set(step) for step in shared), shared
+    assert all(min(step["a"], step["b"]) > 0.6 * max(step["a"], step["b"]) for step in shared), shared
+    sched.add("urgent", [2 + k % 80 for k in range(7000)], SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
+    first = chunks(4)[2:]
+    assert all(step["urgent"] > 4 * max(step.get("a", 0), step.get("b", 0)) for step in first), first

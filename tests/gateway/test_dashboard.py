@@ -10,7 +10,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from pagedserve.gateway.service.metrics import GatewayMetrics
-from pagedserve.runtime.metric_names import WORKER_SERIES
+from pagedserve.runtime.metric_names import HISTOGRAMS, WORKER_SERIES
 from pagedserve.shared.keys import Keys
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pagedserve.json"
@@ -21,6 +21,7 @@ def exported_types() -> dict[str, str]:
     gateway = GatewayMetrics(aioredis.Redis(), Keys(), "m")  # no connection is made before a scrape
     kinds = {family.name: family.type for family in gateway.registry.collect()}
     kinds.update({series.name: "counter" if series.counter else "gauge" for series in WORKER_SERIES.values()})
+    kinds.update({name: "histogram" for name, _ in HISTOGRAMS.values()})
     return kinds
 
 

@@ -261,15 +261,20 @@ def test_models_ready_metrics_openapi(stack, client):
     assert delta("e2e_request_latency_seconds_count") == 3
     assert delta("request_queue_time_seconds_count") == 3  # reported once per request, by the worker
     assert delta("request_success_total", f"finished_reason=length,{label}") == 3
+    gaps = f"pagedserve:request_longest_gap_seconds_count{{{label}}}"
+    assert after.get(gaps, 0.0) - before.get(gaps, 0.0) == 3  # each request's longest gap, once
     assert MODEL_NAME in [m.id for m in client.models.list().data]
     assert httpx.get(stack.url + "/ready").json()["status"] == "ready"
     # Worker gauges come with its heartbeats: the prefix-cache queries of these prompts show up.
     poll(lambda: scrape(stack.url).get(f"vllm:prefix_cache_queries_total{{{label}}}", 0)
          >= before.get(f"vllm:prefix_cache_queries_total{{{label}}}", 0) + 9, 10, "the worker's gauges")
+    steps = f"pagedserve:engine_step_seconds_count{{{label}}}"  # the worker's step-time histogram, summed
+    poll(lambda: scrape(stack.url).get(steps, 0) >= before.get(steps, 0) + 9, 10, "the steps: 3 a request at least")
     kinds = metric_types(stack.url)
     for name, kind in VLLM_METRICS.items():
         assert kinds.get(name) == kind, (name, kinds.get(name))
     assert {"pagedserve:kv_cow_copies", "pagedserve:queue_depth", "pagedserve:dead_letters"} <= set(kinds)
+    assert kinds["pagedserve:engine_step_seconds"] == kinds["pagedserve:request_longest_gap_seconds"] == "histogram"
     spec = httpx.get(stack.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"]
 

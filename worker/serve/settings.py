@@ -35,6 +35,7 @@ class WorkerSettings:
     kv_events_interval_s: float = 0.05  # KV events (prefix-cache changes) go out at most this often
     kv_resync_s: float = 30.0  # and all the cache holds, this often (a reader that missed entries catches up)
     dashboard_interval_s: float = 0.25  # a KV dashboard snapshot this often at most, while a dashboard is open
+    outage_grace_s: float = 30.0  # Redis unreachable longer than this: the requests held are let go (runtime/outage.py)
 
     @property
     def liveness_s(self) -> float:
@@ -63,7 +64,12 @@ def worker_parser(environ: Mapping[str, str] | None = None) -> argparse.Argument
                    help="seconds; a worker silent for three heartbeats is taken for dead and its requests taken over")
     p.add_argument("--max-deliveries", type=positive(int), default=e("max_deliveries", 3, int),
                    help="deliveries of one entry before it goes to the dead-letter stream (a request that kills workers)")
-    p.add_argument("--drain-timeout", type=positive(float), default=e("drain_timeout", 30.0, float), help="seconds")
+    p.add_argument("--drain-timeout", type=positive(float), default=e("drain_timeout", 30.0, float),
+                   help="seconds SIGTERM waits for the requests held to finish and their events to go out (what is left "
+                        "is aborted; with Redis unreachable, nothing is waited for)")
+    p.add_argument("--outage-grace", type=positive(float), default=e("outage_grace", 30.0, float),
+                   help="seconds Redis may be unreachable (a restart, a failover) before the requests held are aborted "
+                        "(their blocks freed, nothing sent for them when Redis is back)")
     p.add_argument("--key-prefix", default=e("key_prefix", "pagedserve"),
                    help="the first part of every Redis key (deployments sharing one Redis)")
     p.add_argument("--metrics-port", type=int, default=e("metrics_port", 0, int), help="Prometheus port (0: off)")
@@ -84,7 +90,7 @@ def worker_settings(argv: list[str] | None = None, environ: Mapping[str, str] | 
         model=args.model, redis_url=args.redis_url, served_model_name=served_name(args.model, args.served_model_name),
         consumer=args.consumer, max_inflight=args.max_inflight or args.max_num_seqs,
         claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat, max_deliveries=args.max_deliveries,
-        drain_timeout_s=args.drain_timeout, key_prefix=args.key_prefix, metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout, outage_grace_s=args.outage_grace, key_prefix=args.key_prefix, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, read_ahead=args.read_ahead, log_stats_interval_s=args.log_stats_interval,
         engine=engine_kwargs(args),
     )

@@ -1,6 +1,7 @@
 """The worker's periodic stats line (``--log-stats-interval``): throughput since the last line,
 the batch, KV usage and prefix-cache hit rate, so an operator reading logs sees load without a
-Prometheus server. Quiet while nothing happens."""
+Prometheus server, and the steps' p99 (how long a stream may wait for a token: a long prompt's
+prefill shows here). Quiet while nothing happens."""
 
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ class StatsLine:
             "kv_usage_pct": round(100 * metrics.get("kv_cache_usage_perc", 0.0), 1),
             "prefix_hit_pct": round(100 * hits / queried, 1) if queried else 0.0,
             "preemptions": int(metrics.get("num_preemptions_total", 0) - before.get("num_preemptions_total", 0)),
+            "step_ms_p99": step_p99_ms(metrics, before),
         }
         idle = not (fields["prompt_tok_s"] or fields["generation_tok_s"] or fields["running"] or fields["waiting"])
         return None if idle else fields
+
+
+def step_p99_ms(metrics: dict[str, float], before: dict[str, float], stem: str = "engine_step_seconds") -> float | None:
+    """The bound of the step-time bucket the 99th percentile of the steps since the last line fell
+    in, in ms (None: no step; above every bound: the largest bound)."""
+    steps = metrics.get(stem + "_count", 0.0) - before.get(stem + "_count", 0.0)
+    if steps <= 0:
+        return None
+    bounds = sorted((float(key[len(stem) + 4:]), key) for key in metrics if key.startswith(stem + "_le_"))
+    for bound, key in bounds:
+        if metrics[key] - before.get(key, 0.0) >= 0.99 * steps:
+            return round(bound * 1000, 1)
+    return round(bounds[-1][0] * 1000, 1) if bounds else None

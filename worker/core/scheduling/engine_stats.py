@@ -16,7 +16,7 @@ def engine_stats(sched: Scheduler) -> dict[str, float]:
         "prefix_cache_queries_total": sched.stats.prefix_query_tokens,
         "prefix_cache_hits_total": sched.stats.prefix_hit_tokens, "cow_copies_total": sched.stats.cow_copies,
         "kv_blocks_saved_by_sharing": usage.logical - usage.used,
-        **tier_stats(sched), **spec_stats(sched),
+        **tier_stats(sched), **spec_stats(sched), **sched.stats.step_seconds.snapshot(),
     }
 
 

@@ -141,6 +141,7 @@ class StepBuilder:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: int = 0
     prefill: object = None  # under max_step_ms, the step's time for prefill chunks (step_time.PrefillBudget)
+    prefill_turns: dict = field(default_factory=dict)  # ... and per priority, the running prompts still to ask for theirs
 
     def build(self, block_size: int, ended: tuple[tuple[str, ...], tuple[int, ...]] = ((), ()),
               tier: TierMoves = NO_TIER_MOVES) -> StepPlan:

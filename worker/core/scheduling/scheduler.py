@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence as Seq
 
 from pagedserve.shared.errors import InvalidRequestError
@@ -39,7 +39,7 @@ from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepBuilder, St
 from pagedserve.worker.core.scheduling.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.scheduling.request_table import RequestTable
 from pagedserve.worker.core.scheduling.step_apply import StepApplier
-from pagedserve.worker.core.scheduling.step_time import PrefillBudget, StepTime
+from pagedserve.worker.core.scheduling.step_time import MIN_PREFILL, PrefillBudget, StepSeconds, StepTime
 from pagedserve.worker.core.scheduling.structured_state import grammar_error, start_state
 from pagedserve.worker.core.speculative.draft_cost import StepCost
 
@@ -52,6 +52,7 @@ class SchedulerStats:
     cow_copies: int = 0  # copy-on-write block copies (a shared block written by one of its sequences)
     rope_recomputes: int = 0  # long-rope sequences recomputed as they grew past the switch length
     tier_hit_tokens: int = 0  # prefix-hit tokens copied up from the host or disk tier (kv_tiers.py)
+    step_seconds: StepSeconds = field(default_factory=StepSeconds)  # every step's time (Engine.step feeds it)
 
 
 class Scheduler:
@@ -160,7 +161,8 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> StepPlan:
         self._expire_deadlines()
-        step = StepBuilder(budget=self.config.max_num_batched_tokens, prefill=self._prefill_budget())
+        step = StepBuilder(budget=self.config.max_num_batched_tokens, prefill=self._prefill_budget(),
+                           prefill_turns=self._prefill_turns())
         self.waits_on_disk = False
         self._schedule_running(step)
         if not step.preempted:
@@ -179,11 +181,26 @@ class Scheduler:
         """(seq_id, tokens) for each live seq, taking from the step's budget in order (a prefill
         chunk also within its time, ``_timed``)."""
         sizes, budget = [], step.budget
+        turns = step.prefill_turns.get(req.priority, 0) if any(s.num_uncomputed > 1 for s in req.live_seqs) else 0
+        if turns:  # a running prompt asks once a step
+            step.prefill_turns[req.priority] = turns - 1
         for seq in req.live_seqs:
-            count = self._timed(step, seq.num_computed, min(seq.num_uncomputed, budget))
+            count = self._timed(step, seq.num_computed, min(seq.num_uncomputed, budget), turns)
             budget -= count
             sizes.append((seq.seq_id, count))
         return sizes
+
+    def _prefill_turns(self) -> dict[int, int]:
+        """Under ``max_step_ms``: per priority, the running requests whose prompt is not in yet.
+        They share the step's prefill budget (tokens and time) instead of the first taking all of
+        it: each asks for an equal part of what is left when it asks (``_timed``), so one that
+        needs less leaves the rest to those after it; a higher priority still asks first."""
+        turns: dict[int, int] = {}
+        if self.step_time is not None:
+            for req in self.running:
+                if any(s.num_uncomputed > 1 for s in req.live_seqs):
+                    turns[req.priority] = turns.get(req.priority, 0) + 1
+        return turns
 
     def _prefill_budget(self) -> PrefillBudget | None:
         """Under ``max_step_ms``, the step's time for prefill chunks beside its decoding rows."""
@@ -193,9 +210,15 @@ class Scheduler:
         return PrefillBudget.beside(self.step_time, self.config.max_step_ms, starts)
 
     @staticmethod
-    def _timed(step: StepBuilder, start: int, count: int) -> int:
-        """A prefill chunk cut to the step's time (``PrefillBudget.cut``), as is without a target."""
-        return count if step.prefill is None else step.prefill.cut(start, count)
+    def _timed(step: StepBuilder, start: int, count: int, turns: int = 0) -> int:
+        """A prefill chunk cut to the step's time (``PrefillBudget.cut``), as is without a target;
+        with ``turns`` prompts of its priority still to ask (itself included), to its equal part
+        of the tokens left, and of the time."""
+        if step.prefill is None:
+            return count
+        if turns > 1 and count > 1:
+            count = min(count, max(MIN_PREFILL, -(-step.budget // turns)))  # its part of the tokens left
+        return step.prefill.cut(start, count, max(turns, 1))
 
     def _schedule_running(self, step: StepBuilder) -> None:
         self.running.sort(key=lambda r: r.sort_key)

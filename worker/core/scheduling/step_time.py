@@ -14,15 +14,19 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from pagedserve.worker.core.scheduling.decayed_fit import DecayedFit
+from pagedserve.worker.core.decayed_fit import DecayedFit
 
 DECAY = 0.98
 MIN_STEPS = 8  # steps seen before the fit is used
 FEATURES = 3  # 1, tokens, pairs
 MIN_PREFILL = 16  # tokens a prefill chunk carries at least under max_step_ms
 UNPRICED_PREFILL = 128  # ... and at most beside decoding rows while the step time is not priced (the fit learns from them)
+
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds (StepSeconds)
 
 
 def pairs(start: int, tokens: int) -> float:
@@ -72,6 +76,27 @@ class StepTime:
 
 
 @dataclass
+class StepSeconds:
+    """Every step's seconds, counted into ``STEP_BUCKETS``: how long streams waited for a token, for
+    ``/metrics`` (``pagedserve:engine_step_seconds``, a histogram) and the stats line (its p99)."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))  # per bucket; the last: above them all
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(STEP_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def snapshot(self, name: str = "engine_step_seconds") -> dict[str, float]:
+        """Prometheus's cumulative form, as flat numbers: ``{name}_le_{bound}`` (steps that took at
+        most ``bound`` seconds), ``{name}_count`` and ``{name}_sum``."""
+        cumulative, below = {}, 0
+        for bound, count in zip(STEP_BUCKETS, self.counts):
+            below += count
+            cumulative[f"{name}_le_{bound:g}"] = float(below)
+        return {**cumulative, f"{name}_count": float(sum(self.counts)), f"{name}_sum": self.total}
+
+
+@dataclass
 class PrefillBudget:
     """One step's time for prefill chunks under ``max_step_ms``: what the target leaves beside the
     step's decoding rows (None: no limit, nobody decodes: a lone prompt goes as fast as the token
@@ -87,15 +112,16 @@ class PrefillBudget:
         decoding = fit.seconds(len(decoding_starts), sum(pairs(start, 1) for start in decoding_starts))
         return cls(fit, max_step_ms / 1000 - (decoding or 0.0))
 
-    def cut(self, start: int, count: int) -> int:
-        """A prefill chunk of ``count`` tokens from ``start``, cut to the time left (at least
-        ``MIN_PREFILL`` tokens: a prompt always moves; ``UNPRICED_PREFILL`` at most until the fit
-        prices a step), its time taken from what is left."""
+    def cut(self, start: int, count: int, turns: int = 1) -> int:
+        """A prefill chunk of ``count`` tokens from ``start``, cut to its part of the time left
+        (``1 / turns``: the prompts still to ask share it; at least ``MIN_PREFILL`` tokens: a prompt
+        always moves; ``UNPRICED_PREFILL`` at most until the fit prices a step), its time taken
+        from what is left."""
         if count <= 1 or self.seconds_left is None:
             return count
         if self.fit.coefficients() is None:
             return min(count, UNPRICED_PREFILL)
-        tokens = max(min(count, MIN_PREFILL), self.fit.chunk(self.seconds_left, start, count))
+        tokens = max(min(count, MIN_PREFILL), self.fit.chunk(self.seconds_left / turns, start, count))
         self.seconds_left -= self.fit.chunk_seconds(start, tokens)
         return tokens
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.worker.core.scheduling.decayed_fit import DecayedFit
+from pagedserve.worker.core.decayed_fit import DecayedFit
 
 COST_DECAY = 0.98  # a fit: each older step weighs this much as the next
 MIN_COST_STEPS = 8  # steps seen before a fit is used
