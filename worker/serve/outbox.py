@@ -65,6 +65,8 @@ class Outbox:
                         self.abort(request_id)
 
     async def _send(self, batch: list[Outgoing]) -> list:
+        if not self._kept(batch):  # nothing this worker still answers for: no need to reach Redis at all
+            return []
         if time.monotonic() - self._beaten_at > self.ttl_s:
             sent = time.monotonic()
             entries = {*self.inflight.beating(), *(i.entry_id for i in batch if i.entry_id)}
@@ -74,7 +76,11 @@ class Outbox:
                 log.warning("requests taken over while this worker could not beat: their events are dropped",
                             entries=sorted(entries - held))
             self.let_go(entries - held)
-        failed = await self.bridge.publish([i for i in batch if i.entry_id not in self._lost])
+        failed = await self.bridge.publish(self._kept(batch))
         if self._queue.empty():  # nothing queued refers to an entry let go of any more
             self._lost.clear()
         return failed
+
+    def _kept(self, batch: list[Outgoing]) -> list[Outgoing]:
+        """What of ``batch`` is still to be sent: not for an entry let go of."""
+        return [i for i in batch if i.entry_id not in self._lost]
