@@ -21,9 +21,10 @@ fi
 rm -rf "$tree/pagedserve" "$tree/tests" "$tree/mutants"  # mutants/: mutmut would keep the results of unchanged sources, however the tests changed
 mkdir -p "$tree"
 cp -r "$root/pagedserve" "$root/tests" "$tree/"
-for folder in shared runtime paged_kernels gateway worker bench; do
+for folder in shared runtime gateway worker bench; do
     cp -r "$root/$folder" "$tree/pagedserve/$folder"
 done
+cp -r "$root/paged_kernels" "$tree/pagedserve/kernels"  # installed as pagedserve.kernels (pyproject's package-dir)
 cp "$root/pyproject.toml" "$tree/"
 cd "$tree"
 # mutmut forks each mutant's run from a process that has run torch: with a thread pool already

@@ -205,3 +205,20 @@ def test_the_kv_budget_counts_every_lane():
     assert budget.fit_context(400_000, asked=False) == 336640
     one_table = KvBudget(blocks=3640, block_size=16, bytes_per_token=36864)  # the same bytes, one lane of 18 layers
     assert one_table.tokens == 3640 * 16 and one_table.full_sequences(8192) == 7
+
+
+def test_a_lanes_hash_and_key_keep_it_apart_from_the_prefixs_own():
+    from pagedserve.worker.core.kv_cache.lane_hits import LANE_BIT, first_seen, is_lane_hash, lane_hash, lane_key
+
+    base = 0x5A5A_1234_9876_0F0F  # a prefix hash: 63 bits
+    assert lane_hash(base, 0) == base and not is_lane_hash(base) and not is_lane_hash(LANE_BIT - 1)
+    ones = LANE_BIT - 1  # every low bit set: the mix is an exclusive or, not an and
+    assert lane_hash(ones, 1) == LANE_BIT | (ones ^ (0x9E3779B97F4A7C15 & ones))
+    assert lane_hash(0, 1) & 1 == 1  # the mix's lowest bit survives the mask
+    assert is_lane_hash(LANE_BIT) and is_lane_hash(lane_hash(base, 2)) and lane_hash(base, 1) != lane_hash(base, 2)
+    key = ("parent", (1, 2, 3), "salt")
+    assert lane_key(key, 0) is key
+    assert lane_key(key, 1) == ("parent", (1, 2, 3), ("lane", 1, "salt")) != lane_key(key, 2)
+    # a query at position 8 blocks * 4 reads from 32 - window + 1: the first block holding it
+    assert first_seen(8, 0, 4) == 0 and first_seen(8, 8, 4) == 6 and first_seen(8, 9, 4) == 6 and first_seen(8, 6, 4) == 6
+    assert first_seen(8, 5, 4) == 7 and first_seen(1, 4, 4) == 0 and first_seen(2, 40, 4) == 0 == first_seen(2, 40, 1)

@@ -131,3 +131,35 @@ def test_a_hybrid_models_lanes_come_back_from_the_tiers_exactly(tmp_path, mode, 
     assert tiers.stats.host_hits > 0 if host_slots else tiers.stats.disk_hits > 0
     lane_copies = [h for h in (tiers.host.entries() if host_slots else []) if is_lane_hash(h.block_hash)]
     assert lane_copies or not host_slots, "no sliding lane's block was kept below"
+
+
+def test_each_demotion_spill_and_drop_is_counted_and_carried_as_its_move(tmp_path):
+    """The tiers step by step, without a scheduler: what a demotion becomes with no tier, a host
+    tier, a full host tier over a disk tier and a disk tier alone; each step's moves, their sources
+    named; the counters exact; an evicted block no tier keeps reported dropped unless on the device."""
+    from pagedserve.worker.core.kv_cache.kv_events import KvEvents
+    from pagedserve.worker.core.kv_cache.tiers import TierMoves
+
+    key = lambda h: (None, (h,), None)  # noqa: E731
+    assert not TierMoves() and all(TierMoves(**{name: ((1, 2),)}) for name in ("demotions", "promotions"))
+    assert TierMoves(spills=(("gpu", 1, 2, ()),)) and TierMoves(loads=((b"", 1),))
+    nothing = KvTiers(None, None)
+    assert not nothing.demote(3, 11, key(11)) and not nothing.demote(4, 12, key(12))
+    assert nothing.stats.dropped == 2 and not nothing.take_moves()
+    host = KvTiers(HostTier(2), None)
+    host.events = KvEvents()
+    assert host.demote(3, 11, key(11)) and host.demote(4, 12, key(12)) and host.stats.demotions == 2
+    assert [block for block, _ in host.take_moves().demotions] == [3, 4]
+    host.on_device = lambda block_hash: block_hash == 12
+    assert host.demote(5, 13, key(13)) and host.demote(6, 14, key(14))  # 11 and 12 evicted: 12 is on the device
+    assert host.events.take().dropped == [11] and host.stats.demotions == 4 and host.stats.dropped == 0
+    below = KvTiers(HostTier(1), DiskTier(tmp_path, "sim", 1 << 20, BLOCK * 8))
+    assert below.demote(3, 21, key(21)) and not below.take_moves().spills
+    assert below.demote(4, 22, key(22))  # the next step: the host's one slot goes to 22, 21 to disk
+    assert below.demote(5, 23, key(23))  # the slot is this step's now: 23 goes to disk from the device
+    disk = KvTiers(None, DiskTier(tmp_path / "alone", "sim", 1 << 20, BLOCK * 8))
+    assert disk.demote(7, 31, key(31)) and disk.demote(8, 32, key(32))
+    moves = below.take_moves()
+    assert moves.spills == (("host", 0, 21, key(21)), ("gpu", 5, 23, key(23))) and below.stats.spills == 2
+    assert moves.demotions == ((4, 0),) and below.stats.demotions == 2
+    assert disk.take_moves().spills == (("gpu", 7, 31, key(31)), ("gpu", 8, 32, key(32))) and disk.stats.spills == 2
