@@ -34,10 +34,8 @@ Redis does: while it is unreachable nothing held is waited for (its entries stay
 another worker to take over), and events it cannot take by then are given up. Exit 4 when
 requests were cut short that way, 1 after a task kept failing.
 
-Redis unreachable for longer than the outage grace (``runtime/outage.py``): the requests held are
-aborted (their blocks back to the pool) and nothing queued for them is sent; their gateways have
-ended them with an error by then. When Redis is back their entries are acknowledged (nobody waits
-on them any more) and the worker reads new work as before.
+Redis unreachable for longer than the outage grace: the requests held are let go of
+(``worker/serve/outage_watch.py``), and the worker reads new work once Redis is back.
 
 Engine numbers for metrics come from the engine thread's snapshot.
 """
@@ -52,7 +50,6 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 from redis.exceptions import ResponseError
 
-from pagedserve.runtime.outage import Outage
 from pagedserve.runtime.redis_client import connect
 from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever, stop_tasks
 from pagedserve.runtime.supervision import EXIT_CUT, supervise
@@ -71,6 +68,7 @@ from pagedserve.worker.serve.intake import Rejected, admit, salvage_reply
 from pagedserve.worker.serve.kv_publisher import KvPublisher
 from pagedserve.worker.serve.loop import EngineLoop
 from pagedserve.worker.serve.metrics import WorkerMetrics
+from pagedserve.worker.serve.outage_watch import OutageWatch
 from pagedserve.worker.serve.outbox import Outbox
 from pagedserve.worker.serve.self_report import SelfReport
 from pagedserve.worker.serve.settings import WorkerSettings
@@ -101,10 +99,9 @@ class WorkerService:
         self.report = SelfReport(settings.consumer, self.model, engine.limits(), self.inflight, self.engine_loop, self.stopping,
                                  lambda: self.adapters.held)
         self._io_stop = asyncio.Event()  # the side tasks' Redis reads return once it is set
-        self.outage = Outage(settings.outage_grace_s)
-        self._abandoned: set[str] = set()  # entries let go of in an outage: acknowledged once Redis is back
+        self.outage = OutageWatch(settings.outage_grace_s, self.inflight, self.outbox, self.bridge, self.stopping,
+                                  settings.liveness_s)
         self._stop_by: float | None = None  # SIGTERM: when the drain's time is up (monotonic)
-        self._side_jobs: set[asyncio.Task] = set()
         self.cut = False  # requests were cut short: aborted at the drain timeout, or their events never went out
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -118,13 +115,13 @@ class WorkerService:
     def request_stop(self) -> None:
         """SIGTERM: stop reading, finish what is held, abort what is left after the drain timeout."""
         if not self.stopping.is_set():
-            log.info("draining", in_flight=len(self.inflight), redis_reachable=self.outage.since is None)
+            log.info("draining", in_flight=len(self.inflight), redis_reachable=not self.outage.down)
             self.stopping.set()
             self.inflight.room.set()
             self._stop_by = time.monotonic() + self.settings.drain_timeout_s
             asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self._abort_leftovers)
-            if self.outage.since is not None:  # nothing generated now could go out: wait for nothing
-                self._let_go_held("stopping while Redis is unreachable")
+            if self.outage.down:  # nothing generated now could go out: wait for nothing
+                self.outage.let_go_held("stopping while Redis is unreachable")
             self._finish_if_drained()
 
     async def run(self) -> int:
@@ -173,7 +170,7 @@ class WorkerService:
             await self._close_engine()
             self._engine_thread.shutdown()
             self._text_thread.shutdown()
-        if self.exit_code == 0 and self.cut:
+        if self.exit_code == 0 and (self.cut or self.outage.cut):
             self.exit_code = EXIT_CUT
         log.info("worker stopped", exit_code=self.exit_code)
         return self.exit_code
@@ -224,58 +221,16 @@ class WorkerService:
                 result = await call()
             except REDIS_DOWN as err:
                 log.warning("redis unavailable", during=what, error=str(err), retry_in_s=delay)
-                self._redis_away()
+                self.outage.failed()
             except ResponseError as err:
                 if "NOGROUP" not in str(err):
                     raise
                 await self.bridge.ensure_group()  # Redis came back empty
             else:
-                self._redis_back()
+                self.outage.reached(self._retrying)
                 return result
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
-
-    # ------------------------------------------------------------------ Redis away
-    def _redis_away(self) -> None:
-        """A call found Redis unreachable: past the outage grace, or while stopping, let go of what is held."""
-        self.outage.failed()
-        if self.outage.past_grace():
-            self._let_go_held(f"Redis unreachable for {self.outage.down_s:.0f} s (--outage-grace {self.outage.grace_s:g})")
-        elif self.stopping.is_set():
-            self._let_go_held("stopping while Redis is unreachable")
-
-    def _let_go_held(self, why: str) -> None:
-        """Abort every request held and send nothing more for them (``Outbox.let_go``). Past the
-        grace their entries are acknowledged once Redis is back; while stopping they stay pending,
-        for another worker to take over."""
-        entries = set(self.inflight.beating())
-        if not entries:
-            return
-        log.error("letting go of the requests held: their events cannot be delivered", why=why, requests=len(entries))
-        self.outbox.let_go(entries)
-        if self.stopping.is_set():
-            self.cut = True
-        else:
-            self._abandoned |= entries
-
-    def _redis_back(self) -> None:
-        if self.outage.since is None:
-            return
-        log.info("redis reachable again", down_s=round(self.outage.down_s, 1))
-        self.outage.reached()
-        if self._abandoned:
-            entries, self._abandoned = sorted(self._abandoned), set()
-            job = asyncio.create_task(self._retrying("acknowledge the entries let go of", lambda: self._drop(entries)))
-            self._side_jobs.add(job)
-            job.add_done_callback(self._side_jobs.discard)
-
-    async def _drop(self, entries: list[str]) -> None:
-        """Acknowledge the entries let go of in an outage that this worker still holds (their
-        clients were answered with an error; another worker may have taken some over meanwhile:
-        those are its own now)."""
-        held = await self.bridge.confirm_held(entries, self.settings.liveness_s)
-        await self.bridge.ack(sorted(held))
-        log.info("entries let go of in the outage acknowledged", held=len(held), taken_over=len(entries) - len(held))
 
     # ------------------------------------------------------------------ intake
     async def _reader(self) -> None:
