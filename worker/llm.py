@@ -30,6 +30,18 @@ from pagedserve.worker.source.resolve import model_or_default
 Prompt = str | Seq[int]
 
 
+def vllm_prompt(prompt) -> Prompt:
+    """A prompt as vLLM's ``LLM.generate`` takes it: text, token ids, a ``TextPrompt`` (``{"prompt":
+    text}``) or a ``TokensPrompt`` (``{"prompt_token_ids": ids}``)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError('a prompt given as a dict needs "prompt" (text) or "prompt_token_ids" (token ids)')
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, **kwargs) -> None:
         """``model``: a model directory, a ``.gguf`` file, a hub id, ``"demo"``, or None (the
@@ -47,12 +59,14 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order, in vLLM's
+        """Generate for every prompt (text, token ids, or vLLM's ``{"prompt": text}`` and
+        ``{"prompt_token_ids": ids}``); outputs come back in input order, in vLLM's
         shapes (``worker/offline_outputs.py``). ``lora_request``: the LoRA adapter every prompt runs
         under, or one per prompt (None: the base model); an adapter not loaded yet is read from its
         path (the engine needs ``enable_lora=True``)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [vllm_prompt(p) for p in prompts]
         texts = [p if isinstance(p, str) else None for p in prompts]
         return self._generate(list(prompts), texts, sampling_params, use_tqdm, lora_request)
 
@@ -61,6 +75,10 @@ class LLM:
         and normalised, through the same batching as generation (prefill only)."""
         outputs = self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling), use_tqdm=use_tqdm)
         return [out.embedding for out in outputs]
+
+    def get_tokenizer(self):
+        """The model's tokenizer (transformers'), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's generation-config defaults (temperature, top_p,

@@ -45,6 +45,8 @@ def test_a_program_written_for_vllm_runs_unchanged_after_swapping_its_import(rea
     first, *scored = report["prompt_logprobs"]
     assert first is None and len(scored) == 7
     assert all(e["rank"] >= 1 and e["entries"] == (2 if e["rank"] <= 2 else 3) for e in scored)
+    tokens = report["tokens_prompt"]  # vLLM's TokensPrompt; the stop case below is its TextPrompt
+    assert tokens["prompt_token_ids"] == tokens["ids"] and tokens["prompt"] is None
     assert report["stop"]["finish_reason"] == "stop" and report["stop"]["stop_reason"] == " six"
     assert " six" not in report["stop"]["text"] and report["stop"]["text"].strip()
     chat = report["chat"]

@@ -30,7 +30,10 @@ def main(model: str) -> None:
     report["prompt_logprobs"] = [None if entry is None else {"logprob": entry[token].logprob, "rank": entry[token].rank,
                                                              "entries": len(entry)}
                                  for token, entry in zip(scored.prompt_token_ids, scored.prompt_logprobs)]
-    stopped = llm.generate(["One, two, three, four,"], SamplingParams(temperature=0, max_tokens=24, stop=[" six"]))
+    ids = llm.get_tokenizer().encode("One, two, three, four,", add_special_tokens=False)
+    as_tokens = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=4))[0]
+    report["tokens_prompt"] = {"prompt_token_ids": as_tokens.prompt_token_ids, "ids": ids, "prompt": as_tokens.prompt}
+    stopped = llm.generate([{"prompt": "One, two, three, four,"}], SamplingParams(temperature=0, max_tokens=24, stop=[" six"]))
     completion = stopped[0].outputs[0]
     report["stop"] = {"text": completion.text, "finish_reason": completion.finish_reason,
                       "stop_reason": completion.stop_reason}
