@@ -99,3 +99,32 @@ def test_bfloat16_queries_read_a_quantized_cache_natively(native_for):
     expected = reference.paged_attention_decode(q.float(), case.k_cache, case.v_cache, case.block_tables,
                                                 case.seq_lens, 0.125)
     torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_a_formats_layout_sizes_rotation_and_table():
+    """What each format stores, per row and per element; its rotation (orthogonal, on the device
+    asked for, none at the model's dtype) and its code table (on the CPU unless told)."""
+    auto, int8 = kv_format("auto"), kv_format("int8")
+    assert (auto.row_width(64), int8.row_width(64)) == (64, 66)  # the scale's two bytes
+    assert auto.bytes_per_element(torch.bfloat16) == 2 and auto.bytes_per_element(torch.float32) == 4
+    assert int8.bytes_per_element(torch.float32) == 1 == kv_format("fp8_e5m2").bytes_per_element(torch.bfloat16)
+    assert auto.rotation(64) is None
+    for dim in (64, 48):  # Hadamard with signs; a seeded orthogonal matrix
+        turn = int8.rotation(dim, "meta" if dim == 48 else "cpu")
+        assert turn.shape == (dim, dim) and turn.device.type == ("meta" if dim == 48 else "cpu")
+    turn = int8.rotation(64)
+    assert torch.allclose(turn @ turn.T, torch.eye(64), atol=1e-5) and turn.device.type == "cpu"
+    table = kv_format("fp8_e4m3").table()
+    assert table.device.type == "cpu" and table.shape == (256,) and table.nan_to_num(0.0).max() == 448.0
+    assert int8.table("meta").device.type == "meta"
+
+
+def test_quantized_pairs_keep_keys_and_values_apart_and_dequantize_into_a_buffer():
+    fmt = kv_format("int8")
+    key, value = torch.randn(3, 2, 64, generator=torch.Generator().manual_seed(1)), torch.zeros(3, 2, 64)
+    rows_k, rows_v = fmt.quantize_pair(key, value)
+    assert torch.equal(rows_k, fmt.quantize(key)) and torch.equal(rows_v, fmt.quantize(value))
+    assert torch.all(rows_v[..., -2:].contiguous().view(torch.bfloat16).float() == 2.0 ** -126)  # a zero row's scale
+    out = torch.full((3, 2, 64), 7.0)
+    assert fmt.dequantize(rows_k, out=out) is out and torch.equal(out, fmt.dequantize(rows_k))
+    assert torch.equal(fmt.dequantize(rows_v), value)
