@@ -43,12 +43,17 @@ class Outage:
         self.since = None
 
     @property
+    def down(self) -> bool:
+        """Whether the last call found Redis unreachable."""
+        return self.since is not None
+
+    @property
     def down_s(self) -> float:
         """Seconds since Redis stopped answering (0 while it answers)."""
         return 0.0 if self.since is None else self.clock() - self.since
 
     def past_grace(self) -> bool:
-        return self.since is not None and self.down_s >= self.grace_s
+        return self.down and self.down_s >= self.grace_s
 
     def gone(self) -> RedisGone:
         return RedisGone(self.down_s)

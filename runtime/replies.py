@@ -123,11 +123,6 @@ class ReplyDispatcher:
         self._subscribed.clear()
         self.outage.failed()
 
-    @property
-    def redis_down(self) -> bool:
-        """Whether the subscription is lost now (Redis unreachable, or a connection being made again)."""
-        return self.outage.since is not None
-
     def drain(self) -> None:
         """The process is stopping: from now on, while Redis is unreachable, every request held ends
         at once (``RedisGone``) instead of after the outage grace."""
@@ -136,7 +131,7 @@ class ReplyDispatcher:
 
     def _end_if_gone(self) -> bool:
         """End every open mailbox if Redis is gone past the grace (or away at all while draining)."""
-        if not (self.outage.past_grace() or (self._draining and self.redis_down)):
+        if not (self.outage.past_grace() or (self._draining and self.outage.down)):
             return False
         ended = self.end_all(self.outage.gone())
         self.cut_at_stop += ended if self._draining else 0

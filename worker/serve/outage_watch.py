@@ -34,7 +34,7 @@ class OutageWatch:
     @property
     def down(self) -> bool:
         """Whether the last call found Redis unreachable."""
-        return self.outage.since is not None
+        return self.outage.down
 
     def failed(self) -> None:
         """A call found Redis unreachable: past the grace, or while stopping, let go of what is held."""
@@ -57,7 +57,7 @@ class OutageWatch:
 
     def reached(self, retrying: Retrying) -> None:
         """A call got through: after an outage, acknowledge (``retrying`` it) what was let go of."""
-        if self.outage.since is None:
+        if not self.outage.down:
             return
         log.info("redis reachable again", down_s=round(self.outage.down_s, 1))
         self.outage.reached()
