@@ -124,11 +124,17 @@ async def _merged(request: web.Request, boxes: list[Mailbox], deadline: float) -
     try:
         open_count = len(boxes)
         while open_count:
+            # Not ``wait_for``: before Python 3.12 it returns an item that arrived as the handler was
+            # cancelled (the client gone) and swallows the cancel, and the handler streams on.
+            getter = asyncio.ensure_future(queue.get())
             try:
-                index, event = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait((getter,), timeout=max(0.0, deadline - time.monotonic()))
+            finally:
+                getter.cancel()  # nothing when it is done
+            if not done:
                 raise _refused(request, ApiError(504, "the request timed out before a worker finished it", None, "timeout",
-                                                 "timeout")) from None
+                                                 "timeout"))
+            index, event = getter.result()
             if isinstance(event, RedisGone):
                 raise _refused(request, ApiError(503, str(event), None, "redis_unavailable", "service_unavailable",
                                                  {"Retry-After": "5"})) from None
