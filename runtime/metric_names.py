@@ -79,9 +79,14 @@ def combine(key: str, values: Iterable[float]) -> float:
     return series.combine(values) if series is not None else sum(values)
 
 
+def bucket_keys(values: dict[str, float], stem: str) -> list[tuple[float, str]]:
+    """(bound, key) of a flat histogram's buckets (``{stem}_le_{bound}``) in ``values``, lowest first."""
+    return sorted((float(key[len(stem) + 4:]), key) for key in values if key.startswith(stem + "_le_"))
+
+
 def histogram_families(values: dict[str, float], model: str) -> Iterator[Metric]:
     for stem, (name, help_text) in HISTOGRAMS.items():
-        bounds = sorted((float(key[len(stem) + 4:]), value) for key, value in values.items() if key.startswith(stem + "_le_"))
+        bounds = [(bound, values[key]) for bound, key in bucket_keys(values, stem)]
         if not bounds or stem + "_count" not in values:
             continue
         family = HistogramMetricFamily(name, help_text, labels=["model_name"])

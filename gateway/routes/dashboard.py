@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pagedserve.gateway.bodies.parse import ApiError
 from pagedserve.gateway.http import sse
+from pagedserve.runtime.queue_wait import MISSING, get_within
 from pagedserve.gateway.service.generation import STATE
 
 STATIC = Path(__file__).parents[1] / "static"  # gateway/static
@@ -41,9 +42,8 @@ async def dashboard_events(request: web.Request) -> web.StreamResponse:
 
 async def _feed(response: web.StreamResponse, frames: asyncio.Queue) -> None:
     while True:
-        try:
-            frame = await asyncio.wait_for(frames.get(), KEEPALIVE_S)
-        except asyncio.TimeoutError:
+        frame = await get_within(frames, KEEPALIVE_S)  # a cancel (the viewer gone) propagates
+        if frame is MISSING:
             frame = b": keepalive\n\n"
         if frame is None:  # the gateway is closing
             return

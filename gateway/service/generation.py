@@ -22,6 +22,7 @@ from pagedserve.gateway.service.instance import GatewayService
 from pagedserve.runtime.mailbox import Mailbox
 from pagedserve.runtime.outage import RedisGone
 from pagedserve.runtime.producer import QueueFull
+from pagedserve.runtime.queue_wait import MISSING, get_within
 from pagedserve.shared.protocol import WireEvent
 
 STATE = web.AppKey("state", GatewayService)
@@ -124,17 +125,11 @@ async def _merged(request: web.Request, boxes: list[Mailbox], deadline: float) -
     try:
         open_count = len(boxes)
         while open_count:
-            # Not ``wait_for``: before Python 3.12 it returns an item that arrived as the handler was
-            # cancelled (the client gone) and swallows the cancel, and the handler streams on.
-            getter = asyncio.ensure_future(queue.get())
-            try:
-                done, _ = await asyncio.wait((getter,), timeout=max(0.0, deadline - time.monotonic()))
-            finally:
-                getter.cancel()  # nothing when it is done
-            if not done:
+            got = await get_within(queue, deadline - time.monotonic())  # a cancel (the client gone) propagates
+            if got is MISSING:
                 raise _refused(request, ApiError(504, "the request timed out before a worker finished it", None, "timeout",
                                                  "timeout"))
-            index, event = getter.result()
+            index, event = got
             if isinstance(event, RedisGone):
                 raise _refused(request, ApiError(503, str(event), None, "redis_unavailable", "service_unavailable",
                                                  {"Retry-After": "5"})) from None

@@ -21,6 +21,7 @@ import msgpack
 import redis.asyncio as aioredis
 import structlog
 
+from pagedserve.runtime.queue_wait import MISSING, get_within
 from pagedserve.runtime.redis_io import REDIS_DOWN, listen_forever
 from pagedserve.shared.keys import Keys
 
@@ -74,9 +75,8 @@ class DashboardPublisher:
         while not self._snapshots.empty():  # one that came too late for its tick
             self._snapshots.get_nowait()
         self.ask()
-        try:
-            snapshot = await asyncio.wait_for(self._snapshots.get(), ENGINE_WAIT_S)
-        except asyncio.TimeoutError:
+        snapshot = await get_within(self._snapshots, ENGINE_WAIT_S)
+        if snapshot is MISSING:
             return 0.0
         snapshot.update(worker=self.worker, time=time.time(), **self.io_figures())
         await self.redis.publish(self.channel, msgpack.packb(snapshot))

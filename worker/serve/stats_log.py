@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+from pagedserve.runtime.metric_names import bucket_keys
+
 
 class StatsLine:
     def __init__(self, interval_s: float, clock=time.monotonic) -> None:
@@ -45,7 +47,7 @@ def step_p99_ms(metrics: dict[str, float], before: dict[str, float], stem: str =
     steps = metrics.get(stem + "_count", 0.0) - before.get(stem + "_count", 0.0)
     if steps <= 0:
         return None
-    bounds = sorted((float(key[len(stem) + 4:]), key) for key in metrics if key.startswith(stem + "_le_"))
+    bounds = bucket_keys(metrics, stem)
     for bound, key in bounds:
         if metrics[key] - before.get(key, 0.0) >= 0.99 * steps:
             return round(bound * 1000, 1)

@@ -131,6 +131,12 @@ class Request:
         return [s for s in self.seqs if not s.finished]
 
     @property
+    def prefilling(self) -> bool:
+        """A live sequence still has more than its next token to compute (its prompt, or what a
+        preemption dropped): it takes a prefill chunk, not a decoding row."""
+        return any(s.num_uncomputed > 1 for s in self.live_seqs)
+
+    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

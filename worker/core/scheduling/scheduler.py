@@ -181,7 +181,7 @@ class Scheduler:
         """(seq_id, tokens) for each live seq, taking from the step's budget in order (a prefill
         chunk also within its time, ``_timed``)."""
         sizes, budget = [], step.budget
-        turns = step.prefill_turns.get(req.priority, 0) if any(s.num_uncomputed > 1 for s in req.live_seqs) else 0
+        turns = step.prefill_turns.get(req.priority, 0) if req.prefilling else 0
         if turns:  # a running prompt asks once a step
             step.prefill_turns[req.priority] = turns - 1
         for seq in req.live_seqs:
@@ -198,7 +198,7 @@ class Scheduler:
         turns: dict[int, int] = {}
         if self.step_time is not None:
             for req in self.running:
-                if any(s.num_uncomputed > 1 for s in req.live_seqs):
+                if req.prefilling:
                     turns[req.priority] = turns.get(req.priority, 0) + 1
         return turns
 
