@@ -101,3 +101,21 @@ def test_sampling_distribution_follows_probabilities():
     out = sampler.sample(logits.repeat(4000, 1), [row(SamplingParams(temperature=1.0))] * 4000)
     counts = torch.bincount(torch.tensor([t[0].token_id for t in out]), minlength=3).float() / 4000
     assert torch.allclose(counts, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_ranks_under_ties_are_vllms_and_an_entry_never_holds_one_rank_twice():
+    """bfloat16 logits tie often. A token's rank counts every token at least as likely, itself
+    included (vLLM's ``batched_count_greater_than`` is ``>=``); one among the top ``k`` takes its place
+    there, as vLLM's entry overwrites it: one position's entry ranks its tokens 1..k (+ its own)."""
+    from pagedserve.worker.offline_outputs import logprob_entry
+    from pagedserve.worker.runner.sampling.sampler import scored_token, vocab_ranks
+
+    row = torch.tensor([[-1.0, -2.0, -2.0, -3.0, -2.0]])
+    assert vocab_ranks(row, torch.tensor([-1.0])).tolist() == [1]
+    assert vocab_ranks(row, torch.tensor([-2.0])).tolist() == [4]  # three tied at -2: counted against it
+    top = ([0, 1, 2], [-1.0, -2.0, -2.0])  # torch.topk's order among the ties
+    for token, rank in ((2, 4), (1, 4), (4, 4), (3, 5)):
+        entry = logprob_entry(scored_token(token, row[0, token].item(), top, True, rank), str)
+        ranks = sorted(logprob.rank for logprob in entry.values())
+        assert ranks == ([1, 2, 3] if token in top[0] else [1, 2, 3, rank]), (token, entry)
+    assert logprob_entry(scored_token(2, -2.0, top, True, 4), str)[2].rank == 3  # its place in the top

@@ -165,8 +165,10 @@ def _top_logprobs(raw_logprobs: torch.Tensor, params: Sequence[SamplingParams]) 
 
 
 def vocab_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """Each row's rank of its ``chosen`` logprob among the row's (1: none higher; vLLM's ``rank``)."""
-    return (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    """Each row's rank of its ``chosen`` logprob among the row's: how many are at least as likely, the
+    token itself included (1: the only most likely; vLLM's ``rank``, ties counted against the token,
+    so a token tied with the k-th best and not among the k ranks k + 1, never a k twice)."""
+    return (logprobs >= chosen[:, None]).sum(dim=-1)
 
 
 def scored_token(token: int, logprob: float, top: tuple[list[int], list[float]] | None, alternatives: bool,
@@ -177,6 +179,8 @@ def scored_token(token: int, logprob: float, top: tuple[list[int], list[float]] 
     found = None
     if alternatives:
         found = dict(zip(*top)) if top else {}
+        if token in found:  # among the top: its place there is its rank (as vLLM's entry says), whatever ties
+            rank = top[0].index(token) + 1
         found[token] = logprob
     return SampledToken(token, logprob, found, rank if alternatives else None)
 
