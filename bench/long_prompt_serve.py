@@ -58,6 +58,12 @@ async def scenario(args: argparse.Namespace) -> dict:
         streams = [asyncio.create_task(stream(http, args.model, f"Story {i}: " + long_text(40, 100 + i), args.output,
                                               stamps[i], {})) for i in range(args.streams)]
         await asyncio.sleep(args.warm)
+        failed = [task.exception() for task in streams if task.done() and task.exception() is not None]
+        if failed or not all(stamps):  # a server not ready (or refusing) would give figures of nothing
+            for task in streams:
+                task.cancel()
+            raise SystemExit(f"the streams did not all start within --warm {args.warm:g} s: "
+                             f"{failed[0]!r}" if failed else "no token yet")
         long_times, long_usage = [], {}
         sent = time.perf_counter()
         await stream(http, args.model, long_text(args.prompt_words, 1), 1, long_times, long_usage)

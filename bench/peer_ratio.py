@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf-activations", default="int16", choices=["int16", "int8"])
     ap.add_argument("--wl", default=None, help="n,seed,pmin,pmax,omin,omax as bench_llamacpp.py --wl (default: W64)")
     ap.add_argument("--one-at-a-time", action="store_true", help="one request at a time (bench_llamacpp.py --parallel 1)")
+    ap.add_argument("--max-step-ms", type=float, default=None, help="the engine's step target (default: the LLM's, off)")
     args = ap.parse_args(argv)
     spec = tuple(int(x) for x in args.wl.split(",")) if args.wl else (args.num_requests, *W64[1:])
     if len(spec) != 6:
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ours = run_pagedserve(args.model, args.dtype, args.repeats, spec, args.one_at_a_time, enforce_eager=args.enforce_eager,
                           attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
                           kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-                          gguf_activations=args.gguf_activations)
+                          gguf_activations=args.gguf_activations, max_step_ms=args.max_step_ms)
     peers = peer_lines(args.peer_json, args.model.name, args.dtype, spec[0])
     ratios = {f"{p['engine']} {p.get('mode', '')}".strip(): round(ours["out_tok_s"] / p["out_tok_s"], 2) for p in peers}
     print(json.dumps({"bench": "peer_ratio", "model": args.model.name, **ours, "ratio_to": ratios}))

@@ -61,7 +61,13 @@ class NativeAttention:
         else:
             suffix, self._table = "", None
         self._kernels = {dtype: getattr(self._lib, f"paged_attention_{name}{suffix}") for dtype, name in _DTYPES.items()}
-        self._prefill_kernels = {dtype: getattr(self._lib, f"paged_prefill_{name}{suffix}") for dtype, name in _DTYPES.items()}
+        self._prefill_kernels = self._vector_prefill = {dtype: getattr(self._lib, f"paged_prefill_{name}{suffix}")
+                                                        for dtype, name in _DTYPES.items()}
+        # bfloat16 over a bfloat16 cache on AMX tiles where the CPU has them and Linux grants them
+        # (csrc/paged_prefill_amx.c); head sizes of a multiple of 32
+        self.prefill_on_tiles = not kv_format.quantized and bool(self._lib.paged_prefill_amx_ready())
+        if self.prefill_on_tiles:
+            self._prefill_kernels = {**self._prefill_kernels, torch.bfloat16: self._lib.paged_prefill_bf16_amx}
         limits = [_I64(), _I64(), _I64()]
         self._lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
         self._max_dim, self._max_group, self._max_block = (x.value for x in limits)
@@ -101,7 +107,8 @@ class NativeAttention:
         first = torch.nonzero(tokens.offset % tile == 0).flatten()
         length = (tokens.lengths[tokens.chunk[first]] - tokens.offset[first]).clamp_max(tile)
         tiles = (first.to(torch.int32).contiguous(), length.to(torch.int32).contiguous())
-        return self._run(self._prefill_kernels, q, k_cache, v_cache, block_tables, tokens.chunk.to(torch.int32),
+        kernels = self._prefill_kernels if q.shape[-1] % 32 == 0 else self._vector_prefill
+        return self._run(kernels, q, k_cache, v_cache, block_tables, tokens.chunk.to(torch.int32),
                          tokens.seen.to(torch.int32), scale, window, softcap, tiles)
 
     def _run(self, kernels, q, k_cache, v_cache, block_tables, token_seq, ctx_len, scale, window: int = 0,

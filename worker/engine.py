@@ -104,7 +104,7 @@ class Engine:
                 max_model_len=max_len, enable_prefix_caching=config.enable_prefix_caching,
                 preemption_mode=config.preemption_mode, lane_windows=layout.lane_windows,
                 rope_switch=rope_switch(info.config), speculative=config.speculative,
-                max_loras=config.max_loras if config.enable_lora else 0, max_step_ms=config.max_step_ms,
+                max_loras=config.max_loras if config.enable_lora else 0, max_step_ms=config.max_step_ms or None,
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer), tiers=tiers,
         )

@@ -13,9 +13,7 @@
  * sequence's chunk into tiles of at most MAX_ROWS / group tokens), token_seq/ctx_len int32 [T].
  */
 #include "paged_common.h"
-
-#define KC 64 /* keys per inner step: four AVX-512 vectors of float32 scores */
-#define MAX_ROWS 64
+#include "prefill_common.h"
 
 int paged_prefill_limits(int64_t *rows) {
     *rows = MAX_ROWS;
@@ -82,33 +80,6 @@ static inline void tile_values(float *acc, const float *p, int64_t rows, const f
                 acc1[d] += p1[i] * v[i * dim + d];
             }
     }
-}
-
-/* One row's step of the online softmax over a chunk of KC scores `s`, of which [from, to) are seen
- * (the rest weigh nothing): softcap, the running maximum m and sum l updated, acc rescaled to the new
- * maximum, and the chunk's weights into `p` for tile_values. */
-/* Not inlined: one copy for the six kernels below (inlined, it measured no faster). */
-__attribute__((noinline)) static void online_softmax(float *restrict s, float *restrict p, int from, int to, float softcap, float *m, float *l,
-                                  float *restrict acc, int64_t dim) {
-    if (softcap > 0.0f)
-        for (int64_t i = from; i < to; i++) s[i] = softcap * tanhf(s[i] / softcap);
-    float top = *m;
-    _Pragma("omp simd reduction(max : top)")
-    for (int i = 0; i < KC; i++) {
-        s[i] = i >= from && i < to ? s[i] : -INFINITY; /* weighs ~1e-38 below (fast_expf's clamp): nothing */
-        top = s[i] > top ? s[i] : top;
-    }
-    float sum = 0.0f;
-    _Pragma("omp simd reduction(+ : sum)")
-    for (int i = 0; i < KC; i++) {
-        p[i] = fast_expf(s[i] - top);
-        sum += p[i];
-    }
-    const float rescale = fast_expf(*m - top);
-    *m = top;
-    *l = *l * rescale + sum;
-    _Pragma("omp simd")
-    for (int64_t d = 0; d < dim; d++) acc[d] *= rescale;
 }
 
 #define DEFINE_PAGED_PREFILL(NAME, T, LOAD, STORE, C, EXTRA, ROW)                                             \

@@ -13,7 +13,8 @@ import pytest
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.scheduler import Scheduler
-from pagedserve.worker.core.scheduling.step_time import StepTime, pairs
+from pagedserve.worker.core.scheduling import step_time
+from pagedserve.worker.core.scheduling.step_time import PrefillBudget, StepTime, pairs
 from tests.kv_simulator import KVSimulator
 
 COST = (0.01, 1e-4, 2e-8)  # seconds: fixed, per token, per query-key pair
@@ -93,12 +94,45 @@ def test_without_a_target_or_without_streams_chunks_take_the_token_budget():
         assert sizes[0] >= 2048 - 8 and len(plans) <= 4, sizes  # 7000 tokens in chunks of (nearly) the budget
 
 
+def test_where_decoding_alone_nears_the_target_a_prompt_still_gets_as_much_time_as_the_streams():
+    """A large batch (or model) whose decoding rows alone take longer than the target: each step's
+    prefill chunk gets the rows' own time, not ``MIN_PREFILL`` tokens (new requests would starve
+    behind the running ones); with room under the target, what the target leaves."""
+    fit = fitted(*COST)
+    starts = [3000] * 64
+    decoding = fit.seconds(64, sum(pairs(start, 1) for start in starts))
+    assert decoding > 0.012  # 17.8 ms: past a 12 ms target by itself
+    crowded = PrefillBudget.beside(fit, 12, starts)
+    assert crowded.seconds_left == pytest.approx(decoding)
+    tokens = crowded.cut(0, 2000)
+    assert fit.chunk_seconds(0, tokens) <= decoding < fit.chunk_seconds(0, tokens + 1) and tokens > 50
+    roomy = PrefillBudget.beside(fit, 100, starts)
+    assert roomy.seconds_left == pytest.approx(0.1 - decoding)
+
+
+def test_after_decoding_alone_a_prompts_chunks_grow_from_the_steps_the_fit_has_seen():
+    """The fit is trusted up to twice the largest step seen lately: after a stretch of 8-token
+    decoding steps, a prompt beside them starts at ``UNPRICED_PREFILL`` tokens and each chunk at most
+    doubles the last step, however much time the target leaves (a first chunk priced far from the
+    fit's data missed its target by a quarter)."""
+    fit = fitted(*COST)
+    cost = lambda tokens, attended: COST[0] + COST[1] * tokens + COST[2] * attended  # noqa: E731
+    for _ in range(60):
+        fit.observe(8, 8 * 3000, cost(8, 8 * 3000))
+    assert fit.trusted() == step_time.UNPRICED_PREFILL
+    sizes, start = [], 0
+    for _ in range(5):
+        tokens = PrefillBudget.beside(fit, 1000, [3000] * 8).cut(start, 7000)  # a second: time never binds here
+        sizes.append(tokens)
+        fit.observe(tokens + 8, pairs(start, tokens) + 8 * 3000, cost(tokens + 8, pairs(start, tokens) + 8 * 3000))
+        start += tokens
+    assert sizes == [128, 272, 560, 1136, 2288], sizes
+
+
 def test_until_the_fit_prices_a_step_a_prompt_beside_streams_moves_in_small_chunks():
     """The fit learns from the steps themselves: until it can tell their parts apart, a chunk beside
     decoding rows carries ``UNPRICED_PREFILL`` tokens at most (a first chunk of the whole budget would
     be the pause the target is there to prevent)."""
-    from pagedserve.worker.core.scheduling import step_time
-
     cfg = SchedulerConfig(num_gpu_blocks=400, block_size=16, max_num_batched_tokens=2048, max_step_ms=50)
     sched = Scheduler(cfg)
     sim = KVSimulator(16, 400, 0)

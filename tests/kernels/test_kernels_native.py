@@ -57,6 +57,29 @@ def test_prefill_with_cached_prefix_matches_naive(native, block_size, heads, kv_
                                    atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (16, 1), (4, 4)])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 0.0), (0, 20.0)])
+def test_bfloat16_prefill_on_amx_tiles_matches_plain_attention(native, head_dim, heads, kv_heads, window, softcap):
+    """Where the CPU has AMX tiles (and Linux grants them), bfloat16 prefill runs on them
+    (csrc/paged_prefill_amx.c): a whole prompt over many row blocks and key steps, a chunk after a
+    prefix ending inside a step, a one-token chunk; windows and score caps as the vector kernel."""
+    if not native.prefill_on_tiles:
+        pytest.skip("no AMX tiles here (or Linux refused them): the vector kernel runs bfloat16 prefill")
+    seq_lens, q_lens = [300, 170, 64], [300, 90, 1]
+    case = make_case(seq_lens, 16, kv_heads, head_dim, torch.bfloat16)
+    q = (torch.randn(sum(q_lens), heads, head_dim) * 2).to(torch.bfloat16)
+    starts = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = native.prefill(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, scale,
+                         window=window, softcap=softcap)
+    for s, (n, ql) in enumerate(zip(seq_lens, q_lens)):
+        k, v = dense_context(case, s)
+        chunk = slice(int(starts[s]), int(starts[s + 1]))
+        expected = naive_attention(q[chunk].float(), k.float(), v.float(), scale, n - ql, window, softcap)
+        torch.testing.assert_close(out[chunk].float(), expected, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize("window", [1, 16, 33])
 def test_sliding_window_decode_and_prefill_match_naive(native, block_size, window):

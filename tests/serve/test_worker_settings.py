@@ -8,7 +8,7 @@ import pytest
 from pagedserve.kernels.ops import BACKENDS
 from pagedserve.runtime.env import cache_dir
 from pagedserve.worker.serve.settings import worker_parser, worker_settings
-from pagedserve.worker.setup.engine_config import EngineConfig
+from pagedserve.worker.setup.engine_config import SERVED_STEP_MS, EngineConfig
 from pagedserve.worker.setup.engine_flags import declared_flags, engine_argv
 
 
@@ -18,11 +18,16 @@ def test_the_attention_backend_flag_offers_what_the_kernels_offer():
 
 
 def test_the_engine_flags_default_to_the_config_and_follow_their_environment_variables():
-    """Declared once on EngineConfig: with no flags the engine gets EngineConfig's own defaults;
+    """Declared once on EngineConfig: with no flags the engine gets EngineConfig's own defaults, but
+    where a server's differs from the library's (the step target: on for a server, off for LLM);
     each flag's PAGEDSERVE_ variable sets it."""
     defaults = EngineConfig(model="m")
     engine = worker_settings([], {}).engine
-    assert engine and all(engine[name] == getattr(defaults, name) for name in engine)
+    served = {"max_step_ms": SERVED_STEP_MS}
+    assert defaults.max_step_ms is None and SERVED_STEP_MS == 300
+    assert engine and all(engine[name] == served.get(name, getattr(defaults, name)) for name in engine)
+    assert worker_settings(["--max-step-ms", "0"], {}).engine["max_step_ms"] == 0  # off
+    assert engine_argv(worker_parser({}).parse_args(["--max-step-ms", "0"])) == ["--max-step-ms", "0.0"]
     assert set(engine) == {name for name, _, _ in declared_flags()}
     env = worker_settings([], {"PAGEDSERVE_MAX_NUM_SEQS": "7", "PAGEDSERVE_ENFORCE_EAGER": "yes",
                                "PAGEDSERVE_SWAP_SPACE": "2", "PAGEDSERVE_ENABLE_PREFIX_CACHING": "0"}).engine

@@ -22,6 +22,7 @@ CPU_KV_FRACTION = 0.25  # of available RAM, when no budget is given on a CPU
 GIB = 1 << 30
 CPU_KV_CAP = GIB
 GGUF_ACTIVATIONS = ("int16", "int8")  # --gguf-activations: what the GGUF row kernel takes its input at
+SERVED_STEP_MS = 300.0  # a server's step target: a long prompt pauses its streams ~0.3 s at most (docs/benchmarks.md)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Flag:
     unit: int = 1
     metavar: str | None = None
     many: bool = False  # one or more values after the flag (a tuple; its environment variable splits on spaces)
+    served: Any = None  # the command line's default (a server's: worker, serve) where it differs from the library's (LLM)
 
 
 def flag(default: Any, help: str = "", **how) -> Any:
@@ -107,8 +109,8 @@ class EngineConfig:
     max_step_ms: float | None = flag(
         None, "a step that carries decoding sequences takes about this long at most: prefill chunks beside them are "
         "sized by a fit of the engine's own step times (attention over a long context included), so a long prompt "
-        "never pauses the streams for longer (default: off, chunks sized by --max-num-batched-tokens alone)",
-        kind=positive(float))
+        f"never pauses the streams for longer (a server's default {SERVED_STEP_MS:g}; LLM's and 0: off, chunks sized "
+        "by --max-num-batched-tokens alone)", kind=non_negative(float), served=SERVED_STEP_MS)
     max_model_len: int | None = flag(None, "the longest prompt + output served (default: the model's context)",
                                      kind=positive(int))
     enable_prefix_caching: bool = flag(True, "share KV blocks of identical prompt prefixes", switch="both")

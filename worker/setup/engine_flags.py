@@ -18,7 +18,8 @@ def declared_flags() -> Iterator[tuple[str, Flag, object]]:
     for f in fields(EngineConfig):
         how = f.metadata.get("flag")
         if how is not None and f.default is not MISSING:
-            yield f.name, how, f.default / how.unit if how.unit != 1 and f.default is not None else f.default
+            default = f.default if how.served is None else how.served
+            yield f.name, how, default / how.unit if how.unit != 1 and default is not None else default
 
 
 def add_engine_args(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> list[argparse.Action]:

@@ -24,6 +24,8 @@ MIN_STEPS = 8  # steps seen before the fit is used
 FEATURES = 3  # 1, tokens, pairs
 MIN_PREFILL = 16  # tokens a prefill chunk carries at least under max_step_ms
 UNPRICED_PREFILL = 128  # ... and at most beside decoding rows while the step time is not priced (the fit learns from them)
+REACH = 2  # ... and at most this many times the largest step seen lately: the fit is trusted that far from its data
+REACH_DECAY = 0.9  # per step, how fast an old large step stops counting as seen lately (half in ~7 steps)
 
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds (StepSeconds)
@@ -37,10 +39,20 @@ def pairs(start: int, tokens: int) -> float:
 @dataclass
 class StepTime:
     seen: DecayedFit = field(default_factory=lambda: DecayedFit(FEATURES, DECAY))
+    largest: float = 0.0  # the largest step's tokens seen lately (decayed by REACH_DECAY a step)
 
     def observe(self, tokens: int, attended: float, seconds: float) -> None:
         """A step: its tokens, their query-key pairs (``pairs`` summed over its rows) and its seconds."""
         self.seen.observe((1.0, float(tokens), float(attended)), seconds)
+        self.largest = max(float(tokens), self.largest * REACH_DECAY)
+
+    def trusted(self) -> int:
+        """The most tokens a chunk beside decoding rows carries on the fit's word: ``REACH`` times the
+        largest step seen lately (``UNPRICED_PREFILL`` at least). After a stretch of decoding alone,
+        the fit knows steps of a few tokens; a first chunk of the whole budget priced from them missed
+        its target by a quarter (docs/benchmarks.md): chunks grow from what was seen, each step's
+        time teaching the fit the next size."""
+        return max(UNPRICED_PREFILL, int(REACH * self.largest))
 
     def coefficients(self) -> tuple[float, float, float] | None:
         """(fixed seconds, seconds per token, seconds per pair), none negative; None while the steps
@@ -106,22 +118,26 @@ class PrefillBudget:
 
     @classmethod
     def beside(cls, fit: StepTime, max_step_ms: float, decoding_starts: list[int]) -> PrefillBudget:
-        """The budget of a step whose decoding rows are at these positions."""
+        """The budget of a step whose decoding rows are at these positions: what the target leaves
+        beside them, and never less than the rows' own time. Where decoding alone nears the target
+        (a large model, a large batch), prompts still get half of each step, so new requests are
+        not starved; a stream's gap stays within the target or twice its plain step."""
         if not decoding_starts:
             return cls(fit, None)
-        decoding = fit.seconds(len(decoding_starts), sum(pairs(start, 1) for start in decoding_starts))
-        return cls(fit, max_step_ms / 1000 - (decoding or 0.0))
+        decoding = fit.seconds(len(decoding_starts), sum(pairs(start, 1) for start in decoding_starts)) or 0.0
+        return cls(fit, max(max_step_ms / 1000 - decoding, decoding))
 
     def cut(self, start: int, count: int, turns: int = 1) -> int:
         """A prefill chunk of ``count`` tokens from ``start``, cut to its part of the time left
         (``1 / turns``: the prompts still to ask share it; at least ``MIN_PREFILL`` tokens: a prompt
-        always moves; ``UNPRICED_PREFILL`` at most until the fit prices a step), its time taken
-        from what is left."""
+        always moves; ``UNPRICED_PREFILL`` at most until the fit prices a step, and no more than it
+        trusts after that: ``StepTime.trusted``), its time taken from what is left."""
         if count <= 1 or self.seconds_left is None:
             return count
         if self.fit.coefficients() is None:
             return min(count, UNPRICED_PREFILL)
-        tokens = max(min(count, MIN_PREFILL), self.fit.chunk(self.seconds_left / turns, start, count))
+        most = min(count, self.fit.trusted())
+        tokens = max(min(most, MIN_PREFILL), self.fit.chunk(self.seconds_left / turns, start, most))
         self.seconds_left -= self.fit.chunk_seconds(start, tokens)
         return tokens
 
