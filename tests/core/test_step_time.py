@@ -14,7 +14,7 @@ from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.scheduler import Scheduler
 from pagedserve.worker.core.scheduling import step_time
-from pagedserve.worker.core.scheduling.step_time import PrefillBudget, StepTime, pairs
+from pagedserve.worker.core.scheduling.step_time import STEP_BUCKETS, PrefillBudget, StepSeconds, StepTime, pairs
 from tests.kv_simulator import KVSimulator
 
 COST = (0.01, 1e-4, 2e-8)  # seconds: fixed, per token, per query-key pair
@@ -171,3 +171,14 @@ def test_long_prompts_beside_streams_share_the_prefill_time_and_a_higher_priorit
     sched.add("urgent", [2 + k % 80 for k in range(7000)], SamplingParams(max_tokens=1, ignore_eos=True), priority=-1)
     first = chunks(4)[2:]
     assert all(step["urgent"] > 4 * max(step.get("a", 0), step.get("b", 0)) for step in first), first
+
+
+def test_every_steps_seconds_count_into_cumulative_buckets_as_prometheus_reads_them():
+    seconds = StepSeconds()
+    for value in (0.004, 0.005, 0.3, 0.3, 20.0):  # a bound counts in its own bucket; past the last, only in the count
+        seconds.observe(value)
+    snap = seconds.snapshot("steps")
+    assert snap == {**{f"steps_le_{bound:g}": float(sum(value <= bound for value in (0.004, 0.005, 0.3, 0.3, 20.0)))
+                       for bound in STEP_BUCKETS}, "steps_count": 5.0, "steps_sum": pytest.approx(20.609)}
+    assert snap["steps_le_0.005"] == 2.0 and snap["steps_le_0.25"] == 2.0 and snap["steps_le_0.5"] == 4.0
+    assert list(seconds.snapshot())[0] == "engine_step_seconds_le_0.005"

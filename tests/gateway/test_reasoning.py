@@ -14,6 +14,7 @@ from tests.service_helpers import MODEL_NAME
 
 TEXTS = {  # text -> (deepseek_r1's split, qwen3's split)
     "<think>pages are blocks</think>the answer": (("pages are blocks", "the answer"),) * 2,
+    "<think>a</think>b</think>c": (("a", "b</think>c"),) * 2,  # the first close ends the thinking
     "\n<think>\nx</think>\n\ny": (("\nx", "\n\ny"),) * 2,
     "thought first</think>then this": (("thought first", "then this"), (None, "thought first</think>then this")),
     "<think>never closed, cut by max_tokens": (("never closed, cut by max_tokens", None),) * 2,
@@ -38,6 +39,13 @@ def test_the_split_streamed_in_any_pieces_is_the_whole_split(parser, text):
                 got = stream.feed(piece, final=i == len(pieces) - 1)
                 thought, answer = thought + got[0], answer + got[1]
             assert (thought or None, answer or None) == want, (size, start)
+
+
+def test_a_delta_holds_back_only_what_may_start_the_closing_tag():
+    stream = ReasoningStream("deepseek_r1")
+    assert stream.feed("<think>abc") == ("abc", "")  # nothing there may start </think>: all out at once
+    assert stream.feed("de</thi") == ("de", "")
+    assert stream.feed("nk>x") == ("", "x")
 
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])

@@ -37,3 +37,18 @@ def test_a_cancel_as_an_item_arrives_propagates_and_the_item_stays_in_the_queue(
         return [queue.get_nowait() for _ in range(queue.qsize())]
 
     assert asyncio.run(go()) == ["item"]
+
+
+def test_a_cancel_while_nothing_came_propagates_and_leaves_the_queue_as_it_was():
+    async def go():
+        queue: asyncio.Queue = asyncio.Queue()
+        waiter = asyncio.create_task(get_within(queue, 5.0))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        queue.put_nowait("later")  # no getter left behind to take it
+        await asyncio.sleep(0)
+        return queue.get_nowait()
+
+    assert asyncio.run(go()) == "later"
