@@ -105,8 +105,9 @@ static void amx_task(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
                      float softcap) {
     const int64_t group = num_heads / num_kv_heads, rows = len * group, blocks = (rows + 15) / 16;
-    const int64_t chunks = head_dim / 32, row_stride = num_kv_heads * head_dim;
-    uint16_t qb[MAX_ROWS * MAX_HEAD_DIM], pb[MAX_ROWS * KC], pr[MAX_ROWS * KC], ks[KC * MAX_HEAD_DIM], vs[KC * MAX_HEAD_DIM];
+    const int64_t chunks = head_dim / 32, words = head_dim / 2, row_stride = num_kv_heads * head_dim;
+    uint16_t qb[MAX_ROWS * MAX_HEAD_DIM], pb[MAX_ROWS * KC], pr[MAX_ROWS * KC], vs[KC * MAX_HEAD_DIM];
+    uint32_t ks[KC * MAX_HEAD_DIM / 2]; /* keys read as words (pairs of dims): stored as words, no type punning */
     uint32_t kt[GROUPS][CHUNKS][16 * 16], vp[PAIRS][MAX_HEAD_DIM / 16][16 * 16];
     float sc[MAX_ROWS * KC], acc[MAX_ROWS * MAX_HEAD_DIM], m[MAX_ROWS], l[MAX_ROWS];
     for (int64_t r = 0; r < len; r++) /* the group's heads of a token are consecutive: one copy */
@@ -127,19 +128,17 @@ static void amx_task(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
         for (int64_t i = 0; i < n; i++) {
             const int64_t pos = start + i;
             const int64_t at = ((int64_t)table[pos / block_size] * block_size + pos % block_size) * row_stride + h * head_dim;
-            memcpy(ks + i * head_dim, k_cache + at, (size_t)head_dim * sizeof *ks);
+            memcpy(ks + i * words, k_cache + at, (size_t)head_dim * sizeof *k_cache);
             memcpy(vs + i * head_dim, v_cache + at, (size_t)head_dim * sizeof *vs);
         }
         const int64_t padded = (n + 31) / 32 * 32;
-        memset(ks + n * head_dim, 0, (size_t)((padded - n) * head_dim) * sizeof *ks);
+        memset(ks + n * words, 0, (size_t)((padded - n) * words) * sizeof *ks);
         memset(vs + n * head_dim, 0, (size_t)((padded - n) * head_dim) * sizeof *vs);
         /* keys as B tiles: word p (dims 2p, 2p + 1 of chunk c) of key j at [p][j] */
-        const uint32_t *kw = (const uint32_t *)ks;
-        const int64_t words = head_dim / 2;
         for (int64_t g = 0; g < (n + 15) / 16; g++)
             for (int64_t c = 0; c < chunks; c++)
                 for (int64_t p = 0; p < 16; p++)
-                    for (int64_t j = 0; j < 16; j++) kt[g][c][p * 16 + j] = kw[(g * 16 + j) * words + c * 16 + p];
+                    for (int64_t j = 0; j < 16; j++) kt[g][c][p * 16 + j] = ks[(g * 16 + j) * words + c * 16 + p];
         /* values as B tiles: keys 2p and 2p + 1 of a 32-key pair block, dim d of block b, at [p][d] */
         for (int64_t b2 = 0; b2 < padded / 32; b2++)
             for (int64_t b = 0; b < head_dim / 16; b++)
