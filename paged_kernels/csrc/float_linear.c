@@ -287,9 +287,6 @@ int float_linear_f32(const float *x, const float *panels, const float *bias, flo
 AMX_PANEL(amx_panel_32, 1)
 AMX_PANEL(amx_panel_16, 0)
 
-/* A bf16 pair's 16 values widened to float32 (exact). */
-static inline __m512 bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
 /* `rows` rows of a panel's sums (acc[r * PANEL + lane]), plus the bias where given, rounded to bf16
  * (vcvtne2ps2bf16: to nearest even, as bf16_store; subnormals flushed, as the tiles flush them) into
  * out[r * outs + lane] for the panel's `width` outputs: a row in a few instructions (written a value

@@ -35,17 +35,28 @@ static inline void bf16_store(uint16_t *x, float f) {
 /* e^x to about two ulp, in plain arithmetic the compiler vectorises (libm's expf is a scalar call
  * per score). Cephes' range reduction and polynomial; x is clamped to [-87, 88], so -inf (the
  * running maximum before the first block) gives ~1e-38 times an accumulator that is still zero. */
+#define EXP_LOW (-87.0f) /* the clamp, the reduction and the polynomial: paged_prefill_amx.c's exp16 too */
+#define EXP_HIGH 88.0f
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f /* ln 2 in two parts: n * ln 2 subtracted exactly */
+#define EXP_LN2_LO 2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
 static inline float fast_expf(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    x = x < EXP_LOW ? EXP_LOW : (x > EXP_HIGH ? EXP_HIGH : x);
+    const float n = floorf(x * EXP_LOG2E + 0.5f);
+    float r = x - n * EXP_LN2_HI;
+    r = r + n * EXP_LN2_LO;
+    float p = EXP_P0;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
     p = p * r * r + r + 1.0f;
     const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
     float scale;

@@ -33,26 +33,23 @@ int paged_prefill_amx_ready(void) {
 #define PAIRS (KC / 32)           /* A and B tiles of 32 keys per step (weighted values) */
 #define CHUNKS (MAX_HEAD_DIM / 32) /* 32 dims per A tile row */
 
-/* e^x for 16 lanes: fast_expf's reduction and polynomial (paged_common.h) on 512-bit vectors (the
- * compiler vectorises fast_expf's loops 256 bits wide on these CPUs). */
+/* e^x for 16 lanes: fast_expf's clamp, reduction and polynomial (paged_common.h's EXP_ constants) on
+ * 512-bit vectors (the compiler vectorises fast_expf's loops 256 bits wide on these CPUs). */
 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(EXP_HIGH)), _mm512_set1_ps(EXP_LOW));
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }
-
-/* 16 bfloat16 values widened to float32 (exact). */
-static inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 /* One row's step of the online softmax (prefill_common.h's, on 512-bit vectors): its KC scores `s`
  * scaled (and capped), [from, to) seen, the running maximum m and sum l updated, acc rescaled, and
@@ -79,8 +76,8 @@ static void softmax_row(float *s, uint16_t *hi, uint16_t *lo, int from, int to, 
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
         const __m512i top16 = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
         _mm512_storeu_si512(hi + 16 * b, top16);
-        const __m512 r0 = _mm512_sub_ps(p0, widen(_mm512_castsi512_si256(top16)));
-        const __m512 r1 = _mm512_sub_ps(p1, widen(_mm512_extracti64x4_epi64(top16, 1)));
+        const __m512 r0 = _mm512_sub_ps(p0, bf16x16(_mm512_castsi512_si256(top16)));
+        const __m512 r1 = _mm512_sub_ps(p1, bf16x16(_mm512_extracti64x4_epi64(top16, 1)));
         _mm512_storeu_si512(lo + 16 * b, (__m512i)_mm512_cvtne2ps_pbh(r1, r0));
     }
     const float rescale = fast_expf(*m - most);
