@@ -62,8 +62,8 @@ async def scenario(args: argparse.Namespace) -> dict:
         if failed or not all(stamps):  # a server not ready (or refusing) would give figures of nothing
             for task in streams:
                 task.cancel()
-            raise SystemExit(f"the streams did not all start within --warm {args.warm:g} s: "
-                             f"{failed[0]!r}" if failed else "no token yet")
+            why = repr(failed[0]) if failed else "no token yet"
+            raise SystemExit(f"the streams did not all start within --warm {args.warm:g} s: {why}")
         long_times, long_usage = [], {}
         sent = time.perf_counter()
         await stream(http, args.model, long_text(args.prompt_words, 1), 1, long_times, long_usage)
