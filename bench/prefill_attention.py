@@ -4,7 +4,13 @@ chunk's tokens) against the torch reference (gather, then masked attention), and
 attention on the same K/V laid out contiguously (no paging: a floor, not a backend). Median of
 ``--repeats`` calls, milliseconds per layer; one whole prefill is that times the layers.
 
+``--chunks TOKENS@CONTEXT ...`` times bfloat16 chunks of a prompt instead (the chunk's tokens after
+``CONTEXT`` cached ones, as a step's chunk of a long prompt): the kernel this CPU runs for bfloat16
+(pair products on AMX tiles or AVX512-BF16 vectors where it has them, ``csrc/paged_prefill_bf16.c``)
+against the vector kernel, with nanoseconds per query-key pair.
+
     python -m pagedserve.bench.prefill_attention [--lengths 512 1024 2048] [--dtype float32] [--repeats 10]
+    python -m pagedserve.bench.prefill_attention --chunks 2048@0 2048@4096 60@5940
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from pagedserve.bench.kv_decode import DIM, HEADS, KV_HEADS, caches
 from pagedserve.bench.table import print_table
 from pagedserve.kernels.kv_format import kv_format
+from pagedserve.kernels.native_attention import NativeAttention
 from pagedserve.kernels.ops import select_ops
 
 
@@ -53,12 +60,41 @@ def row(length: int, dtype: torch.dtype, repeats: int, kernel_cache: Path) -> di
     return result
 
 
+def chunk_row(spec: str, repeats: int, kernel_cache: Path) -> dict:
+    """A bfloat16 chunk ``TOKENS@CONTEXT``: the pair-product kernel against the vector kernel."""
+    tokens, context = (int(part) for part in spec.split("@"))
+    ops = select_ops(torch.device("cpu"), "native", kernel_cache, kv_format("auto"))
+    k, v, tables = caches(ops, 1, context + tokens, torch.bfloat16, torch.device("cpu"))
+    q = torch.randn(tokens, HEADS, DIM).to(torch.bfloat16)
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    lens = torch.tensor([context + tokens], dtype=torch.int32)
+    pairs = tokens * context + tokens * (tokens + 1) // 2  # the query-key pairs the chunk attends
+    result = {"tokens": tokens, "context": context}
+    for name, pair_products in (("pairs", True), ("vector", False)):
+        attention = NativeAttention(kernel_cache, pair_products=pair_products)
+        result[f"{name}_kernel"] = attention.prefill_kind
+        ms = median_ms(lambda: attention.prefill(q, k, v, tables, starts, lens, 0.125), repeats)
+        result[f"{name}_ms"], result[f"{name}_ns_per_pair"] = ms, round(ms * 1e6 / pairs, 2)
+    result["speedup"] = round(result["vector_ms"] / result["pairs_ms"], 2)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--chunks", nargs="+", metavar="TOKENS@CONTEXT",
+                    help="bfloat16 chunks at a context: the pair-product kernel against the vector kernel")
     args = ap.parse_args(argv)
+    if args.chunks:
+        with tempfile.TemporaryDirectory() as cache:
+            rows = [chunk_row(spec, args.repeats, Path(cache)) for spec in args.chunks]
+        print(json.dumps({"bench": "prefill_chunks", "threads": torch.get_num_threads(), "results": rows}))
+        print_table(rows, [(key, lambda r, key=key: r[key]) for key in
+                           ("tokens", "context", "pairs_kernel", "pairs_ms", "vector_ms", "pairs_ns_per_pair",
+                            "vector_ns_per_pair", "speedup")])
+        return 0
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as cache:
         rows = [row(length, dtype, args.repeats, Path(cache)) for length in args.lengths]

@@ -22,6 +22,8 @@ from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.native_build import load_library
 
 QUANTIZED_KERNELS = {"int8": "i8"}  # format -> kernel suffix; the others decode by table
+# what csrc/paged_prefill_bf16.c's paged_prefill_pairs_kind() says runs bfloat16 prefill
+PREFILL_KINDS = {0: "vectors", 1: "AVX512-BF16 pairs (bf16)", 2: "AMX tiles (bf16)"}
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -51,7 +53,8 @@ class NativeAttention:
     """Decode and prefill launchers over one loaded library; the torch reference (with its own
     workspace) for what the kernel does not take."""
 
-    def __init__(self, cache_dir: Path, kv_format: KVFormat = AUTO) -> None:
+    def __init__(self, cache_dir: Path, kv_format: KVFormat = AUTO, pair_products: bool = True) -> None:
+        """``pair_products`` False keeps bfloat16 prefill on the vector kernel (the benchmarks' "before")."""
         self._lib = self.lib = load_library("paged_attention", cache_dir)  # the layer kernels are in it too
         self.kv_format = kv_format
         if kv_format.quantized:
@@ -63,11 +66,15 @@ class NativeAttention:
         self._kernels = {dtype: getattr(self._lib, f"paged_attention_{name}{suffix}") for dtype, name in _DTYPES.items()}
         self._prefill_kernels = self._vector_prefill = {dtype: getattr(self._lib, f"paged_prefill_{name}{suffix}")
                                                         for dtype, name in _DTYPES.items()}
-        # bfloat16 over a bfloat16 cache on AMX tiles where the CPU has them and Linux grants them
-        # (csrc/paged_prefill_amx.c); head sizes of a multiple of 32
-        self.prefill_on_tiles = not kv_format.quantized and bool(self._lib.paged_prefill_amx_ready())
-        if self.prefill_on_tiles:
-            self._prefill_kernels = {**self._prefill_kernels, torch.bfloat16: self._lib.paged_prefill_bf16_amx}
+        # bfloat16 over a bfloat16 cache on pair products (csrc/paged_prefill_bf16.c): AMX tiles where the CPU
+        # has them and Linux grants them, else AVX512-BF16 vectors where it has those; head sizes of a multiple of 32
+        pair_rows = _I64()
+        kind = 0 if kv_format.quantized or not pair_products else int(self._lib.paged_prefill_pairs_kind(ctypes.byref(pair_rows)))
+        self.prefill_kind = PREFILL_KINDS[kind]
+        self._pair_rows = pair_rows.value if kind else None  # the rows a task holds there (the tiles' or the vectors')
+        if kind:
+            kernel = self._lib.paged_prefill_bf16_amx if kind == 2 else self._lib.paged_prefill_bf16_dot
+            self._prefill_kernels = {**self._prefill_kernels, torch.bfloat16: kernel}
         limits = [_I64(), _I64(), _I64()]
         self._lib.paged_attention_limits(*(ctypes.byref(x) for x in limits))
         self._max_dim, self._max_group, self._max_block = (x.value for x in limits)
@@ -102,12 +109,13 @@ class NativeAttention:
                                                self.kv_format)
         check_tables(block_tables, seq_lens, query_start_loc.shape[0] - 1)
         tokens = chunk_tokens(query_start_loc, seq_lens, q.shape[0])
+        pairs = self._pair_rows is not None and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0
+        kernels, rows = (self._prefill_kernels, self._pair_rows) if pairs else (self._vector_prefill, self._max_rows)
         # Tiles of consecutive tokens of one sequence, as many as the kernel's rows hold with the group.
-        tile = max(1, self._max_rows // (q.shape[1] // k_cache.shape[2]))
+        tile = max(1, rows // (q.shape[1] // k_cache.shape[2]))
         first = torch.nonzero(tokens.offset % tile == 0).flatten()
         length = (tokens.lengths[tokens.chunk[first]] - tokens.offset[first]).clamp_max(tile)
         tiles = (first.to(torch.int32).contiguous(), length.to(torch.int32).contiguous())
-        kernels = self._prefill_kernels if q.shape[-1] % 32 == 0 else self._vector_prefill
         return self._run(kernels, q, k_cache, v_cache, block_tables, tokens.chunk.to(torch.int32),
                          tokens.seen.to(torch.int32), scale, window, softcap, tiles)
 

@@ -86,7 +86,7 @@ def native_ops(kernel_cache: Path, kv_format: KVFormat = AUTO) -> AttentionOps:
     torch ones, which are single index copies already, and the mixture-of-experts block the
     grouped torch loop."""
     attention = NativeAttention(kernel_cache, kv_format)
-    log.info("CPU attention kernels", prefill="AMX tiles (bf16)" if attention.prefill_on_tiles else "vectors")
+    log.info("CPU attention kernels", prefill=attention.prefill_kind)
     return AttentionOps(partial(reference.store_kv, kv_format=kv_format), attention.decode, attention.prefill,
                         reference.copy_blocks, reference.swap_blocks, backend="native", kv_format=kv_format,
                         layer=NativeLayerOps(attention.lib))

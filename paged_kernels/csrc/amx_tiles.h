@@ -14,6 +14,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define AMX_BF16 1
+#include "bf16_vectors.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -32,9 +33,6 @@ typedef struct {
     uint16_t bytes_per_row[16];
     uint8_t rows[16];
 } amx_config;
-
-/* 16 bfloat16 values widened to float32 (exact). */
-static inline __m512 bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 /* Whether this process may use the tiles (Linux grants them on request; a kernel too old, or a VM
  * that hides them, says no and the callers keep their vector paths). */

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.kernels import native_build
-from pagedserve.kernels.native_attention import NativeAttention
+from pagedserve.kernels.native_attention import PREFILL_KINDS, NativeAttention
 from pagedserve.kernels.native_build import NativeKernelUnavailable
 from tests.paged_cases import TOLERANCE, check_against_naive, dense_context, make_case, naive_attention
 
@@ -60,12 +60,13 @@ def test_prefill_with_cached_prefix_matches_naive(native, block_size, heads, kv_
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (16, 1), (4, 4)])
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 0.0), (0, 20.0)])
-def test_bfloat16_prefill_on_amx_tiles_matches_plain_attention(native, head_dim, heads, kv_heads, window, softcap):
-    """Where the CPU has AMX tiles (and Linux grants them), bfloat16 prefill runs on them
-    (csrc/paged_prefill_amx.c): a whole prompt over many row blocks and key steps, a chunk after a
-    prefix ending inside a step, a one-token chunk; windows and score caps as the vector kernel."""
-    if not native.prefill_on_tiles:
-        pytest.skip("no AMX tiles here (or Linux refused them): the vector kernel runs bfloat16 prefill")
+def test_bfloat16_prefill_on_pair_products_matches_plain_attention(native, head_dim, heads, kv_heads, window, softcap):
+    """Where the CPU has AMX tiles (and Linux grants them) or AVX512-BF16, bfloat16 prefill runs on
+    pair products (csrc/paged_prefill_bf16.c): a whole prompt over many row blocks and key steps, a
+    chunk after a prefix ending inside a step, a one-token chunk; windows and score caps as the
+    vector kernel."""
+    if native.prefill_kind == PREFILL_KINDS[0]:
+        pytest.skip("neither AMX tiles nor AVX512-BF16 here: the vector kernel runs bfloat16 prefill")
     seq_lens, q_lens = [300, 170, 64], [300, 90, 1]
     case = make_case(seq_lens, 16, kv_heads, head_dim, torch.bfloat16)
     q = (torch.randn(sum(q_lens), heads, head_dim) * 2).to(torch.bfloat16)
@@ -78,6 +79,27 @@ def test_bfloat16_prefill_on_amx_tiles_matches_plain_attention(native, head_dim,
         chunk = slice(int(starts[s]), int(starts[s + 1]))
         expected = naive_attention(q[chunk].float(), k.float(), v.float(), scale, n - ql, window, softcap)
         torch.testing.assert_close(out[chunk].float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 16, 2)])
+def test_pair_products_give_the_vector_kernels_outputs_but_for_a_rare_last_bit(native, tmp_path, head_dim, heads,
+                                                                                 kv_heads):
+    """The weights go through the second product as two bfloat16 parts (~16 bits): measured on this
+    case, 0.15% of the outputs differ from the float32 vector kernel's, each by one unit of bfloat16;
+    one part alone (flash attention's rounding) makes 29% differ, by up to a whole value."""
+    if native.prefill_kind == PREFILL_KINDS[0]:
+        pytest.skip("neither AMX tiles nor AVX512-BF16 here: the vector kernel runs bfloat16 prefill")
+    vector = NativeAttention(tmp_path, pair_products=False)
+    torch.manual_seed(0)
+    case = make_case([600, 300], 16, kv_heads, head_dim, torch.bfloat16)
+    q = (torch.randn(700, heads, head_dim) * 2).to(torch.bfloat16)
+    starts = torch.tensor([0, 600, 700], dtype=torch.int32)
+    args = (q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, head_dim ** -0.5)
+    pairs, plain = native.prefill(*args).float(), vector.prefill(*args).float()
+    differ = pairs != plain
+    assert differ.float().mean() < 0.01
+    # one unit of bfloat16, or a few millionths where a sum of values of ~1 cancels to nearly nothing
+    assert torch.all((pairs - plain).abs()[differ] <= plain.abs()[differ] * 2.0 ** -7 + 1e-5)
 
 
 @pytest.mark.parametrize("block_size", [1, 7, 16])
