@@ -182,3 +182,39 @@ def test_every_steps_seconds_count_into_cumulative_buckets_as_prometheus_reads_t
                        for bound in STEP_BUCKETS}, "steps_count": 5.0, "steps_sum": pytest.approx(20.609)}
     assert snap["steps_le_0.005"] == 2.0 and snap["steps_le_0.25"] == 2.0 and snap["steps_le_0.5"] == 4.0
     assert list(seconds.snapshot())[0] == "engine_step_seconds_le_0.005"
+
+
+def test_a_burst_of_prompts_beside_streams_starts_a_few_at_a_time_in_order_within_the_target():
+    """Forty prompts at once beside decoding streams: once a step's prefill time is spent, a new prompt
+    starts only beside fewer than ``PREFILLING_AT_ONCE`` others (sharing the step's time), so they start
+    in order, finish nearly so, and the steps keep to the target. Before, every one started with ``MIN_PREFILL`` tokens in the first
+    step (40 x 16 tokens past the target: a W64 batch's steps ran 0.5-0.7 s at 300 ms) and all
+    finished late together."""
+    cfg = SchedulerConfig(num_gpu_blocks=2400, block_size=16, max_num_batched_tokens=2048, max_model_len=8192,
+                          max_step_ms=50)
+    sched, sim = Scheduler(cfg), KVSimulator(16, 2400, 0)
+    sched.step_time = fit = fitted(*COST)
+    for i in range(8):
+        sched.add(f"s{i}", [1 + (i * 7 + k) % 90 for k in range(32)], SamplingParams(max_tokens=1000, ignore_eos=True))
+    for _ in range(2):
+        plan = sched.schedule()
+        sched.update(plan, sim.execute(plan))
+    rng = random.Random(2)
+    for i in range(40):  # no two share a prefix
+        sched.add(f"p{i}", [rng.randint(100, 30000) for _ in range(600)], SamplingParams(max_tokens=1, ignore_eos=True))
+    done, prefilling, started = [], [], {}
+    while len(done) < 40:
+        plan = sched.schedule()
+        prompts = [s for s in plan.seqs if s.request_id.startswith("p")]
+        prefilling.append(len(prompts))
+        for s in prompts:
+            started.setdefault(int(s.request_id[1:]), len(prefilling))
+        seconds = fit.seconds(plan.num_tokens, sum(pairs(s.start, s.num_tokens) for s in plan.seqs))
+        assert seconds <= 0.050 + step_time.PREFILLING_AT_ONCE * fit.chunk_seconds(600, step_time.MIN_PREFILL), seconds
+        for out in sched.update(plan, sim.execute(plan)):
+            if out.request_id.startswith("p") and out.finished:
+                done.append(int(out.request_id[1:]))
+        assert len(prefilling) < 500
+    assert max(prefilling) <= step_time.PREFILLING_AT_ONCE + 2, prefilling
+    assert list(started) == sorted(started), started  # started in the order they came
+    assert all(abs(place - i) < step_time.PREFILLING_AT_ONCE for place, i in enumerate(done)), done  # done so, nearly

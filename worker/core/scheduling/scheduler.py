@@ -39,7 +39,8 @@ from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepBuilder, St
 from pagedserve.worker.core.scheduling.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.scheduling.request_table import RequestTable
 from pagedserve.worker.core.scheduling.step_apply import StepApplier
-from pagedserve.worker.core.scheduling.step_time import MIN_PREFILL, PrefillBudget, StepSeconds, StepTime
+from pagedserve.worker.core.scheduling.step_time import (MIN_PREFILL, PREFILLING_AT_ONCE, PrefillBudget, StepSeconds,
+                                                          StepTime)
 from pagedserve.worker.core.scheduling.structured_state import grammar_error, start_state
 from pagedserve.worker.core.speculative.draft_cost import StepCost
 
@@ -342,7 +343,13 @@ class Scheduler:
         return req.adapter in active or len(active) < cap
 
     def _may_start(self, req: Request, step: StepBuilder) -> bool:
-        return step.budget > 0 and self.num_running_seqs + req.seq_slots <= self.config.max_num_seqs
+        """Within the token budget and ``max_num_seqs``; under ``max_step_ms`` beside decoding rows, once
+        the step's prefill time is spent, only beside fewer than ``PREFILLING_AT_ONCE`` prompts (a burst
+        starts a few at a time, in order, instead of every prompt taking a sliver of each step)."""
+        if step.budget <= 0 or self.num_running_seqs + req.seq_slots > self.config.max_num_seqs:
+            return False
+        return (step.prefill is None or not step.prefill.spent
+                or sum(1 for r in self.running if r.prefilling) < PREFILLING_AT_ONCE)
 
     def _run(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING

@@ -26,6 +26,9 @@ MIN_PREFILL = 16  # tokens a prefill chunk carries at least under max_step_ms
 UNPRICED_PREFILL = 128  # ... and at most beside decoding rows while the step time is not priced (the fit learns from them)
 REACH = 2  # ... and at most this many times the largest step seen lately: the fit is trusted that far from its data
 REACH_DECAY = 0.9  # per step, how fast an old large step stops counting as seen lately (half in ~7 steps)
+PREFILLING_AT_ONCE = 4  # once a step's prefill time is spent, a new prompt starts only beside fewer running ones:
+#   a burst of 50 prompts each started with MIN_PREFILL tokens overran the target (0.5-0.7 s steps) and all
+#   finished late, so their rows began decoding late (a W64 batch 6.6% slower, docs/benchmarks.md)
 
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)  # seconds (StepSeconds)
@@ -126,6 +129,12 @@ class PrefillBudget:
             return cls(fit, None)
         decoding = fit.seconds(len(decoding_starts), sum(pairs(start, 1) for start in decoding_starts)) or 0.0
         return cls(fit, max(max_step_ms / 1000 - decoding, decoding))
+
+    @property
+    def spent(self) -> bool:
+        """Whether the time left could not take a new prompt's first ``MIN_PREFILL`` tokens (never where
+        nobody decodes; while the fit does not price a step, once the time is overrun)."""
+        return self.seconds_left is not None and self.seconds_left < self.fit.chunk_seconds(0, MIN_PREFILL)
 
     def cut(self, start: int, count: int, turns: int = 1) -> int:
         """A prefill chunk of ``count`` tokens from ``start``, cut to its part of the time left
