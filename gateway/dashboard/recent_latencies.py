@@ -31,12 +31,13 @@ class RecentLatencies:
             samples.popleft()
 
     def percentiles(self, kind: str, window_s: float = 10.0, now: float | None = None) -> dict[str, float | int]:
-        """``{"count", "p50", "p90", "p99"}`` in milliseconds over the last ``window_s`` (zeros when none)."""
+        """``{"count", "p50", "p90", "p99", "max"}`` in milliseconds over the last ``window_s`` (zeros when
+        none): ``max`` is the longest one, a stall that a few samples among thousands hide from p99."""
         now = time.monotonic() if now is None else now
         self._forget(kind, now)
         samples = self._samples[kind]
         recent = sorted(v for t, v in samples if t >= now - window_s)
         if not recent:
-            return {"count": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+            return {"count": 0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
         pick = lambda q: round(1000 * recent[min(len(recent) - 1, int(q * len(recent)))], 2)  # noqa: E731
-        return {"count": len(recent), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+        return {"count": len(recent), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": pick(1.0)}

@@ -322,7 +322,7 @@
     chart("chart-throughput", workers.map((w) => ({ name: w.name, points: w.history.filter((p) => p.tokensPerS !== undefined).map((p) => [p.t, p.tokensPerS]) })));
     chart("chart-kv", workers.map((w) => ({ name: w.name, points: w.history.map((p) => [p.t, p.kv]) })));
     for (const [id, key] of [["chart-ttft", "ttft_ms"], ["chart-itl", "itl_ms"]]) {
-      chart(id, ["p50", "p90", "p99"].map((q) => ({ name: q, points: g.filter((x) => x[key].count).map((x) => [x.time, x[key][q]]) })));
+      chart(id, ["p50", "p90", "p99", "max"].map((q) => ({ name: q, points: g.filter((x) => x[key].count).map((x) => [x.time, x[key][q]]) })));
     }
     chart("chart-queue", [{ name: "model's stream", points: g.filter((x) => x.queue_depth !== null).map((x) => [x.time, x.queue_depth]) }]
       .concat(workers.map((w) => ({ name: "waiting " + w.name, points: w.history.map((p) => [p.t, p.waiting]) }))));
