@@ -73,6 +73,8 @@ async def scenario(args: argparse.Namespace) -> dict:
         await asyncio.gather(*streams, return_exceptions=True)
         before = [b - a for s in stamps for a, b in zip(s, s[1:]) if b < sent]
         during = [b - a for s in stamps for a, b in zip(s, s[1:]) if b >= sent and a <= first]
+    # alone, on a new connection: llama-server closed a pooled one as it was reused (a keep-alive race)
+    async with httpx.AsyncClient(base_url=args.url, timeout=600) as http:
         alone_times, alone_usage = [], {}
         alone_sent = time.perf_counter()
         await stream(http, args.model, long_text(args.prompt_words, 2), 1, alone_times, alone_usage)
