@@ -5,10 +5,11 @@ The body (``bodies.anthropic.MessagesRequest``) is read as the chat completion i
 ``tool_result`` blocks as tool messages, ``tool_choice`` any/tool as required/named) and goes the
 chat's way: the same template, sampling, tool parsing, reasoning split and queue. The answer comes
 back as a ``message`` of content blocks (``thinking``, ``text``, ``tool_use``) with ``stop_reason``
-``end_turn``, ``max_tokens`` or ``tool_use``; streamed, as Anthropic's events (``message_start``,
-``content_block_start``/``_delta``/``_stop``, ``message_delta``, ``message_stop``). Errors are in
-Anthropic's shape (``error_body``). Not given: ``stop_sequence`` (a stop sequence ends the turn as
-``end_turn``; the workers do not say which stop matched), images and documents (a 400).
+``end_turn``, ``max_tokens``, ``tool_use`` or ``stop_sequence`` (with the ``stop_sequence`` that
+matched, as the worker says) and ``usage`` with ``cache_read_input_tokens`` apart; streamed, as
+Anthropic's events (``message_start``, ``content_block_start``/``_delta``/``_stop``, ``message_delta``,
+``message_stop``). Errors are in Anthropic's shape (``error_body``). Not given: images and documents
+(a 400).
 """
 
 from __future__ import annotations
