@@ -218,3 +218,26 @@ def test_a_burst_of_prompts_beside_streams_starts_a_few_at_a_time_in_order_withi
     assert max(prefilling) <= step_time.PREFILLING_AT_ONCE + 2, prefilling
     assert list(started) == sorted(started), started  # started in the order they came
     assert all(abs(place - i) < step_time.PREFILLING_AT_ONCE for place, i in enumerate(done)), done  # done so, nearly
+
+
+def test_a_more_urgent_prompt_starts_at_once_beside_a_burst_of_less_urgent_ones():
+    cfg = SchedulerConfig(num_gpu_blocks=2400, block_size=16, max_num_batched_tokens=2048, max_model_len=8192,
+                          max_step_ms=50)
+    sched, sim = Scheduler(cfg), KVSimulator(16, 2400, 0)
+    sched.step_time = fitted(*COST)
+    sched.add("s", [5] * 32, SamplingParams(max_tokens=1000, ignore_eos=True))
+    for _ in range(2):
+        plan = sched.schedule()
+        sched.update(plan, sim.execute(plan))
+    rng = random.Random(3)
+    for i in range(12):
+        sched.add(f"p{i}", [rng.randint(100, 30000) for _ in range(3000)], SamplingParams(max_tokens=1, ignore_eos=True))
+    for _ in range(3):  # the burst's first few running
+        plan = sched.schedule()
+        sched.update(plan, sim.execute(plan))
+    assert sum(1 for r in sched.running if r.prefilling) == step_time.PREFILLING_AT_ONCE
+    sched.add("urgent", [rng.randint(100, 30000) for _ in range(3000)], SamplingParams(max_tokens=1, ignore_eos=True),
+              priority=-1)
+    plan = sched.schedule()
+    assert "urgent" in {s.request_id for s in plan.seqs}
+    assert not any(s.request_id == f"p{step_time.PREFILLING_AT_ONCE}" for s in plan.seqs)  # the next of the burst waits

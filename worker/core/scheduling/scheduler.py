@@ -344,12 +344,13 @@ class Scheduler:
 
     def _may_start(self, req: Request, step: StepBuilder) -> bool:
         """Within the token budget and ``max_num_seqs``; under ``max_step_ms`` beside decoding rows, once
-        the step's prefill time is spent, only beside fewer than ``PREFILLING_AT_ONCE`` prompts (a burst
-        starts a few at a time, in order, instead of every prompt taking a sliver of each step)."""
+        the step's prefill time is spent, only beside fewer than ``PREFILLING_AT_ONCE`` prompts of its
+        priority or a higher one (a burst starts a few at a time, in order, instead of every prompt
+        taking a sliver of each step; a more urgent prompt still starts at once)."""
         if step.budget <= 0 or self.num_running_seqs + req.seq_slots > self.config.max_num_seqs:
             return False
         return (step.prefill is None or not step.prefill.spent
-                or sum(1 for r in self.running if r.prefilling) < PREFILLING_AT_ONCE)
+                or sum(1 for r in self.running if r.prefilling and r.priority <= req.priority) < PREFILLING_AT_ONCE)
 
     def _run(self, req: Request) -> None:
         req.status = RequestStatus.RUNNING
