@@ -96,7 +96,9 @@ def _config(root: Path) -> dict:
         raise LoraError(f"{root}: no {CONFIG_FILE} (a PEFT LoRA adapter directory has one)") from None
     except (OSError, ValueError) as err:
         raise LoraError(f"{root / CONFIG_FILE}: not readable JSON ({err})") from None
-    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+    if not isinstance(config, dict):
+        raise LoraError(f"{root / CONFIG_FILE}: not a LoRA adapter (a JSON {type(config).__name__}, not an object)")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise LoraError(f"{root / CONFIG_FILE}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     if not isinstance(config.get("r"), int) or config["r"] < 1:
         raise LoraError(f"{root / CONFIG_FILE}: r must be a positive integer, got {config.get('r')!r}")
