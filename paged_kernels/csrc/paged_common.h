@@ -35,7 +35,7 @@ static inline void bf16_store(uint16_t *x, float f) {
 /* e^x to about two ulp, in plain arithmetic the compiler vectorises (libm's expf is a scalar call
  * per score). Cephes' range reduction and polynomial; x is clamped to [-87, 88], so -inf (the
  * running maximum before the first block) gives ~1e-38 times an accumulator that is still zero. */
-#define EXP_LOW (-87.0f) /* the clamp, the reduction and the polynomial: paged_prefill_amx.c's exp16 too */
+#define EXP_LOW (-87.0f) /* the clamp, the reduction and the polynomial: paged_prefill_bf16.c's exp16 too */
 #define EXP_HIGH 88.0f
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_LN2_HI 0.693359375f /* ln 2 in two parts: n * ln 2 subtracted exactly */

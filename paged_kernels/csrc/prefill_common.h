@@ -1,4 +1,4 @@
-/* What the prefill kernels share, paged_prefill.c (vectors) and paged_prefill_amx.c (AMX tiles): a
+/* What the prefill kernels share, paged_prefill.c (vectors) and paged_prefill_bf16.c (pair products): a
  * task's rows at most, keys per step, and the online softmax, a row and KC keys at a time.
  */
 #ifndef PREFILL_COMMON_H

@@ -133,7 +133,8 @@ class PrefillBudget:
     @property
     def spent(self) -> bool:
         """Whether the time left could not take a new prompt's first ``MIN_PREFILL`` tokens (never where
-        nobody decodes; while the fit does not price a step, once the time is overrun)."""
+        nobody decodes, nor while the fit does not price a step: ``cut`` takes no time then, and chunks
+        carry ``UNPRICED_PREFILL`` tokens at most)."""
         return self.seconds_left is not None and self.seconds_left < self.fit.chunk_seconds(0, MIN_PREFILL)
 
     def cut(self, start: int, count: int, turns: int = 1) -> int:
