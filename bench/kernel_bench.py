@@ -1,8 +1,9 @@
 """Decode and prefill attention kernels: time, achieved bandwidth, and ratios to baselines on the same data.
 
-For each (batch, context): the Triton paged decode kernel; torch SDPA over the same K/V gathered
-into contiguous tensors (gather not timed); and the device's copy bandwidth (a large
-device-to-device copy). Bandwidth counts the KV bytes the kernel must read.
+For each (batch, context): the Triton paged decode kernel (and, where it cuts the context finer than
+slices of 512 tokens, the same launch in slices of 512); torch SDPA over the same K/V gathered into
+contiguous tensors (gather not timed); and the device's copy bandwidth (a large device-to-device
+copy). Bandwidth counts the KV bytes the kernel must read.
 
     python bench/kernel_bench.py [--out results.json]            # on a CUDA machine
     TRITON_INTERPRET=1 python bench/kernel_bench.py --quick       # smoke run on a CPU
@@ -20,6 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from pagedserve.bench.table import print_table
+from pagedserve.kernels.decode_partitions import PARTITIONS, decode_partition
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
@@ -57,13 +59,21 @@ def one_case(batch: int, context: int, dtype: torch.dtype, device: str, repeat: 
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=dtype)
     scale = HEAD_DIM**-0.5
-    t_kernel = timed(lambda: paged_attention_decode(q, k_cache, v_cache, tables, lens, scale, max_seq_len=context), device, repeat)
+    def decode(partition: int | None = None):
+        return paged_attention_decode(q, k_cache, v_cache, tables, lens, scale, max_seq_len=context, partition=partition)
+
+    t_kernel = timed(decode, device, repeat)
     k = gather_context(k_cache, tables, context).transpose(1, 2).contiguous()
     v = gather_context(v_cache, tables, context).transpose(1, 2).contiguous()
     t_sdpa = timed(lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True), device, repeat)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * k_cache.element_size()
-    return {"batch": batch, "context": context, "kernel_ms": round(t_kernel * 1e3, 4), "sdpa_ms": round(t_sdpa * 1e3, 4),
-            "kernel_gbps": round(kv_bytes / t_kernel / 1e9, 1), "kernel_vs_sdpa": round(t_sdpa / t_kernel, 3)}
+    partition = decode_partition(batch, KV_HEADS, context)
+    row = {"batch": batch, "context": context, "partition": partition, "kernel_ms": round(t_kernel * 1e3, 4),
+           "sdpa_ms": round(t_sdpa * 1e3, 4), "kernel_gbps": round(kv_bytes / t_kernel / 1e9, 1),
+           "kernel_vs_sdpa": round(t_sdpa / t_kernel, 3)}
+    if partition != PARTITIONS[0]:  # cut finer for a few long sequences: against the slices of 512 in the same run
+        row["vs_slices_of_512"] = round(timed(lambda: decode(PARTITIONS[0]), device, repeat) / t_kernel, 3)
+    return row
 
 
 def prefill_case(seqs: int, length: int, dtype: torch.dtype, device: str, repeat: int) -> dict:
@@ -141,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     print_table(rows, [("batch", lambda r: r["batch"]), ("context", lambda r: r["context"]),
+                       ("slice", lambda r: r["partition"]), ("vs 512", lambda r: r.get("vs_slices_of_512", "")),
                        ("kernel ms", lambda r: r["kernel_ms"]), ("GB/s", lambda r: r["kernel_gbps"]),
                        ("of copy", lambda r: f"{r['fraction_of_copy_bw']:.1%}"), ("sdpa ms", lambda r: r["sdpa_ms"]),
                        ("vs sdpa", lambda r: f"{r['kernel_vs_sdpa']}x")])

@@ -106,9 +106,7 @@ def tile_weighted(p, v, v_scale, dtype: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
-def cap_scores(scores, softcap):
-    """``softcap * tanh(scores / softcap)`` where ``softcap`` > 0 (Gemma 2), else the scores as they
-    are; tanh as ``1 - 2 / (exp(2x) + 1)``, which saturates cleanly at +-1 for large |x|."""
-    cap = tl.where(softcap > 0.0, softcap, 1.0)  # no division by zero on the uncapped path
-    capped = cap * (1.0 - 2.0 / (tl.exp(2.0 * scores / cap) + 1.0))
-    return tl.where(softcap > 0.0, capped, scores)
+def capped(scores, softcap):
+    """``softcap * tanh(scores / softcap)``, ``softcap`` > 0; tanh as ``1 - 2 / (exp(2x) + 1)``, which
+    saturates cleanly at +-1 for large |x|."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))

@@ -50,6 +50,22 @@ def test_decode(device, dtype, block_size, head_dim, heads, kv_heads):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("partition", [128, 256, 512])
+@pytest.mark.parametrize("window", [0, 300])
+def test_decode_in_slices_of_any_size_reduced_in_chunks(device, partition, window):
+    """Contexts of up to 40 slices of 128 (more than one chunk of the reduction), with and
+    without a window that leaves early slices unwritten."""
+    lengths = [1, 127, 128, 129, 700, 5000]
+    case = make_case(lengths, 16, 2, 64, torch.float32, device)
+    q = torch.randn(len(lengths), 4, 64).to(device) * 2
+    out = paged_attention_decode(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.1, window=window,
+                                 partition=partition)
+    expected = ref.paged_attention_decode(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
+                                          case.seq_lens.cpu(), 0.1, window=window)
+    close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim,heads,kv_heads", [(16, 64, 4, 2), (4, 96, 3, 1)])
 def test_prefill_with_cached_prefix(device, dtype, block_size, head_dim, heads, kv_heads):
@@ -79,6 +95,23 @@ def test_sliding_window_and_soft_capped_decode_and_prefill(device, window, softc
     seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 37]
     case = make_case(seq_lens, 4, 1, 32, torch.float32, device)
     q = torch.randn(sum(q_lens), 3, 32).to(device) * 3
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125, window=window,
+                            softcap=softcap)
+    expected = ref.prefill_attention(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
+                                     starts.cpu(), case.seq_lens.cpu(), 0.125, window=window, softcap=softcap)
+    close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 2.5), (300, 0.0)])
+def test_long_chunks_mask_only_the_tiles_on_the_diagonal_and_the_windows_edge(device, window, softcap):
+    """Chunks of several 128-row query tiles (64-key tiles) after prefixes: a tile's keys below its
+    first row and inside its last row's window go unmasked, the window's edge and the diagonal
+    masked, whatever the window's size against the tiles."""
+    seq_lens, q_lens = [300, 457, 700, 130], [300, 257, 65, 129]
+    case = make_case(seq_lens, 16, 2, 64, torch.float32, device)
+    q = torch.randn(sum(q_lens), 4, 64).to(device) * 2
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125, window=window,
                             softcap=softcap)

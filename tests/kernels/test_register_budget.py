@@ -1,6 +1,7 @@
 """The attention and LoRA kernels compiled for Hopper (sm_90) on the CPU, at the head shapes of real models:
-no register spills (a spill is local-memory traffic on every tile, invisible to a CPU test that
-only checks results). Triton compiles for a ``GPUTarget`` without a device; the cubin's resource
+no register spilled inside a loop (a spill there is local-memory traffic on every tile, invisible
+to a CPU test that only checks results), and the long-chunk prefill kernel on full-width wgmma
+products with its K/V loads pipelined. Triton compiles for a ``GPUTarget`` without a device; the cubin's resource
 usage is read with the ``cuobjdump`` Triton bundles. The compiling runs in one child process
 (``python -m tests.kernels.test_register_budget``, which prints every case's usage as JSON):
 the interpreter tests of this session decorate the kernels for ``TRITON_INTERPRET=1``, and an
@@ -29,11 +30,20 @@ MODELS = {  # (query heads per KV head, head_dim)
     "Llama-3-8B": (4, 128), "Llama-3-70B": (8, 128), "Qwen2.5-7B": (7, 128), "Gemma-2-9B": (2, 256),
     "Gemma-3-1B": (4, 256), "SmolLM2-135M": (3, 64), "Mistral-7B": (4, 128),
 }
+SOFT_CAPPED = ("Gemma-2-9B",)  # its attention kernels are compiled with soft-capping
 POINTERS = {"tables_ptr": "*i32", "lens_ptr": "*i32", "starts_ptr": "*i32", "slot_ptr": "*i32"}
 
 
-def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int) -> dict[str, int]:
-    """``REG``, ``STACK``, ... of ``fn`` compiled for sm_90 with a cache of ``cache_dtype``."""
+ALIGNED_STRIDES = ("stride_qs", "stride_qh", "stride_qt", "stride_ot", "stride_oh", "stride_os")
+CACHE_STRIDES = ("stride_kb", "stride_kt", "stride_kh")
+
+
+def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int) -> dict:
+    """``REG``, ``STACK``, ... of ``fn`` compiled for sm_90 with a cache of ``cache_dtype``, and from its
+    PTX the shapes of its wgmma products and its count of asynchronous copies (loads pipelined
+    through shared memory). Compiled as a launch specializes it: pointers and the strides of
+    queries, outputs and a 16-bit cache divisible by 16 (a quantized cache's rows, head_dim + 2
+    bytes, are not)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -46,15 +56,34 @@ def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int) -> dict[st
                                            "*bf16" if name in ("q_ptr", "out_ptr") else "*fp32")
         else:
             signature[name] = "fp32" if name in ("scale", "softcap") else "i64" if name.startswith("stride") else "i32"
-    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": num_warps})
+    aligned = [n for n in signature if n.endswith("_ptr") or n in ALIGNED_STRIDES
+               or (n in CACHE_STRIDES and cache_dtype != "u8")]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     with tempfile.TemporaryDirectory() as folder:
         cubin = os.path.join(folder, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         usage = subprocess.run([CUOBJDUMP, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([CUOBJDUMP, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     line = next(text for text in usage.splitlines() if "REG:" in text)
-    return {key: int(value) for key, value in re.findall(r"([A-Z]+):(\d+)", line)}
+    ptx = compiled.asm["ptx"]
+    return {**{key: int(value) for key, value in re.findall(r"([A-Z]+):(\d+)", line)},
+            "local_in_loops": local_in_loops(sass),
+            "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+            "async_copies": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))}
+
+
+def local_in_loops(sass: str) -> int:
+    """Local-memory loads and stores (spilled registers) inside a loop of the kernel's machine code:
+    between a backward branch's target and the branch. One saved before a loop and restored after
+    it costs once per program; inside, once per tile."""
+    instructions = [(int(at, 16), text) for at, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(target, 16), at) for at, text in instructions
+             for target in re.findall(r"\bBRA\s+0x([0-9a-f]+)", text) if int(target, 16) < at]
+    return sum(1 for at, text in instructions if re.search(r"\b(STL|LDL)\b", text)
+               and any(lo <= at <= hi for lo, hi in loops))
 
 
 def cases() -> dict[str, tuple]:
@@ -62,17 +91,21 @@ def cases() -> dict[str, tuple]:
     out = {}
     for model, (group, dim) in MODELS.items():
         rows = dot_pad(group)
-        block_m, block_n = prefill_attention.prefill_tiles(dim)
         for cache in ("auto", "int8"):
             constants = dict(code_constants(kv_format(cache)), F32=False)
             out[f"decode-{cache}-{model}"] = (
                 paged_attention._decode_partial, "bf16" if cache == "auto" else "u8",
                 dict(GROUP=group, ROWS=rows, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, TILE=paged_attention.decode_tile(dim),
-                     PARTITION=paged_attention.PARTITION, **constants), paged_attention.NUM_WARPS)
-            out[f"prefill-{cache}-{model}"] = (
-                prefill_attention._prefill_kernel, "bf16" if cache == "auto" else "u8",
-                dict(GROUP=group, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n, **constants),
-                prefill_attention.NUM_WARPS)
+                     SOFTCAP=model in SOFT_CAPPED, **constants), paged_attention.NUM_WARPS)
+            for chunk, tokens in (("long", 512), ("short", 16)):
+                block_m, block_n = prefill_attention.prefill_tiles(dim, tokens, cache != "auto")
+                out[f"prefill-{chunk}-{cache}-{model}"] = (
+                    prefill_attention._prefill_kernel, "bf16" if cache == "auto" else "u8",
+                    dict(GROUP=group, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
+                         SOFTCAP=model in SOFT_CAPPED, **constants), prefill_attention.NUM_WARPS)
+    for dim in sorted({dim for _, dim in MODELS.values()}):  # the slices' reduction, at its default 4 warps
+        out[f"decode-reduce-{dim}"] = (paged_attention._decode_reduce, "bf16",
+                                       dict(DIM=dim, DIM_PAD=dim, CHUNK=paged_attention.REDUCE_CHUNK), 4)
     for rank in (16, 64):  # LoRA updates (paged_kernels/lora_update.py) at the default and a large --max-lora-rank
         out[f"lora-shrink-r{rank}"] = (lora_update._shrink, "bf16", dict(BLOCK_R=rank, BLOCK_K=lora_update.shrink_block_k(rank)),
                                        lora_update.NUM_WARPS)
@@ -97,13 +130,28 @@ def usage():
 
 @pytest.mark.parametrize("case", sorted(cases()))
 def test_the_kernels_keep_their_registers(usage, case):
-    assert usage[case]["STACK"] == 0 and usage[case]["REG"] <= 255, usage[case]
+    """No spill inside a loop (the decode kernel at some GQA groups saves a register or two before
+    its key loop and restores them after: up to 16 bytes of stack, once a program)."""
+    got = usage[case]
+    assert got["local_in_loops"] == 0 and got["STACK"] <= 16 and got["REG"] <= 255, got
 
 
 def test_the_tiles_shrink_as_the_head_grows():
     assert paged_attention.decode_tile(64) == 64 and paged_attention.decode_tile(128) == 64
     assert paged_attention.decode_tile(256) == 32 and paged_attention.decode_tile(1024) == 16  # never below 16
-    assert prefill_attention.prefill_tiles(128) == (64, 32) and prefill_attention.prefill_tiles(256) == (16, 32)
+    tiles = prefill_attention.prefill_tiles
+    assert tiles(128, 65) == tiles(64, 4096) == (128, 64) and tiles(128, 64) == tiles(128, 4096, True) == (64, 32)
+    assert tiles(256, 4096) == (64, 32) and tiles(256, 4096, True) == tiles(512, 4096) == (16, 32)
+
+
+@pytest.mark.parametrize("model", [m for m, (_, dim) in MODELS.items() if dim <= 128])
+def test_long_chunks_prefill_on_whole_warpgroup_products_with_pipelined_loads(usage, model):
+    """The flash-attention shape on Hopper: each warpgroup's products take 64 whole rows and a whole
+    key tile (m64n64 scores, m64nDIM weighted values), K and V brought into shared memory by
+    asynchronous copies a few tiles ahead (software pipelining)."""
+    dim = MODELS[model][1]
+    got = usage[f"prefill-long-auto-{model}"]
+    assert got["wgmma"] == sorted({"m64n64k16", f"m64n{dim}k16"}) and got["async_copies"] > 0, got
 
 
 if __name__ == "__main__":

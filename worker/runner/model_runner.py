@@ -19,7 +19,6 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from pagedserve.kernels.decode_partitions import decode_variant_lengths
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.ops import AttentionOps
 from pagedserve.kernels.reference import block_pairs
@@ -87,10 +86,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_decode(self, max_model_len: int) -> None:
-        """Compile now every variant of the decode kernel an eager step can launch (one per power
-        of two of context slices up to ``max_model_len``, for each window and score cap the layers
-        use), the draft model's too: a step whose context first crossed one stalled serving for the
-        compile (0.2-40 s)."""
+        """Compile now every variant of the decode kernel an eager step can launch (one for each
+        window and score cap the layers use: the slices' size and count are run-time values), the
+        draft model's too: a step that first needed one stalled serving for the compile (0.2-40 s)."""
         tables = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
         lens = torch.ones(1, dtype=torch.int32, device=self.device)
         models = [(self.model, self.kv_caches)] + ([(self.drafter.model, self.drafter.kv_caches)] if self.drafter else [])
@@ -99,8 +97,7 @@ class ModelRunner:
             q = torch.zeros((1, attention.num_heads, attention.head_dim), dtype=self.dtype, device=self.device)
             extras = {tuple(sorted(layer.self_attn.attn.extra.items())) for layer in model.model.layers}
             for extra in sorted(extras):
-                for length in decode_variant_lengths(max_model_len):
-                    self.ops.decode(q, *kv_caches[0], tables, lens, 1.0, max_seq_len=length, **dict(extra))
+                self.ops.decode(q, *kv_caches[0], tables, lens, 1.0, max_seq_len=max_model_len, **dict(extra))
 
     def apply_block_moves(self, plan: StepPlan) -> None:
         """The tiers' spills and demotions (reads of blocks the rest may overwrite), swap out, the
