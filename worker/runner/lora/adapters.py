@@ -119,14 +119,15 @@ class Adapters:
     def _matrices(self, name: str, needed: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The adapter's A and B per wrapped module, on the device (made once, kept while recent)."""
         matrices = self._on_device.get(name)
-        if matrices is None:
+        made = matrices is None
+        if made:
             matrices = self._on_device[name] = stacked(self.loaded[name], self.layout, self.widths, self.device, self.dtype)
-            spare = [n for n in self._on_device if n not in needed]
-            while len(self._on_device) > self.max_loras and spare:
-                self._on_device.pop(spare.pop(0))
-            if len(self._on_device) > self.max_loras:
-                log.warning("more adapters in one step than --max-loras", step_adapters=len(needed), max_loras=self.max_loras)
         self._on_device.move_to_end(name)
+        spare = [n for n in self._on_device if n not in needed]  # least recent first
+        while len(self._on_device) > self.max_loras and spare:  # also what a step past the limit left
+            self._on_device.pop(spare.pop(0))
+        if made and len(self._on_device) > self.max_loras:
+            log.warning("more adapters in one step than --max-loras", step_adapters=len(needed), max_loras=self.max_loras)
         return matrices
 
 
@@ -179,7 +180,7 @@ def stacked(adapter: PeftAdapter, layout: Layout, widths: dict[str, int], device
     out = {}
     for key, pieces in parts.items():
         a = torch.cat([p[1] for p in pieces])
-        b = torch.zeros((widths[key], a.shape[0]), dtype=torch.float32)
+        b = a.new_zeros((widths[key], a.shape[0]))  # float32 on the host, as the adapter's matrices
         r = 0
         for at, pa, pb in pieces:
             b[at : at + pb.shape[0], r : r + pa.shape[0]] = pb

@@ -81,7 +81,7 @@ class Shard:
         module, kind = _module_and_kind(name)
         if name in VOCAB:
             rows = self.vocab_rows(config.vocab_size)
-            lo = self.rank * rows
+            lo = min(self.rank * rows, config.vocab_size)  # a rank wholly past a small vocabulary holds padding alone
             part = _narrow(load, 0, lo, max(0, min(rows, config.vocab_size - lo)))
             if len(part) < rows:
                 part = torch.cat([part, part.new_zeros((rows - len(part), *part.shape[1:]))])
@@ -102,8 +102,7 @@ class Shard:
         """This rank's part of a LoRA adapter's ``A`` ``[r, in]`` and ``B`` ``[out, r]`` for ``target``
         of ``layer``: a column-parallel layer's B cut by rows as its weight is, a row-parallel one's A
         by columns (its update then joins the layer's partial sum); the other matrix whole."""
-        where = "self_attn" if target in COLUMN_HEADS + COLUMN_KV + ROW_HEADS else "mlp"
-        name = f"model.layers.{layer}.{where}.{target}.weight"
+        name = f"model.layers.{layer}.{target}.weight"  # ``piece`` reads a name's last two parts
         if target in ROW_HEADS + ROW_INTERMEDIATE:
             return self.piece(name, lambda: a, config), b
         return a, self.piece(name, lambda: b, config)
