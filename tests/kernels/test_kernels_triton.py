@@ -289,6 +289,75 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     close(replayed[:3], eager, torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_graph_buffers_with_lora_adapters_give_the_eager_logits(zoo, tmp_path, device):
+    """A decode step mixing two adapters and base rows through a graph's buffers: each adapter copied
+    into a place of the fixed stack, each row naming its place (-1 for the base model and the
+    padding), the same logits as the eager step; a third adapter takes the least recent place, and
+    one read again under its name is copied anew."""
+    from pagedserve import LLM
+    from pagedserve.shared.sampling import SamplingParams
+    from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits
+    from pagedserve.worker.runner.lora.adapters import stacked
+    from pagedserve.worker.runner.lora.graph_stack import GraphStack, stack_bytes
+    from pagedserve.worker.runner.loader import inspect_model
+    from tests.runner.test_adapters_runtime import ATTENTION, target_shapes, write_adapter
+
+    shapes = target_shapes(inspect_model(zoo.path("llama-gqa"), "float32").config)
+    paths = {name: write_adapter(tmp_path / name, shapes, rank, targets, seed) for name, rank, targets, seed in [
+        ("a", 4, ATTENTION, 1), ("b", 8, ("gate_proj", "up_proj", "down_proj", "q_proj"), 2), ("c", 2, ATTENTION, 3)]}
+    llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
+              num_gpu_blocks=64, max_model_len=64, enforce_eager=True, enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine, runner = llm.engine, llm.engine.runner
+    for name, path in paths.items():
+        engine.load_adapter(name, str(path))
+    stack = GraphStack(runner.adapters)
+    assert stack_bytes(runner.adapters) == sum(a.numel() * 4 + b.numel() * 4 for a, b in stack.weights.values())
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, 8, GraphLimits(max_model_len=64, max_num_seqs=4),
+                          stack)
+
+    for i, (length, adapter) in enumerate(zip((3, 11, 17), ["a", None, "b"])):
+        engine.add_request(str(i), list(range(20 + i, 20 + i + length)), SamplingParams(temperature=0.0, max_tokens=4),
+                           adapter=adapter)
+    engine.step()  # the prompts; the next step decodes only
+    plan = engine.scheduler.schedule()
+    items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
+    assert len(items) == 3 and all(s.num_tokens == 1 for s in items) and graphs.can_run(items)
+    eager = runner.forward(plan).logits
+    bucket = graphs.bucket(*graphs.key(items))
+    graphs._load(bucket, items, runner.tables)
+    with torch.inference_mode():
+        replayed = graphs._forward(bucket, graphs._metadata(bucket))
+    close(replayed[:3], eager, torch.float32)
+    assert bucket.adapter_slots.tolist() == [{"a": 0, "b": 1, None: -1}[s.adapter] for s in items] + [-1]
+    assert runner.adapters.step.weights == {} and runner.adapters.step.slots is None  # cleared after the forward
+
+    class Row:
+        def __init__(self, adapter):
+            self.adapter, self.num_tokens = adapter, 1
+
+    def held(place: int, name: str) -> bool:
+        """Whether ``place`` holds adapter ``name``'s matrices (as the eager stack makes them), zeros past them."""
+        adapters = runner.adapters
+        own = stacked(adapters.loaded[name], adapters.layout, adapters.widths, adapters.device, adapters.dtype)
+        for key, (a_all, b_all) in stack.weights.items():
+            a, b = own.get(key, (a_all[place, :0], b_all[place, :, :0]))
+            rank = a.shape[0]
+            if not (torch.equal(a_all[place, :rank], a) and torch.equal(b_all[place, :, :rank], b)
+                    and not a_all[place, rank:].any() and not b_all[place, :, rank:].any()):
+                return False
+        return True
+
+    assert held(0, "a") and held(1, "b")
+    slots = torch.zeros(4, dtype=torch.int32, device=device)
+    stack.load([Row("c"), Row("b"), Row(None)], slots)  # "a" is the least recent: "c" takes its place
+    assert slots.tolist() == [0, 1, -1, -1] and held(0, "c") and held(1, "b")
+    runner.adapters.load("b", paths["a"])  # read again under its name: copied anew on its next use
+    stack.load([Row("b")], slots)
+    assert slots.tolist() == [1, -1, -1, -1] and held(1, "b") and held(0, "c")
+    assert not graphs.can_run([Row(n) for n in "abc"])  # more adapters than places: the step runs eagerly
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_pool_past_2_31_elements_is_read_and_written_at_its_highest_blocks():

@@ -78,15 +78,16 @@ def test_base_rows_and_an_empty_step_are_left_alone(device):
 def test_the_engine_on_triton_kernels_gives_each_adapter_its_peft_merged_tokens(zoo, tmp_path, device):
     """The whole path with the Triton backend (its attention and this update; interpreted on the
     CPU): two adapters and the base model mixed in one batch, each row equal to transformers + PEFT
-    with its adapter merged."""
+    with its adapter merged; on CUDA the decode steps replay graphs reading the adapters' places."""
     from pagedserve import LLM, LoRARequest, SamplingParams
     from tests.lora_helpers import ALL_TARGETS, greedy, make_adapter
 
     merged = {name: make_adapter(zoo, "llama-gqa", tmp_path / name, rank, targets, seed=seed)
               for seed, (name, rank, targets) in enumerate([("all8", 8, ALL_TARGETS), ("some16", 16, ["q_proj", "down_proj"])])}
     llm = LLM(zoo.path("llama-gqa"), device=device, dtype="float32", num_gpu_blocks=32, enable_lora=True,
-              attention_backend="triton", enforce_eager=True)
+              attention_backend="triton")
     assert llm.engine.adapters.step.kernel is lora_update
+    assert (llm.engine.runner.graphs is not None) == (device == "cuda")
     prompts = [[10 + i, 20 + 3 * i, 7, 300 + i] * 2 for i in range(3)]
     names = [None, "all8", "some16"]
     requests = [None if n is None else LoRARequest(n, 1, str(tmp_path / n)) for n in names]

@@ -29,6 +29,7 @@ from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimit
 from pagedserve.worker.runner.kv_cache.pool import layer_caches, pool_shape, zeroed_pool
 from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier
 from pagedserve.worker.runner.lora.adapters import Adapters
+from pagedserve.worker.runner.lora.graph_stack import GraphStack
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
 from pagedserve.worker.runner.sampling.sampler import Sampler, scored_token, vocab_ranks
@@ -80,7 +81,8 @@ class ModelRunner:
         self.announce: Callable[[StepPlan], None] | None = None  # tensor parallel: the plan told to the other ranks
         self.graphs = None
         if graph_limits is not None and device.type == "cuda" and ops.backend == "triton":
-            self.graphs = DecodeGraphs(model, self.kv_caches, device, block_size, graph_limits)
+            stack = None if adapters is None else GraphStack(adapters)
+            self.graphs = DecodeGraphs(model, self.kv_caches, device, block_size, graph_limits, stack)
             with tqdm(total=1, desc="capturing CUDA graphs", unit="set", leave=False, disable=None):
                 self.graphs.capture_all()
 

@@ -24,6 +24,7 @@ from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
 from pagedserve.worker.runner.device.memory_profile import peak_step_bytes, reserved_beside_pool
 from pagedserve.worker.runner.loader import ModelInfo, inspect_model, load_weights
 from pagedserve.worker.runner.lora.adapters import Adapters
+from pagedserve.worker.runner.lora.graph_stack import stack_bytes
 from pagedserve.worker.runner.model_runner import ModelRunner, kv_block_bytes
 from pagedserve.worker.runner.models.layers import CausalLM, kv_layout
 from pagedserve.worker.runner.parallel.group import RankFailure, RankGroup
@@ -149,7 +150,8 @@ class RunnerBuild:
 
     def make_runner(self, num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
         config = self.config
-        graphs = None if self.adapters is not None or self.group is not None else graphs
+        eager_lora = self.adapters is not None and self.adapters.step.kernel is None  # the graphs need the per-token kernel
+        graphs = None if eager_lora or self.group is not None else graphs
         return ModelRunner(self.model, self.ops, self.device, self.info.dtype, self.kv, config.block_size, num_gpu,
                            num_cpu, Sampler(self.eos, seed=config.seed, device=self.device), BeamSearcher(self.eos),
                            graphs, self.draft, self.adapters)
@@ -179,6 +181,8 @@ class RunnerBuild:
                                    self.model.kv_layout.num_lanes)
             dtype_bytes = torch.empty((), dtype=self.info.dtype, device="meta").element_size()
             reserved = reserved_beside_pool(peak, model_config, config.max_num_seqs, max_len, dtype_bytes, graphs)
+            if graphs and self.adapters is not None and self.adapters.step.kernel is not None:
+                reserved += stack_bytes(self.adapters)  # the adapters' places the graphs read
         free, total = torch.cuda.mem_get_info(device)
         blocks = config.gpu_blocks(self.block_bytes, free, True, total, reserved)
         log.info("gpu memory", total_gib=round(total / 2**30, 2), in_use_gib=round((total - free) / 2**30, 2),

@@ -14,11 +14,15 @@ longest context (programs past a sequence's length return at once). A graph size
 about 1 GiB at 256 sequences. A graph is captured per (batch size, context bucket): every batch
 size of the smallest bucket at start, largest first (so smaller ones reuse its memory), longer
 contexts on first use. All share one memory pool, which ``graph_pool_bytes`` estimates so the KV
-pool is sized without it. Prefill and mixed steps run eagerly. ``enforce_eager`` turns graphs off.
+pool is sized without it. With LoRA adapters the graphs read their matrices from fixed buffers and
+each row's adapter from a slots buffer (``worker/runner/lora/graph_stack.py``): a decode step mixing
+adapters, up to ``max_loras`` of them, replays a graph as the base model's does. Prefill and mixed
+steps run eagerly. ``enforce_eager`` turns graphs off.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,6 +31,7 @@ from pagedserve.kernels.decode_partitions import decode_scratch_bytes
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
 from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata
+from pagedserve.worker.runner.lora.graph_stack import GraphStack
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 FIRST_CONTEXT = 2048  # the smallest context bucket (4 slices of the decode kernel)
@@ -66,6 +71,7 @@ class _Bucket:
 
     def __init__(self, size: int, context: int, block_size: int, device: torch.device, num_lanes: int = 1) -> None:
         self.size, self.context = size, context
+        self.adapter_slots = torch.full((size,), -1, dtype=torch.int32, device=device)  # each row's LoRA place (GraphStack)
         max_blocks = -(-context // block_size)
         self.ids = torch.zeros(size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
@@ -80,8 +86,11 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, device: torch.device, block_size: int, limits: GraphLimits) -> None:
+    def __init__(self, model, kv_caches, device: torch.device, block_size: int, limits: GraphLimits,
+                 adapters: GraphStack | None = None) -> None:
+        """``adapters``: LoRA adapters' matrices in the buffers the graphs read (None: no LoRA)."""
         self.model, self.kv_caches, self.device, self.block_size = model, kv_caches, device, block_size
+        self.adapters = adapters
         self.max_model_len = limits.max_model_len
         self.sizes = sorted({b for b in BUCKETS if b < limits.max_num_seqs} | {limits.max_num_seqs})
         self.contexts = context_buckets(limits.max_model_len)
@@ -89,7 +98,15 @@ class DecodeGraphs:
         self._pool = None
 
     def can_run(self, items: list[ScheduledSeq]) -> bool:
+        if self.adapters is None and any(s.adapter is not None for s in items):
+            return False
+        if self.adapters is not None and not self.adapters.fits({s.adapter for s in items if s.adapter is not None}):
+            return False
         return 0 < len(items) <= self.sizes[-1] and all(s.num_tokens == 1 for s in items)
+
+    def bucket(self, size: int, context: int) -> _Bucket:
+        """Empty static buffers for a graph of ``size`` rows at context bucket ``context``."""
+        return _Bucket(size, context, self.block_size, self.device, self.model.kv_layout.num_lanes)
 
     def key(self, items: list[ScheduledSeq]) -> tuple[int, int]:
         """(batch size, context bucket) of the graph a decode step replays."""
@@ -126,6 +143,8 @@ class DecodeGraphs:
             tables = every_lane[lane]
             target[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
             target[n:, : tables.shape[1]].zero_()
+        if self.adapters is not None:
+            self.adapters.load(items, bucket.adapter_slots)
 
     def _metadata(self, bucket: _Bucket) -> AttentionMetadata:
         first = self._lane_metadata(bucket, 0)
@@ -145,11 +164,12 @@ class DecodeGraphs:
         )
 
     def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(bucket.ids, bucket.positions, meta, self.kv_caches)
+        with self.adapters.bound(bucket.adapter_slots) if self.adapters is not None else nullcontext():
+            hidden = self.model(bucket.ids, bucket.positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden)
 
     def _capture(self, size: int, context: int) -> _Bucket:
-        bucket = _Bucket(size, context, self.block_size, self.device, self.model.kv_layout.num_lanes)
+        bucket = self.bucket(size, context)
         meta = self._metadata(bucket)
         compute = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)

@@ -43,6 +43,7 @@ class Adapters:
         self.loaded: dict[str, PeftAdapter] = {}
         self._on_device: OrderedDict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self._stacked: tuple[tuple[str, ...], dict] | None = None  # the last step's adapters and their stacked matrices
+        self.on_forget: list[Callable[[str], None]] = []  # told of an adapter unloaded or read again (the graphs' stack)
 
     def load(self, name: str, path: str | Path) -> PeftAdapter:
         """Read and check the adapter at ``path`` under ``name`` (a ``LoraError`` if it cannot be
@@ -64,6 +65,8 @@ class Adapters:
         self._on_device.pop(name, None)
         if self._stacked is not None and name in self._stacked[0]:
             self._stacked = None
+        for listener in self.on_forget:
+            listener(name)
 
     def salt(self, name: str) -> str:
         adapter = self.loaded.get(name)
