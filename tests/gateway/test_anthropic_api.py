@@ -81,6 +81,24 @@ def test_streamed_events_reassemble_to_the_message(claude):
     assert (final.stop_reason, final.usage.output_tokens) == (whole.stop_reason, whole.usage.output_tokens)
 
 
+def test_a_streams_frames_open_with_the_prompts_usage_and_close_with_message_stop(stack):
+    """The raw frames: ``message_start`` carries the prompt's tokens (as the whole answer's usage
+    counts them), the last frame is ``message_stop``, and an answer that ends without a stop
+    sequence names none."""
+    body = {"model": MODEL_NAME, "max_tokens": 3, "messages": [{"role": "user", "content": "frames?"}],
+            "seed": 2, **SEEDED}
+    whole = httpx.post(stack.url + "/v1/messages", json=body, timeout=60).json()
+    r = httpx.post(stack.url + "/v1/messages", json={**body, "stream": True}, timeout=60)
+    frames = [(head[7:], json.loads(data[6:])) for head, data in
+              zip(r.text.splitlines()[0::3], r.text.splitlines()[1::3])]
+    assert [name for name, _ in frames] == [data["type"] for _, data in frames]  # each frame's event is its type
+    assert frames[0][0] == "message_start" and frames[-1] == ("message_stop", {"type": "message_stop"})
+    start = frames[0][1]["message"]
+    assert start["usage"]["input_tokens"] == whole["usage"]["input_tokens"] > 0 and start["stop_reason"] is None
+    delta = next(data for name, data in frames if name == "message_delta")
+    assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_tool_round_trip(claude, streamed):
     ask = dict(model=MODEL_NAME, max_tokens=40, tools=TOOLS, tool_choice={"type": "tool", "name": "weather"},

@@ -5,6 +5,7 @@ answers are retrieved, continued and deleted, a tool round trip, ``text.format``
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -79,6 +80,43 @@ def test_a_stored_response_is_retrieved_continued_and_deleted(client):
     with pytest.raises(openai.BadRequestError) as err:  # nothing left to continue
         client.responses.create(model=MODEL_NAME, input="more", previous_response_id=first.id, max_output_tokens=2)
     assert err.value.body["param"] == "previous_response_id"
+
+
+def test_unknown_ids_are_404s_and_a_deletion_answers_what_it_deleted(stack, client):
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, stack.url + "/v1/responses/resp_nothing", timeout=60)
+        assert r.status_code == 404 and r.json() == {"error": {
+            "message": "no stored response 'resp_nothing'", "type": "invalid_request_error", "param": "response_id",
+            "code": "not_found"}}, (method, r.text)
+    made = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2)
+    r = httpx.delete(stack.url + f"/v1/responses/{made.id}", timeout=60)
+    assert r.status_code == 200 and r.json() == {"id": made.id, "object": "response", "deleted": True}
+    r = httpx.post(stack.url + "/v1/responses", json={"model": MODEL_NAME, "input": "more", "previous_response_id": made.id},
+                   timeout=60)
+    assert r.status_code == 400 and r.json() == {"error": {
+        "message": f"no stored response {made.id!r} (never stored, deleted, or expired)", "type": "invalid_request_error",
+        "param": "previous_response_id", "code": "previous_response_not_found"}}
+
+
+def test_a_stored_response_expires_after_the_gateways_ttl(stack, client):
+    from pagedserve.gateway.service.generation import STATE
+
+    state = stack.runners[0].app[STATE]
+    made = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2)
+    ttl = stack.run(state.redis.ttl(state.keys.stored_response(made.id)))
+    assert 0 < ttl <= state.settings.responses_ttl_s and ttl >= state.settings.responses_ttl_s - 60
+
+
+def test_a_streams_first_events_say_in_progress_and_the_last_carries_the_cached_tokens(stack, client):
+    ask = dict(model=MODEL_NAME, input="a block table maps a sequence to its blocks " * 6, max_output_tokens=3)
+    client.responses.create(**ask)  # its blocks now cached
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0].response.status == events[1].response.status == "in_progress" and events[1].response.output == []
+    final = events[-1].response
+    assert final.usage.input_tokens_details.cached_tokens >= 16 and final.output_text
+    assert final.output == client.responses.retrieve(final.id).output
 
 
 def test_store_false_keeps_nothing(client):
@@ -164,9 +202,15 @@ def test_a_store_that_fails_is_a_clear_error_not_a_broken_stream(stack, client, 
     r = httpx.post(stack.url + "/v1/responses", json=body, timeout=60)
     if streamed:
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
-        assert r.status_code == 200 and events[-1]["type"] == "error" and events[-1]["code"] == "store_failed"
+        message = events[-1]["message"]
+        assert r.status_code == 200 and events[-1] == {"type": "error", "code": "store_failed", "message": message,
+                                                       "param": None, "sequence_number": len(events) - 1}
         assert any(e["type"] == "response.output_item.done" for e in events)  # the text came before
     else:
-        assert r.status_code == 503 and r.json()["error"]["code"] == "store_failed", r.text
+        message = r.json()["error"]["message"]
+        assert r.status_code == 503 and r.json()["error"] == {"message": message, "type": "service_unavailable",
+                                                              "param": None, "code": "store_failed"}, r.text
+    assert re.fullmatch(r"the response resp_\w+ was made but could not be stored \(ConnectionError\); "
+                        r"send it again, or with store: false", message), message
     monkeypatch.undo()
     assert client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2).status in ("completed", "incomplete")
