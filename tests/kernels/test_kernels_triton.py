@@ -36,6 +36,15 @@ def close(actual, expected, dtype):
     torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=tol, rtol=tol)
 
 
+def check_prefill(case, q: torch.Tensor, q_lens: list[int], scale: float, dtype: torch.dtype, **extra) -> None:
+    """The prefill kernel on chunks of ``q_lens`` queries over ``case``'s cache against the torch reference."""
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, scale, **extra)
+    expected = ref.prefill_attention(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
+                                     starts.cpu(), case.seq_lens.cpu(), scale, **extra)
+    close(out, expected, dtype)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim,heads,kv_heads", [(16, 64, 4, 2), (1, 80, 2, 2), (8, 128, 8, 1), (16, 256, 2, 1)])
@@ -71,11 +80,7 @@ def test_prefill_with_cached_prefix(device, dtype, block_size, head_dim, heads, 
     seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 37]  # whole prompts, a one-token chunk, chunks after a prefix
     case = make_case(seq_lens, block_size, kv_heads, head_dim, dtype, device)
     q = torch.randn(sum(q_lens), heads, head_dim).to(dtype).to(device)
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125)
-    expected = ref.prefill_attention(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
-                                     starts.cpu(), case.seq_lens.cpu(), 0.125)
-    close(out, expected, dtype)
+    check_prefill(case, q, q_lens, 0.125, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,12 +99,7 @@ def test_sliding_window_and_soft_capped_decode_and_prefill(device, window, softc
     seq_lens, q_lens = [5, 33, 48, 70], [5, 1, 16, 37]
     case = make_case(seq_lens, 4, 1, 32, torch.float32, device)
     q = torch.randn(sum(q_lens), 3, 32).to(device) * 3
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125, window=window,
-                            softcap=softcap)
-    expected = ref.prefill_attention(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
-                                     starts.cpu(), case.seq_lens.cpu(), 0.125, window=window, softcap=softcap)
-    close(out, expected, torch.float32)
+    check_prefill(case, q, q_lens, 0.125, torch.float32, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -111,12 +111,7 @@ def test_long_chunks_mask_only_the_tiles_on_the_diagonal_and_the_windows_edge(de
     seq_lens, q_lens = [300, 457, 700, 130], [300, 257, 65, 129]
     case = make_case(seq_lens, 16, 2, 64, torch.float32, device)
     q = torch.randn(sum(q_lens), 4, 64).to(device) * 2
-    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    out = prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125, window=window,
-                            softcap=softcap)
-    expected = ref.prefill_attention(q.cpu(), case.k_cache.cpu(), case.v_cache.cpu(), case.block_tables.cpu(),
-                                     starts.cpu(), case.seq_lens.cpu(), 0.125, window=window, softcap=softcap)
-    close(out, expected, torch.float32)
+    check_prefill(case, q, q_lens, 0.125, torch.float32, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("device", DEVICES)
