@@ -6,8 +6,8 @@
 # Order: set-up and a preflight (versions, the device, every import; fails loudly in seconds), the
 # GPU-marked tests (each test's line streamed, 120 s a test), the decode kernel benchmark, decode
 # attention over int8/fp8 caches against bf16, offline throughput of a ~1.1B random-weight Llama in
-# bf16 with CUDA graphs and eagerly against transformers, the same model with LoRA adapters on
-# against off (graphs reading the adapters' places). Everything lands in $OUT (default
+# bf16 with CUDA graphs and eagerly against transformers, then with n-gram drafts (graphs per draft
+# length), the same model with LoRA adapters on against off (graphs reading the adapters' places). Everything lands in $OUT (default
 # ./out) in five files, under the device tool's eight: check.log (every step's output, unbuffered),
 # gpu_tests.xml, results.json (every step's JSON), nvidia-smi.txt and summary.json (each step's
 # status and seconds), printed last.
@@ -73,6 +73,10 @@ for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then lau
         --requests 128 --hf-batch 64 --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \
         $([ "$mode" = eager ] && echo --enforce-eager) --out "$work/offline_throughput_$mode.json" || status=1
 done
+# n-gram drafts (a random model's greedy text loops: the copy-heavy case), the checks replayed from graphs
+step offline_ngram 60 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 128 \
+    --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" --ngram 4 --no-baseline \
+    --out "$work/offline_throughput_ngram.json" || status=1
 # LoRA on (rows spread over 1, 4, 8 random rank-16 adapters, decode graphs reading their places) against off
 step lora 45 bash -c "$py -m pagedserve.bench.lora --model ${TMPDIR:-/tmp}/pagedserve-llama-1b --dtype bfloat16 \
     --batch 32 --max-tokens 32 --repeats 1 | tee $work/lora.json" || status=1

@@ -3,6 +3,7 @@ CUDA (``gpu`` marker) when a device is present."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -259,7 +260,7 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     forward without capturing it; on CUDA the parity tests in tests/engine/test_gpu.py replay it."""
     from pagedserve import LLM
     from pagedserve.shared.sampling import SamplingParams
-    from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
+    from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits
 
     llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
               num_gpu_blocks=64, max_model_len=64, enforce_eager=True)
@@ -274,8 +275,8 @@ def test_decode_graph_buffers_give_the_eager_logits(zoo, device):
     runner = engine.runner
     graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, 8, GraphLimits(max_model_len=64, max_num_seqs=4))
     assert graphs.can_run(items) and graphs.sizes == [1, 2, 4]
-    assert graphs.key(items) == (4, 64)  # max_model_len caps the first context bucket
-    bucket = _Bucket(*graphs.key(items), 8, runner.device)
+    assert graphs.key(items) == (4, 1, 64)  # max_model_len caps the first context bucket
+    bucket = graphs.bucket(*graphs.key(items))
     graphs._load(bucket, items, runner.tables)  # forward() took the plan's table changes
     with torch.inference_mode():
         replayed = graphs._forward(bucket, graphs._metadata(bucket))
@@ -350,6 +351,88 @@ def test_decode_graph_buffers_with_lora_adapters_give_the_eager_logits(zoo, tmp_
     stack.load([Row("b")], slots)
     assert slots.tolist() == [1, -1, -1, -1] and held(1, "b") and held(0, "c")
     assert not graphs.can_run([Row(n) for n in "abc"])  # more adapters than places: the step runs eagerly
+
+
+def uncaptured_graphs(runner, limits):
+    """The runner's decode graphs' buffers and forward without capturing: a replay runs the forward
+    the graph would hold (what a replay computes, on any device)."""
+    from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs
+
+    class Uncaptured(DecodeGraphs):
+        def _capture(self, size: int, width: int, context: int):
+            bucket, graphs = self.bucket(size, width, context), self
+
+            class Replay:
+                def replay(self) -> None:
+                    bucket.logits = graphs._forward(bucket, graphs._metadata(bucket))
+
+            self._buckets[(size, width, context)], bucket.graph = bucket, Replay()
+            return bucket
+
+    return Uncaptured(runner.model, runner.kv_caches, runner.device, runner.block_size, limits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_checking_drafts_through_a_graphs_buffers_gives_the_eager_logits(zoo, device):
+    """A speculative step (rows of 2, 1, 3 and no drafts) through a graph of rows of 4 token places:
+    the logits of every sampled and drafted position are the eager step's. Padding writes nothing and
+    reads no table entry a row does not own (the row ending its block reaches the next entry: zeroed,
+    not the stale -1 an earlier sequence left)."""
+    from pagedserve import LLM
+    from pagedserve.shared.sampling import SamplingParams
+    from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
+
+    llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
+              num_gpu_blocks=64, max_model_len=64, enforce_eager=True)
+    engine, runner = llm.engine, llm.engine.runner
+    drafts = {"0": 2, "1": 1, "2": 3, "3": 0}  # the prompt of 6 and its draft end block 0
+    for (request, n), length in zip(drafts.items(), (3, 6, 11, 17)):
+        engine.add_request(request, list(range(20, 20 + length)), SamplingParams(temperature=0.0, max_tokens=20))
+    engine.step()  # the prompts
+    plan = engine.scheduler.schedule()
+    plan = dataclasses.replace(plan, seqs=tuple(
+        dataclasses.replace(s, token_ids=s.token_ids + tuple(range(40, 40 + drafts[s.request_id])),
+                            num_draft=drafts[s.request_id]) for s in plan.seqs))
+    eager = runner.forward(plan)
+    kept = runner.tables
+    for s in plan.seqs:  # past every row's blocks: what a released window's entries look like
+        kept._tables[:, kept._rows[s.seq_id], kept.length(s.seq_id) :] = -1
+    runner.graphs = uncaptured_graphs(runner, GraphLimits(max_model_len=64, max_num_seqs=16, max_draft=3))
+    assert runner.graphs.widths == (1, 2, 3, 4) and runner.graphs.key(list(plan.seqs)) == (4, 4, 64)
+    replayed = runner.forward(plan)
+    assert [s.seq_id for s in replayed.items] == [s.seq_id for s in eager.items]
+    close(replayed.logits, eager.logits, torch.float32)
+    assert eager.drafts.keys() == replayed.drafts.keys() and len(eager.drafts) == 3
+    for seq_id, logits in eager.drafts.items():
+        close(replayed.drafts[seq_id], logits, torch.float32)
+    bucket = runner.graphs._buckets[(4, 4, 64)]
+    row = [s.request_id for s in sorted(plan.seqs, key=lambda s: s.num_tokens > 1)].index("1")
+    assert bucket.slots[row * 4 + 2 :].tolist()[:2] == [-1, -1] and bucket.lens[row] == 10
+    assert bucket.tables[row, 1] == 0  # its padding's positions 8 and 9 read block 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_n_gram_speculation_through_the_graphs_gives_the_eager_tokens(zoo, device):
+    """Greedy generation with n-gram drafts, every step the graphs can take replayed through their
+    buffers (rows of 2 to 4 token places and plain decodes), gives the eager engine's tokens."""
+    from pagedserve import LLM
+    from pagedserve.shared.sampling import SamplingParams
+    from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
+
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [12], list(range(30, 43))]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    tokens, widths = {}, set()
+    for graphs in (False, True):
+        llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
+                  num_gpu_blocks=64, max_model_len=64, enforce_eager=True,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        runner = llm.engine.runner
+        if graphs:
+            runner.graphs = uncaptured_graphs(runner, GraphLimits(max_model_len=64, max_num_seqs=16, max_draft=3))
+        tokens[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, [params] * 3, use_tqdm=False)]
+        widths = {width for _, width, _ in runner.graphs._buckets} if graphs else widths
+    assert tokens[True] == tokens[False]
+    assert 1 in widths and widths - {1}  # decodes and rows of drafts both replayed
 
 
 @pytest.mark.gpu

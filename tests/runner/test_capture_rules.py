@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from pagedserve import LLM
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.runner.attention.paged_attention import PagedAttention
-from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits, _Bucket
+from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits
 from tests.conftest import MODEL_SPECS
 
 aten = torch.ops.aten
@@ -63,13 +63,15 @@ def test_the_decode_graph_forward_keeps_the_capture_rules(zoo, family):
             module.attn.ops = relaxed
         if getattr(module, "ops", None) is ops:  # a mixture-of-experts block
             module.ops = relaxed
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, 8, GraphLimits(max_model_len=64, max_num_seqs=4))
-    bucket = _Bucket(4, graphs.contexts[-1], graphs.block_size, runner.device, runner.model.kv_layout.num_lanes)
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.device, 8,
+                          GraphLimits(max_model_len=64, max_num_seqs=4, max_draft=2))
     runner.tables.update(items)  # the plan carries only what changed since the prompts' step
-    graphs._load(bucket, items, runner.tables)
-    with torch.inference_mode(), CaptureRules():
-        logits = graphs._forward(bucket, graphs._metadata(bucket))
-    assert logits.shape[0] == 4
+    for width in (1, 3):  # decodes, and rows checking two drafts
+        bucket = graphs.bucket(4, width, graphs.contexts[-1])
+        graphs._load(bucket, items, runner.tables)
+        with torch.inference_mode(), CaptureRules():
+            logits = graphs._forward(bucket, graphs._metadata(bucket))
+        assert logits.shape[0] == 4 * width
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

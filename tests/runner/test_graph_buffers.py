@@ -62,9 +62,9 @@ def test_a_decode_step_replays_the_graph_of_its_batch_and_longest_context():
     kernel for that context bucket, not for the model's whole length (256 slices at 128k)."""
     graphs = DecodeGraphs(None, None, CPU, 16, GraphLimits(max_model_len=131072, max_num_seqs=256))
     rows = [decode_row(0, (1,) * 7, start=99), decode_row(1, (2,) * 188, start=2999), decode_row(2, (3,) * 4, start=49)]
-    assert graphs.key(rows) == (4, 8192)
-    assert graphs.key([decode_row(0, (1,) * 8192, start=131071)]) == (1, 131072)
-    assert graphs.key([decode_row(0, (1,), start=2047)]) == (1, 2048)  # a context of exactly 2,048
+    assert graphs.key(rows) == (4, 1, 8192)
+    assert graphs.key([decode_row(0, (1,) * 8192, start=131071)]) == (1, 1, 131072)
+    assert graphs.key([decode_row(0, (1,), start=2047)]) == (1, 1, 2048)  # a context of exactly 2,048
     bucket = _Bucket(4, 8192, 16, CPU)
     assert bucket.tables.shape == (4, 512)  # 8,192 tokens of blocks of 16, not 131,072
     meta = graphs._metadata(bucket)
@@ -96,3 +96,24 @@ def test_every_decode_variant_is_warmed_for_each_window(zoo):
     target, draft = drafting.model.model.layers[0].self_attn, drafting.drafter.model.model.layers[0].self_attn
     assert shapes == [((1, a.num_heads, a.head_dim), tuple(pool[0][0].shape[1:]), 600)
                       for a, pool in ((target, drafting.kv_caches), (draft, drafting.drafter.kv_caches))]
+
+
+def test_steps_checking_drafts_replay_a_graph_of_their_draft_length_bucket():
+    """With n drafts a row, graphs hold rows of 1 + (1, 2, 4, ..., n) token places; a step takes the
+    narrowest its longest row fits, while its rows' places stay within max_num_seqs tokens."""
+    from pagedserve.worker.runner.device.cuda_graphs import draft_widths
+
+    assert draft_widths(0) == (1,) and draft_widths(1) == (1, 2)
+    assert draft_widths(4) == (1, 2, 3, 5) and draft_widths(5) == (1, 2, 3, 5, 6)
+    graphs = DecodeGraphs(None, None, CPU, 16, GraphLimits(max_model_len=4096, max_num_seqs=16, max_draft=4))
+
+    def row(seq_id: int, drafts: int) -> ScheduledSeq:
+        return ScheduledSeq(seq_id, str(seq_id), (1,) * (1 + drafts), 2999, (2,) * 188, 1, num_draft=drafts)
+
+    assert graphs.key([row(0, 2), row(1, 0), row(2, 1)]) == (4, 3, 4096)
+    assert graphs.key([row(0, 3)]) == (1, 5, 4096)
+    assert graphs.can_run([row(i, 4) for i in range(3)])  # 3 rows of 5 places: 15 tokens
+    assert not graphs.can_run([row(i, 4) for i in range(4)])  # 20 tokens: eagerly
+    assert not graphs.can_run([ScheduledSeq(0, "0", (1,) * 6, 0, (2,), 1)])  # a chunk of 6 tokens
+    one = DecodeGraphs(None, None, CPU, 16, GraphLimits(max_model_len=4096, max_num_seqs=1, max_draft=4))
+    assert one.can_run([row(0, 4)])  # one row of drafts at least, whatever max_num_seqs

@@ -52,10 +52,14 @@ def test_the_pool_leaves_room_for_a_long_decode_and_the_graphs():
     assert decode == 256 * 32 * 256 * 130 * 4  # 256 slices of 512 tokens, float32 rows of 128 + max + sum
     graphs = graph_pool_bytes(GraphLimits(131072, 256), config, 2)
     assert decode < graphs < 2 * gib  # the partials, activations and 256 rows of logits
-    assert reserved_beside_pool(gib // 2, config, 256, 131072, 2, graphs=False) == decode
-    assert reserved_beside_pool(gib // 2, config, 256, 131072, 2, graphs=True) == decode + graphs
-    assert reserved_beside_pool(3 * gib, config, 256, 4096, 2, graphs=False) == 3 * gib  # the profile's step is larger
+    assert graph_pool_bytes(GraphLimits(131072, 256, max_draft=4), config, 2) == graphs  # drafts: within max_num_seqs
+    one_row = graph_pool_bytes(GraphLimits(4096, 1, max_draft=4), config, 2)
+    assert one_row == graph_pool_bytes(GraphLimits(4096, 5), config, 2)  # a row of 5 places
+    assert reserved_beside_pool(gib // 2, config, GraphLimits(131072, 256), 2, graphs=False) == decode
+    assert reserved_beside_pool(gib // 2, config, GraphLimits(131072, 256), 2, graphs=True) == decode + graphs
+    assert reserved_beside_pool(3 * gib, config, GraphLimits(4096, 256), 2, graphs=False) == 3 * gib  # the profile's step is larger
     # and the budget arithmetic takes it out of the blocks: 80 GiB at 0.9, 17 GiB in use
     engine = EngineConfig(model="m")
-    with_graphs = engine.gpu_blocks(gib, 63 * gib, True, 80 * gib, reserved_beside_pool(gib // 2, config, 256, 131072, 2, True))
+    reserved = reserved_beside_pool(gib // 2, config, GraphLimits(131072, 256), 2, True)
+    with_graphs = engine.gpu_blocks(gib, 63 * gib, True, 80 * gib, reserved)
     assert with_graphs == int(0.9 * 80 * gib - 17 * gib - decode - graphs) // gib

@@ -176,30 +176,37 @@ class ModelRunner:
             return StepLogits(torch.empty(0, 0, device=self.device), ())
         sampling = [i for i, s in enumerate(items) if s.num_samples]
         wants_prompt = any(s.prompt_targets or s.pool_from is not None for s in items)  # every position's state
-        if self.graphs is not None and not wants_prompt and not any(s.num_draft for s in items) and self.graphs.can_run(items):
-            logits = self.graphs.run(items, self.tables)
-            rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
-            return StepLogits(logits[rows], tuple(items[i] for i in sampling))
-        batch = step_inputs(items, self.block_size, self.device, self.model.rotary.needs_seq_lens,
-                            self.model.kv_layout.num_lanes, self.tables)
-        hidden = self._run_model(batch)
-        last_index = batch.last_index
+        if self.graphs is not None and not wants_prompt and self.graphs.can_run(items):
+            every_logits, last_index = self.graphs.run(items, self.tables)  # each token place's logits
+            head, prompt, pooled = every_logits.__getitem__, {}, {}
+        else:
+            head, last_index, prompt, pooled = self._eager(items, wants_prompt)
         rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=self.device)
-        prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
-                  for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
-        pooled = {s.seq_id: pooled for s, last in zip(items, last_index) if s.pool_from is not None
-                  if (pooled := _pool(hidden, last - s.num_tokens + 1, s)) is not None} if wants_prompt else {}
         # Speculative rows: the logits before each draft too (the positions ahead of a row's last), in the
         # same head call as the sampling rows' (one read of the head's weights).
         spans = [(s.seq_id, last - s.num_draft, last) for s, last in zip(items, last_index) if s.num_draft]
         if spans:
             ahead = torch.tensor([i for _, lo, hi in spans for i in range(lo, hi)], dtype=torch.int64, device=self.device)
             rows = torch.cat([rows, ahead])
-        logits = self.model.compute_logits(hidden[rows])
+        logits = head(rows)
         starts = itertools.accumulate((hi - lo for _, lo, hi in spans), initial=len(sampling))
         drafts = {seq_id: logits[at : at + hi - lo] for (seq_id, lo, hi), at in zip(spans, starts)}
         return StepLogits(logits[: len(sampling)], tuple(items[i] for i in sampling), prompt, drafts, draft_rounds,
                           draft_seconds, pooled)
+
+    def _eager(self, items: list[ScheduledSeq], wants_prompt: bool):
+        """The step's forward without a graph: the logits of chosen token rows (a function, so only the
+        rows asked for go through the head), each item's last token's row, and the prompt logprobs and
+        pooled states asked for."""
+        batch = step_inputs(items, self.block_size, self.device, self.model.rotary.needs_seq_lens,
+                            self.model.kv_layout.num_lanes, self.tables)
+        hidden = self._run_model(batch)
+        last_index = batch.last_index
+        prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
+                  for s, last in zip(items, last_index) if s.prompt_targets} if wants_prompt else {}
+        pooled = {s.seq_id: pooled for s, last in zip(items, last_index) if s.pool_from is not None
+                  if (pooled := _pool(hidden, last - s.num_tokens + 1, s)) is not None} if wants_prompt else {}
+        return (lambda rows: self.model.compute_logits(hidden[rows])), last_index, prompt, pooled
 
     def _run_model(self, batch) -> torch.Tensor:
         """The model's hidden states for ``batch``, each row under its LoRA adapter where it has one."""

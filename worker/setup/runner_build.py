@@ -80,7 +80,7 @@ def _build_on_ranks(config: EngineConfig, info: ModelInfo, device: torch.device,
     graphs = not config.enforce_eager and build.ops.backend == "triton"  # captured only then (model_runner.py)
     num_gpu = every_rank.pool_blocks(max_len, graphs)
     num_cpu = config.cpu_blocks(build.block_bytes)
-    runner = every_rank.make_runner(num_gpu, num_cpu, None if config.enforce_eager else GraphLimits(max_len, config.max_num_seqs))
+    runner = every_rank.make_runner(num_gpu, num_cpu, None if config.enforce_eager else build.graph_limits(max_len))
     if ranks is not None:
         runner.announce = ranks.announce_step
     if device.type == "cuda" and build.ops.backend == "triton":
@@ -148,6 +148,11 @@ class RunnerBuild:
         draft = 0 if self.draft is None else kv_block_bytes(self.draft, self.config.block_size, self.info.dtype, self.kv)
         return self.model_block_bytes + draft
 
+    def graph_limits(self, max_len: int) -> GraphLimits:
+        """What the decode graphs are captured for: lengths, rows, and the most drafts a row checks."""
+        spec = self.config.speculative
+        return GraphLimits(max_len, self.config.max_num_seqs, spec.num_speculative_tokens if spec is not None else 0)
+
     def make_runner(self, num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
         config = self.config
         eager_lora = self.adapters is not None and self.adapters.step.kernel is None  # the graphs need the per-token kernel
@@ -180,7 +185,7 @@ class RunnerBuild:
                                    config.max_num_seqs, max_len, model_config.vocab_size, device,
                                    self.model.kv_layout.num_lanes)
             dtype_bytes = torch.empty((), dtype=self.info.dtype, device="meta").element_size()
-            reserved = reserved_beside_pool(peak, model_config, config.max_num_seqs, max_len, dtype_bytes, graphs)
+            reserved = reserved_beside_pool(peak, model_config, self.graph_limits(max_len), dtype_bytes, graphs)
             if graphs and self.adapters is not None and self.adapters.step.kernel is not None:
                 reserved += stack_bytes(self.adapters)  # the adapters' places the graphs read
         free, total = torch.cuda.mem_get_info(device)

@@ -16,8 +16,18 @@ size of the smallest bucket at start, largest first (so smaller ones reuse its m
 contexts on first use. All share one memory pool, which ``graph_pool_bytes`` estimates so the KV
 pool is sized without it. With LoRA adapters the graphs read their matrices from fixed buffers and
 each row's adapter from a slots buffer (``worker/runner/lora/graph_stack.py``): a decode step mixing
-adapters, up to ``max_loras`` of them, replays a graph as the base model's does. Prefill and mixed
-steps run eagerly. ``enforce_eager`` turns graphs off.
+adapters, up to ``max_loras`` of them, replays a graph as the base model's does.
+
+With speculative decoding a step checks each row's drafts in one forward (a row of up to
+``1 + num_speculative_tokens`` tokens), so graphs are captured per draft-length bucket too: a graph of
+``width`` tokens a row (``draft_widths``: one more than 1, 2, 4, ... drafts up to the configured
+count) runs the prefill kernel on rows of exactly ``width`` queries, each row's real tokens first and
+padding after (token 0 at the row's last position, slot -1, its context extended so the real queries'
+causal positions hold; the padding reads block 0 or the row's own blocks, never a stale table entry,
+and its logits are dropped). Such a graph is taken up to ``max_num_seqs`` tokens in all (its
+buffers and logits stay within what ``graph_pool_bytes`` reserves), captured on first use. Longer
+prefill chunks, mixed steps past that and steps wanting every position's logits run eagerly.
+``enforce_eager`` turns graphs off.
 """
 
 from __future__ import annotations
@@ -47,12 +57,23 @@ def context_buckets(max_model_len: int) -> tuple[int, ...]:
     return (*buckets, max_model_len)
 
 
+def draft_widths(max_draft: int) -> tuple[int, ...]:
+    """Tokens a row of the graphs a step can replay: 1 (a decode), then one more than each draft-length
+    bucket (1, 2, 4, ... drafts, and ``max_draft``)."""
+    drafts, length = [], 1
+    while length < max_draft:
+        drafts.append(length)
+        length *= 2
+    return (1, *(1 + n for n in drafts), 1 + max_draft) if max_draft else (1,)
+
+
 def graph_pool_bytes(limits: "GraphLimits", config, dtype_bytes: int) -> int:
     """An upper estimate of the graphs' shared memory pool, kept for the worker's life: the largest
-    graph's (``max_num_seqs`` rows at ``max_model_len``) attention partials of one layer (layers run
-    one after another and reuse them), its activations (hidden and MLP widths, at the model's dtype
-    and float32) and its logits (the model's dtype and the float32 copy)."""
-    rows = limits.max_num_seqs
+    graph's (``max_num_seqs`` tokens, or one row of drafts where that is more, at ``max_model_len``)
+    attention partials of one layer (layers run one after another and reuse them), its activations
+    (hidden and MLP widths, at the model's dtype and float32) and its logits (the model's dtype and
+    the float32 copy)."""
+    rows = max(limits.max_num_seqs, 1 + limits.max_draft)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     widths = 4 * config.hidden_size + 3 * config.intermediate_size + 3 * heads * head_dim
@@ -64,23 +85,28 @@ def graph_pool_bytes(limits: "GraphLimits", config, dtype_bytes: int) -> int:
 class GraphLimits:
     max_model_len: int
     max_num_seqs: int
+    max_draft: int = 0  # speculative decoding's num_speculative_tokens (0: none)
 
 
 class _Bucket:
-    """The static buffers of one captured (batch size, context bucket)."""
+    """The static buffers of one captured (batch size, tokens a row, context bucket)."""
 
-    def __init__(self, size: int, context: int, block_size: int, device: torch.device, num_lanes: int = 1) -> None:
-        self.size, self.context = size, context
-        self.adapter_slots = torch.full((size,), -1, dtype=torch.int32, device=device)  # each row's LoRA place (GraphStack)
-        max_blocks = -(-context // block_size)
-        self.ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+    def __init__(self, size: int, context: int, block_size: int, device: torch.device, num_lanes: int = 1,
+                 width: int = 1) -> None:
+        self.size, self.context, self.width = size, context, width
+        tokens = size * width
+        self.adapter_slots = torch.full((tokens,), -1, dtype=torch.int32, device=device)  # each token's LoRA place (GraphStack)
+        # a row's padding reaches width - 1 positions past its context (draft rows, the module's docstring)
+        self.max_blocks = -(-(context + width - 1) // block_size)
+        self.ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         # each lane's slots and tables (worker/core/kv_cache/kv_layout.py); the first lane's by name
-        self.lane_slots = [torch.full((size,), -1, dtype=torch.int64, device=device) for _ in range(num_lanes)]
-        self.lane_tables = [torch.zeros((size, max_blocks), dtype=torch.int32, device=device) for _ in range(num_lanes)]
+        self.lane_slots = [torch.full((tokens,), -1, dtype=torch.int64, device=device) for _ in range(num_lanes)]
+        self.lane_tables = [torch.zeros((size, self.max_blocks), dtype=torch.int32, device=device) for _ in range(num_lanes)]
         self.slots, self.tables = self.lane_slots[0], self.lane_tables[0]
-        self.lens = torch.ones(size, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)  # rope's length: tokens known, computed or not
+        self.lens = torch.full((size,), width, dtype=torch.int32, device=device)  # each row's context, padding included
+        self.seq_lens = torch.ones(tokens, dtype=torch.int32, device=device)  # rope's length: tokens known, computed or not
+        self.query_start = torch.arange(0, tokens + 1, width, dtype=torch.int32, device=device)  # rows of width queries
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -94,7 +120,10 @@ class DecodeGraphs:
         self.max_model_len = limits.max_model_len
         self.sizes = sorted({b for b in BUCKETS if b < limits.max_num_seqs} | {limits.max_num_seqs})
         self.contexts = context_buckets(limits.max_model_len)
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self.widths = draft_widths(limits.max_draft)
+        # a row of drafts' graphs hold max_num_seqs tokens at most (one row at least)
+        self.max_tokens = max(limits.max_num_seqs, self.widths[-1])
+        self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._pool = None
 
     def can_run(self, items: list[ScheduledSeq]) -> bool:
@@ -102,27 +131,36 @@ class DecodeGraphs:
             return False
         if self.adapters is not None and not self.adapters.fits({s.adapter for s in items if s.adapter is not None}):
             return False
-        return 0 < len(items) <= self.sizes[-1] and all(s.num_tokens == 1 for s in items)
+        longest = max((s.num_tokens for s in items), default=0)
+        if not items or longest > self.widths[-1]:
+            return False
+        width = next(w for w in self.widths if w >= longest)
+        return len(items) <= self.sizes[-1] and len(items) * width <= self.max_tokens
 
-    def bucket(self, size: int, context: int) -> _Bucket:
-        """Empty static buffers for a graph of ``size`` rows at context bucket ``context``."""
-        return _Bucket(size, context, self.block_size, self.device, self.model.kv_layout.num_lanes)
+    def bucket(self, size: int, width: int, context: int) -> _Bucket:
+        """Empty static buffers for a graph of ``size`` rows of ``width`` tokens at context bucket ``context``."""
+        return _Bucket(size, context, self.block_size, self.device, self.model.kv_layout.num_lanes, width)
 
-    def key(self, items: list[ScheduledSeq]) -> tuple[int, int]:
-        """(batch size, context bucket) of the graph a decode step replays."""
+    def key(self, items: list[ScheduledSeq]) -> tuple[int, int, int]:
+        """(batch size, tokens a row, context bucket) of the graph a step replays."""
+        width = next(w for w in self.widths if w >= max(s.num_tokens for s in items))
         longest = max(s.context_len for s in items)
-        return next(s for s in self.sizes if s >= len(items)), next(c for c in self.contexts if c >= longest)
+        return (next(s for s in self.sizes if s >= len(items)), width,
+                next(c for c in self.contexts if c >= longest))
 
-    def run(self, items: list[ScheduledSeq], tables: KeptTables) -> torch.Tensor:
-        """Logits ``[len(items), vocab]`` of a decode-only step (``tables``: the runner's, updated)."""
-        n = len(items)
+    def run(self, items: list[ScheduledSeq], tables: KeptTables) -> tuple[torch.Tensor, list[int]]:
+        """Logits of every token slot of a step ``can_run`` takes, and where each item's last token is
+        among them (``tables``: the runner's, updated)."""
         key = self.key(items)
         bucket = self._buckets.get(key) or self._capture(*key)
-        self._load(bucket, items, tables)
+        last_index = self._load(bucket, items, tables)
         bucket.graph.replay()
-        return bucket.logits[:n]
+        return bucket.logits, last_index
 
-    def _load(self, bucket: _Bucket, items: list[ScheduledSeq], kept: KeptTables) -> None:
+    def _load(self, bucket: _Bucket, items: list[ScheduledSeq], kept: KeptTables) -> list[int]:
+        """The step into the bucket's buffers; each item's last token's place among them."""
+        if bucket.width > 1:
+            return self._load_rows(bucket, items, kept)
         n, seq_ids = len(items), [s.seq_id for s in items]
         host = dict(
             ids=[s.token_ids[0] for s in items], positions=[s.start for s in items],
@@ -145,6 +183,43 @@ class DecodeGraphs:
             target[n:, : tables.shape[1]].zero_()
         if self.adapters is not None:
             self.adapters.load(items, bucket.adapter_slots)
+        return list(range(n))
+
+    def _load_rows(self, bucket: _Bucket, items: list[ScheduledSeq], kept: KeptTables) -> list[int]:
+        """A step of rows of up to ``bucket.width`` tokens (drafts checked): each row's tokens at the
+        start of its ``width`` places, padding after (the module's docstring)."""
+        width, n, cpu, tokens = bucket.width, len(items), torch.device("cpu"), bucket.size * bucket.width
+        ids, positions, seq_lens, places = [0] * tokens, [0] * tokens, [1] * tokens, []
+        for row, s in enumerate(items):
+            at = row * width
+            ids[at : at + s.num_tokens] = s.token_ids
+            # the padding at the row's last position: a valid rotary position, never past the model's length
+            positions[at : at + width] = [*range(s.start, s.context_len), *[s.context_len - 1] * (width - s.num_tokens)]
+            seq_lens[at : at + width] = [max(s.seq_len, s.context_len)] * width
+            places.extend(range(at, at + s.num_tokens))
+        _copy(bucket.ids, ids)
+        _copy(bucket.positions, positions)
+        _copy(bucket.seq_lens, seq_lens)
+        _copy(bucket.lens, [s.context_len + width - s.num_tokens for s in items] + [width] * (bucket.size - n))
+        seq_ids = [s.seq_id for s in items]
+        real = torch.tensor(places, dtype=torch.int64)
+        slots = kept.slots([s.seq_id for s in items for _ in range(s.num_tokens)],
+                           [p for s in items for p in range(s.start, s.context_len)], self.block_size, cpu)
+        every_lane = kept.tables(seq_ids, cpu)
+        # entries past a row's own blocks zeroed: its padding may read a block past them (block 0, then)
+        own = torch.arange(every_lane.shape[2])[None, :] < torch.tensor([kept.length(i) for i in seq_ids])[:, None]
+        reach = min(bucket.max_blocks, -(-(max(s.context_len for s in items) + width - 1) // self.block_size))
+        for lane, (lane_slots, target) in enumerate(zip(bucket.lane_slots, bucket.lane_tables)):
+            host_slots = torch.full((tokens,), -1, dtype=torch.int64)
+            host_slots[real] = slots[lane]
+            lane_slots.copy_(host_slots, non_blocking=True)
+            host_tables = torch.zeros((bucket.size, reach), dtype=torch.int32)
+            live = every_lane[lane].where(own, 0)[:, :reach]
+            host_tables[:n, : live.shape[1]] = live
+            target[:, :reach].copy_(host_tables, non_blocking=True)
+        if self.adapters is not None:
+            self.adapters.load(items, bucket.adapter_slots, width)
+        return [row * width + s.num_tokens - 1 for row, s in enumerate(items)]
 
     def _metadata(self, bucket: _Bucket) -> AttentionMetadata:
         first = self._lane_metadata(bucket, 0)
@@ -152,15 +227,21 @@ class DecodeGraphs:
                                                 for lane in range(1, len(bucket.lane_slots))))
 
     def _lane_metadata(self, bucket: _Bucket, lane: int) -> AttentionMetadata:
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=bucket.lane_slots[lane], num_decodes=bucket.size, decode_block_tables=bucket.lane_tables[lane],
-            decode_seq_lens=bucket.lens,
-            prefill_block_tables=torch.zeros((0, bucket.tables.shape[1]), dtype=torch.int32, device=dev),
-            prefill_seq_lens=torch.zeros(0, dtype=torch.int32, device=dev),
-            prefill_query_start=torch.zeros(1, dtype=torch.int32, device=dev),
-            decode_max_seq_len=bucket.context,
-            token_seq_lens=bucket.seq_lens,
+        dev, tables = self.device, bucket.lane_tables[lane]
+        none = dict(block_tables=torch.zeros((0, tables.shape[1]), dtype=torch.int32, device=dev),
+                    seq_lens=torch.zeros(0, dtype=torch.int32, device=dev))
+        if bucket.width == 1:  # decodes
+            return AttentionMetadata(
+                slot_mapping=bucket.lane_slots[lane], num_decodes=bucket.size, decode_block_tables=tables,
+                decode_seq_lens=bucket.lens, prefill_block_tables=none["block_tables"], prefill_seq_lens=none["seq_lens"],
+                prefill_query_start=torch.zeros(1, dtype=torch.int32, device=dev), decode_max_seq_len=bucket.context,
+                token_seq_lens=bucket.seq_lens,
+            )
+        return AttentionMetadata(  # rows of width queries, on the prefill kernel
+            slot_mapping=bucket.lane_slots[lane], num_decodes=0, decode_block_tables=none["block_tables"],
+            decode_seq_lens=none["seq_lens"], prefill_block_tables=tables, prefill_seq_lens=bucket.lens,
+            prefill_query_start=bucket.query_start, prefill_max_query_len=bucket.width,
+            prefill_max_seq_len=bucket.context + bucket.width - 1, token_seq_lens=bucket.seq_lens,
         )
 
     def _forward(self, bucket: _Bucket, meta: AttentionMetadata) -> torch.Tensor:
@@ -168,8 +249,8 @@ class DecodeGraphs:
             hidden = self.model(bucket.ids, bucket.positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, size: int, context: int) -> _Bucket:
-        bucket = self.bucket(size, context)
+    def _capture(self, size: int, width: int, context: int) -> _Bucket:
+        bucket = self.bucket(size, width, context)
         meta = self._metadata(bucket)
         compute = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
@@ -182,7 +263,7 @@ class DecodeGraphs:
         with torch.cuda.graph(bucket.graph, pool=self._pool):
             bucket.logits = self._forward(bucket, meta)
         self._pool = bucket.graph.pool()
-        self._buckets[(size, context)] = bucket
+        self._buckets[(size, width, context)] = bucket
         return bucket
 
     @torch.inference_mode()
@@ -190,8 +271,8 @@ class DecodeGraphs:
         """Capture every batch size of the smallest context bucket now, largest first (so smaller
         ones reuse its memory); no autograd state is recorded, as in the forward that replays them."""
         for size in reversed(self.sizes):
-            if (size, self.contexts[0]) not in self._buckets:
-                self._capture(size, self.contexts[0])
+            if (size, 1, self.contexts[0]) not in self._buckets:
+                self._capture(size, 1, self.contexts[0])
 
 
 def _copy(target: torch.Tensor, values: list) -> None:

@@ -37,16 +37,15 @@ def worst_case_step(runner, max_num_batched_tokens: int, max_num_seqs: int, max_
     Sampler(frozenset(), device=runner.device).sample(logits, rows)
 
 
-def reserved_beside_pool(step_peak: int, model_config, max_num_seqs: int, max_model_len: int, dtype_bytes: int,
-                         graphs: bool) -> int:
+def reserved_beside_pool(step_peak: int, model_config, limits: GraphLimits, dtype_bytes: int, graphs: bool) -> int:
     """Bytes the KV pool must leave free on CUDA: the larger of the profiled worst-case step (a full
     token budget of prompt) and an eager decode step's attention partials at ``max_num_seqs`` x
     ``max_model_len`` (the profile does not run one), plus the decode graphs' own pool, which stays
     allocated, when they are captured (``cuda_graphs.graph_pool_bytes``)."""
     heads = model_config.num_attention_heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    decode = decode_scratch_bytes(max_num_seqs, heads, head_dim, max_model_len)
-    pool = graph_pool_bytes(GraphLimits(max_model_len, max_num_seqs), model_config, dtype_bytes) if graphs else 0
+    decode = decode_scratch_bytes(limits.max_num_seqs, heads, head_dim, limits.max_model_len)
+    pool = graph_pool_bytes(limits, model_config, dtype_bytes) if graphs else 0
     return max(step_peak, decode) + pool
 
 

@@ -35,11 +35,12 @@ class GraphStack:
         """Whether one step's adapters fit the places at once."""
         return len(names) <= self.adapters.max_loras
 
-    def load(self, items, slots: torch.Tensor) -> None:
-        """Each token of ``items`` (decode rows, in batch order) its adapter's place in ``slots``, the
-        rest of the buffer -1; adapters the stack lacks copied in first (from the host, without a sync)."""
+    def load(self, items, slots: torch.Tensor, width: int = 1) -> None:
+        """Each token of ``items`` (rows of ``width`` token places, in batch order) its adapter's place
+        in ``slots``, the rest of the buffer -1; adapters the stack lacks copied in first (from the
+        host, without a sync)."""
         places = self._place({item.adapter for item in items if item.adapter is not None})
-        values = [places[item.adapter] if item.adapter is not None else -1 for item in items]
+        values = [places[item.adapter] if item.adapter is not None else -1 for item in items for _ in range(width)]
         values += [-1] * (slots.shape[0] - len(values))
         slots.copy_(torch.tensor(values, dtype=slots.dtype, device="cpu"), non_blocking=True)
 
