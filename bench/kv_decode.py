@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     folder = Path(tempfile.gettempdir()) / "pagedserve-kernels"
-    kernels = {name: select_ops(device, args.backend, folder, kv_format(name)) for name in ("auto", "int8", "fp8_e4m3")}
+    kernels = {name: select_ops(device, args.backend, folder, kv_format(name, device)) for name in ("auto", "int8", "fp8_e4m3")}
     rows = []
     for context in args.contexts:
         ms = {name: time_decode(ops, args.seqs, context, dtype, device, args.repeats) for name, ops in kernels.items()}

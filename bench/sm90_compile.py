@@ -36,12 +36,12 @@ ALIGNED_STRIDES = ("stride_qs", "stride_qh", "stride_qt", "stride_ot", "stride_o
 CACHE_STRIDES = ("stride_kb", "stride_kt", "stride_kh")
 
 
-def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int) -> dict:
+def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int, rows_aligned: bool = True) -> dict:
     """``REG``, ``STACK``, ... of ``fn`` compiled for sm_90 with a cache of ``cache_dtype``, and from its
     PTX the shapes of its wgmma products and its count of asynchronous copies (loads pipelined
     through shared memory). Compiled as a launch specializes it: pointers and the strides of
-    queries, outputs and a 16-bit cache divisible by 16 (a quantized cache's rows, head_dim + 2
-    bytes, are not)."""
+    queries, outputs and, where ``rows_aligned`` (a 16-bit cache, or CUDA's 8-bit rows of a head a
+    multiple of 16: ``kv_format.ALIGNED_TAIL``), the cache's."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -55,7 +55,7 @@ def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int) -> dict:
         else:
             signature[name] = "fp32" if name in ("scale", "softcap") else "i64" if name.startswith("stride") else "i32"
     aligned = [n for n in signature if n.endswith("_ptr") or n in ALIGNED_STRIDES
-               or (n in CACHE_STRIDES and cache_dtype != "u8")]
+               or (n in CACHE_STRIDES and rows_aligned)]
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
@@ -68,33 +68,39 @@ def resources(fn, cache_dtype: str, constexprs: dict, num_warps: int) -> dict:
     line = next(text for text in usage.splitlines() if "REG:" in text)
     ptx = compiled.asm["ptx"]
     return {**{key: int(value) for key, value in re.findall(r"([A-Z]+):(\d+)", line)},
-            "local_in_loops": local_in_loops(sass),
+            "local_in_loops": local_in_loops(sass), "loop_instructions": len(in_loops(sass)),
             "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
             "async_copies": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx))}
 
 
-def local_in_loops(sass: str) -> int:
-    """Local-memory loads and stores (spilled registers) inside a loop of the kernel's machine code:
-    between a backward branch's target and the branch. One saved before a loop and restored after
-    it costs once per program; inside, once per tile."""
+def in_loops(sass: str) -> list[str]:
+    """The instructions inside a loop of the kernel's machine code: between a backward branch's
+    target and the branch (what runs once a tile)."""
     instructions = [(int(at, 16), text) for at, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(int(target, 16), at) for at, text in instructions
              for target in re.findall(r"\bBRA\s+0x([0-9a-f]+)", text) if int(target, 16) < at]
-    return sum(1 for at, text in instructions if re.search(r"\b(STL|LDL)\b", text)
-               and any(lo <= at <= hi for lo, hi in loops))
+    return [text for at, text in instructions if any(lo <= at <= hi for lo, hi in loops)]
+
+
+def local_in_loops(sass: str) -> int:
+    """Local-memory loads and stores (spilled registers) inside a loop: one saved before a loop and
+    restored after it costs once per program; inside, once per tile."""
+    return sum(1 for text in in_loops(sass) if re.search(r"\b(STL|LDL)\b", text))
 
 
 def cases() -> dict[str, tuple]:
-    """name -> (kernel, cache dtype for the signature, constexprs, warps)."""
+    """name -> (kernel, cache dtype for the signature, constexprs, warps, whether the cache's rows
+    are 16-byte aligned as CUDA keeps them)."""
     out = {}
     for model, (group, dim) in MODELS.items():
         rows = dot_pad(group)
-        for cache in ("auto", "int8"):
+        for cache in ("auto", "int8", "fp8_e4m3"):
             constants = dict(code_constants(kv_format(cache)), F32=False)
+            aligned = cache == "auto" or kv_format(cache, "cuda").row_width(dim) % 16 == 0
             out[f"decode-{cache}-{model}"] = (
                 paged_attention._decode_partial, "bf16" if cache == "auto" else "u8",
                 dict(GROUP=group, ROWS=rows, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, TILE=paged_attention.decode_tile(dim),
-                     SOFTCAP=model in SOFT_CAPPED, **constants), paged_attention.NUM_WARPS)
+                     SOFTCAP=model in SOFT_CAPPED, **constants), paged_attention.NUM_WARPS, aligned)
             tiles = {chunk: prefill_attention.prefill_tiles(dim, tokens, cache != "auto")
                      for chunk, tokens in (("long", 512), ("short", 16))}
             for chunk, (block_m, block_n) in tiles.items():
@@ -103,7 +109,7 @@ def cases() -> dict[str, tuple]:
                 out[f"prefill-{chunk}-{cache}-{model}"] = (
                     prefill_attention._prefill_kernel, "bf16" if cache == "auto" else "u8",
                     dict(GROUP=group, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
-                         SOFTCAP=model in SOFT_CAPPED, **constants), prefill_attention.NUM_WARPS)
+                         SOFTCAP=model in SOFT_CAPPED, **constants), prefill_attention.NUM_WARPS, aligned)
     for dim in sorted({dim for _, dim in MODELS.values()}):  # the slices' reduction, at its default 4 warps
         out[f"decode-reduce-{dim}"] = (paged_attention._decode_reduce, "bf16",
                                        dict(DIM=dim, DIM_PAD=dim, CHUNK=paged_attention.REDUCE_CHUNK), 4)
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"bench": "sm90_compile", "triton": triton.__version__, "cases": usage}))
     print_table([{"case": name, **row} for name, row in usage.items()],
                 [("case", lambda r: r["case"]), ("regs", lambda r: r["REG"]), ("stack", lambda r: r["STACK"]),
-                 ("spills in loops", lambda r: r["local_in_loops"]), ("async copies", lambda r: r["async_copies"]),
+                 ("spills in loops", lambda r: r["local_in_loops"]), ("loop instructions", lambda r: r["loop_instructions"]),
+                 ("async copies", lambda r: r["async_copies"]),
                  ("wgmma", lambda r: " ".join(r["wgmma"]) or "-")])
     return 0
 

@@ -4,7 +4,12 @@
 A quantized cache keeps, for every (position, KV head), its ``head_dim`` one-byte codes and then
 the row's scale as a bfloat16 (2 bytes; float32's range, so no row's scale underflows, and as
 values are divided by the stored scale its rounding costs nothing): rows of ``head_dim + 2`` bytes
-in a ``uint8`` cache of shape ``[num_blocks, block_size, num_kv_heads, head_dim + 2]``. The scale lives beside its values,
+in a ``uint8`` cache of shape ``[num_blocks, block_size, num_kv_heads, head_dim + 2]``. On CUDA the rows
+end in 16 bytes instead (the scale, then 14 unused; ``aligned``): a row of a head of 128 is 144
+bytes, a multiple of 16, so the kernels read a tile's codes in 16-byte loads and copy them into
+shared memory asynchronously, as they do a 16-bit cache's; rows of 130 bytes are read a byte at a
+time (sm_90 machine code: 1,949 instructions a decode tile against 704 aligned; docs/benchmarks.md).
+The CPU keeps the tight rows (its kernels read bytes either way). The scale lives beside its values,
 so everything that moves whole blocks (copy-on-write, swap, the prefix cache, sliding-window
 release) carries it without knowing it is there, and a block's bytes are simply its tensor's.
 Scales are per token and head (absmax / the format's largest value), set once when the token is
@@ -24,13 +29,14 @@ fp8's steps, relative to each value, lose. Measured on the default model in docs
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pagedserve.kernels.backends import KV_CACHE_DTYPES
 
-SCALE_BYTES = 2  # a bfloat16 scale at the end of every row
+SCALE_BYTES = 2  # a bfloat16 scale after every row's codes
+ALIGNED_TAIL = 16  # on CUDA: the scale and 14 unused bytes, so rows of a head a multiple of 16 stay 16-byte aligned
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class KVFormat:
     code: torch.dtype | None = None  # the element type of the one-byte codes; None: not quantized
     largest: float = 0.0  # the largest magnitude a code holds
     rotation_values: bool = False  # values turned too (evenly spaced codes gain; fp8's relative steps lose)
+    tail: int = SCALE_BYTES  # bytes of a quantized row after its codes: the scale, then padding (``aligned``)
 
     @property
     def quantized(self) -> bool:
@@ -47,18 +54,22 @@ class KVFormat:
     def storage_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return torch.uint8 if self.quantized else model_dtype
 
+    def aligned(self) -> KVFormat:
+        """This format with rows ending in ``ALIGNED_TAIL`` bytes (the module's docstring): CUDA's."""
+        return replace(self, tail=ALIGNED_TAIL) if self.quantized else self
+
     def row_width(self, head_dim: int) -> int:
         """Elements of the cache's last dimension for one (position, KV head)."""
-        return head_dim + SCALE_BYTES if self.quantized else head_dim
+        return head_dim + self.tail if self.quantized else head_dim
 
     def head_dim(self, cache: torch.Tensor) -> int:
-        return cache.shape[-1] - SCALE_BYTES if self.quantized else cache.shape[-1]
+        return cache.shape[-1] - self.tail if self.quantized else cache.shape[-1]
 
     def bytes_per_element(self, model_dtype: torch.dtype) -> int:
         return 1 if self.quantized else torch.empty((), dtype=model_dtype, device="meta").element_size()
 
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., head_dim]`` values -> ``[..., head_dim + 2]`` uint8 rows (codes, then the scale)."""
+        """``[..., head_dim]`` values -> ``[..., row_width(head_dim)]`` uint8 rows (codes, the scale, zeros)."""
         xf = x.float()
         # An all-zero row gets the least normal scale (its codes are zeros whatever the scale).
         scale = (xf.abs().amax(dim=-1, keepdim=True) / self.largest).clamp_min_(2**-126).to(torch.bfloat16)
@@ -67,7 +78,8 @@ class KVFormat:
             codes = scaled.round().clamp(-127, 127).to(torch.int8)
         else:
             codes = scaled.clamp(-self.largest, self.largest).to(self.code)
-        return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+        pad = codes.new_zeros((*codes.shape[:-1], self.tail - SCALE_BYTES), dtype=torch.uint8)
+        return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8), pad], dim=-1)
 
     def quantize_pair(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``quantize`` of K and V in one pass (half the small ops of two: it runs in every layer)."""
@@ -75,9 +87,9 @@ class KVFormat:
         return rows[0], rows[1]
 
     def dequantize(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[..., head_dim + 2]`` uint8 rows -> float32 ``[..., head_dim]`` (into ``out`` if given)."""
-        dim = rows.shape[-1] - SCALE_BYTES
-        scale = rows[..., dim:].contiguous().view(torch.bfloat16).float()
+        """``[..., row_width]`` uint8 rows -> float32 ``[..., head_dim]`` (into ``out`` if given)."""
+        dim = rows.shape[-1] - self.tail
+        scale = rows[..., dim : dim + SCALE_BYTES].contiguous().view(torch.bfloat16).float()
         values = self.table(rows.device)[rows[..., :dim].long()]
         return torch.mul(values, scale, out=out) if out is not None else values * scale
 
@@ -123,7 +135,8 @@ FORMATS["fp8"] = FORMATS["fp8_e4m3"]
 AUTO = FORMATS["auto"]
 
 
-def kv_format(name: str) -> KVFormat:
+def kv_format(name: str, device: torch.device | str = "cpu") -> KVFormat:
+    """The format named ``name`` as a cache on ``device`` keeps it (aligned rows on CUDA)."""
     if name not in FORMATS:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    return FORMATS[name]
+    return FORMATS[name].aligned() if torch.device(device).type == "cuda" else FORMATS[name]

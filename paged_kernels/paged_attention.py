@@ -151,7 +151,7 @@ def paged_attention_decode(
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         splits, partition, window, float(softcap), GROUP=group, ROWS=rows, DIM=dim,
         DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], TILE=decode_tile(dim_pad),
-        F32=dot_in_float32(q.dtype), SOFTCAP=softcap > 0.0, **code_constants(kv_format), num_warps=NUM_WARPS,
+        F32=dot_in_float32(q.dtype), SOFTCAP=softcap > 0.0, **code_constants(kv_format, q.device), num_warps=NUM_WARPS,
     )
     _decode_reduce[(num_seqs, num_heads)](
         part_out, part_max, part_sum, seq_lens, out, out.stride(0), out.stride(1), num_heads, splits, partition, window,

@@ -12,18 +12,25 @@ import triton.language as tl
 
 from pagedserve.kernels.kv_format import KVFormat
 
-PLAIN, INT8, FP8 = 0, 1, 2
+PLAIN, INT8, FP8, FP8_CONVERTED = 0, 1, 2, 3
 MIN_DOT = 16  # the matrix units' least rows and columns
 
 
-def code_constants(kv_format: KVFormat) -> dict:
-    """The ``CODE``, ``MANT`` and ``BIAS`` constexprs ``load_kv_tile`` decodes ``kv_format``'s rows with."""
+def code_constants(kv_format: KVFormat, device: torch.device | str = "cpu") -> dict:
+    """The ``CODE``, ``MANT`` and ``BIAS`` constexprs ``load_kv_tile`` decodes ``kv_format``'s rows
+    with on ``device``: fp8 codes by the hardware's conversion where it has one for the format
+    (``FP8_CONVERTED``: e4m3 from sm_89 on, e5m2 everywhere, and the interpreter), else with
+    integer arithmetic."""
     if not kv_format.quantized:
         return {"CODE": PLAIN, "MANT": 0, "BIAS": 0}
     if kv_format.code == torch.int8:
         return {"CODE": INT8, "MANT": 0, "BIAS": 0}
     info = torch.finfo(kv_format.code)  # eps = 2**-mantissa bits, tiny (the least normal) = 2**(1 - bias)
-    return {"CODE": FP8, "MANT": round(-math.log2(info.eps)), "BIAS": round(1 - math.log2(info.tiny))}
+    mantissa, bias = round(-math.log2(info.eps)), round(1 - math.log2(info.tiny))
+    device = torch.device(device)
+    converts = (device.type != "cuda" or kv_format.code == torch.float8_e5m2
+                or torch.cuda.get_device_capability(device) >= (8, 9))
+    return {"CODE": FP8_CONVERTED if converts else FP8, "MANT": mantissa, "BIAS": bias}
 
 
 @triton.jit
@@ -52,16 +59,23 @@ def load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
 @triton.jit
 def _load_codes(ptr, offs, d, valid, mask, DIM: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr,
                 BIAS: tl.constexpr):
-    """float32 ``[len(offs), DIM_PAD]`` values and ``[len(offs)]`` scales: one-byte codes decoded with
-    integer arithmetic only (as exact as the torch reference's table) and the row's bfloat16 scale
-    (the two bytes after the codes; ``paged_kernels/kv_format.py``)."""
-    codes = tl.load(ptr + offs[:, None] + d[None, :], mask=mask, other=0).to(tl.int32)
+    """float32 ``[len(offs), DIM_PAD]`` values and ``[len(offs)]`` scales: one-byte codes decoded
+    exactly as the torch reference's table (int8 by sign extension, fp8 by the hardware's conversion,
+    or integer arithmetic where it has none: ``code_constants``) and the row's bfloat16 scale (the
+    two bytes after the codes; ``paged_kernels/kv_format.py``)."""
+    raw = tl.load(ptr + offs[:, None] + d[None, :], mask=mask, other=0)
     low = tl.load(ptr + offs + DIM, mask=valid, other=0).to(tl.uint32)
     high = tl.load(ptr + offs + DIM + 1, mask=valid, other=0).to(tl.uint32)
     scale = ((high << 24) | (low << 16)).to(tl.float32, bitcast=True)  # a bfloat16 is float32's upper half
     if CODE == 1:
-        values = (codes - ((codes >> 7) << 8)).to(tl.float32)  # the byte as two's complement
+        values = raw.to(tl.int8, bitcast=True).to(tl.float32)
+    elif CODE == 3:  # the hardware's conversion (code_constants)
+        if MANT == 3:
+            values = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            values = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
     else:
+        codes = raw.to(tl.int32)
         exponent = (codes >> MANT) & ((1 << (7 - MANT)) - 1)
         significand = (codes & ((1 << MANT) - 1)) + tl.where(exponent > 0, 1 << MANT, 0)  # subnormals: no implicit 1
         power = ((tl.maximum(exponent, 1) - BIAS - MANT + 127) << 23).to(tl.float32, bitcast=True)

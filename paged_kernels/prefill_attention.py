@@ -150,6 +150,6 @@ def prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window, float(softcap),
         GROUP=group, DIM=q.shape[2], DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        F32=dot_in_float32(q.dtype), SOFTCAP=softcap > 0.0, **code_constants(kv_format), num_warps=NUM_WARPS,
+        F32=dot_in_float32(q.dtype), SOFTCAP=softcap > 0.0, **code_constants(kv_format, q.device), num_warps=NUM_WARPS,
     )
     return out

@@ -14,12 +14,14 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from pagedserve.kernels import reference as ref  # noqa: E402
 from pagedserve.kernels.copy_blocks import copy_blocks  # noqa: E402
 from pagedserve.kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
 from pagedserve.kernels.kv_format import kv_format  # noqa: E402
 from pagedserve.kernels.moe_reference import grouped_moe  # noqa: E402
+from pagedserve.kernels.paged_tiles import _load_codes, code_constants  # noqa: E402
 from pagedserve.kernels.paged_attention import paged_attention_decode  # noqa: E402
 from pagedserve.kernels.prefill_attention import prefill_attention  # noqa: E402
 from pagedserve.kernels.store_kv import store_kv  # noqa: E402
@@ -151,6 +153,66 @@ def test_quantized_cache_reads_as_the_decoded_cache(device, name, block_size, wi
     expected = ref.prefill_attention(qp, case.k_cache, case.v_cache, case.block_tables, starts, case.seq_lens, 0.125,
                                      window=window, softcap=softcap)
     close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_aligned_rows_read_and_write_as_the_tight_ones(device, name):
+    """CUDA's rows (codes, scale, 14 unused bytes: 16-byte aligned at a head of 64) hold what the
+    tight rows hold: store writes the reference's aligned rows, and decode and prefill over them give
+    the tight rows' outputs exactly."""
+    tight = kv_format(name)
+    fmt = kv_format(name, "cuda")
+    assert fmt == tight.aligned() and fmt.tail == 16 and fmt.row_width(64) == 80 and tight.row_width(64) == 66
+    case, k_rows, v_rows = quantized_case(name, 16, 2, [1, 17, 97, 600])
+    pad = lambda rows: torch.cat([rows, rows.new_zeros((*rows.shape[:-1], 14))], dim=-1)  # noqa: E731
+    aligned = (pad(k_rows).to(device), pad(v_rows).to(device))
+    assert fmt.head_dim(aligned[0]) == 64 and torch.equal(fmt.dequantize(aligned[0].cpu()), tight.dequantize(k_rows))
+    tables, lens = case.block_tables.to(device), case.seq_lens.to(device)
+    q = torch.randn(4, 6, 64).to(device)
+    assert torch.equal(paged_attention_decode(q, *aligned, tables, lens, 0.125, kv_format=fmt).cpu(),
+                       paged_attention_decode(q, k_rows.to(device), v_rows.to(device), tables, lens, 0.125,
+                                              kv_format=tight).cpu())
+    starts = torch.tensor([0, 1, 3, 8, 24], dtype=torch.int32, device=device)
+    qp = torch.randn(24, 6, 64).to(device)
+    assert torch.equal(prefill_attention(qp, *aligned, tables, starts, lens, 0.125, kv_format=fmt).cpu(),
+                       prefill_attention(qp, k_rows.to(device), v_rows.to(device), tables, starts, lens, 0.125,
+                                         kv_format=tight).cpu())
+    k_cache, v_cache = (torch.zeros(6, 4, 2, 80, dtype=torch.uint8, device=device) for _ in range(2))
+    key, value, slots = torch.randn(5, 2, 64) * 4, torch.randn(5, 2, 64), torch.tensor([3, -1, 23, 0, -1])
+    store_kv(key.to(device), value.to(device), k_cache, v_cache, slots.to(device), kv_format=fmt)
+    k_ref, v_ref = torch.zeros_like(k_cache).cpu(), torch.zeros_like(v_cache).cpu()
+    ref.store_kv(key, value, k_ref, v_ref, slots, kv_format=fmt)
+    assert torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref) and not k_ref[..., 66:].any()
+
+
+@triton.jit
+def _decode_every_code(codes_ptr, out_ptr, CODE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr):
+    rows, d = tl.arange(0, 16), tl.arange(0, 16)
+    offs = rows * 18  # 16 codes and a scale a row
+    values, _ = _load_codes(codes_ptr, offs, d, rows < 16, (rows < 16)[:, None] & (d < 16)[None, :], 16, CODE, MANT,
+                            BIAS)
+    tl.store(out_ptr + rows[:, None] * 16 + d[None, :], values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_every_code_decodes_to_the_tables_value_both_ways(device, name):
+    """All 256 codes of a format through the kernels' decoding: by the hardware's conversion (sm_89 on)
+    and by integer arithmetic (earlier GPUs' e4m3), each the reference table's value (the codes no
+    cache holds, fp8's NaN and infinities, aside: values are clamped to the largest finite one)."""
+    fmt = kv_format(name)
+    rows = torch.zeros(16, 18, dtype=torch.uint8)
+    rows[:, :16] = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
+    expected = fmt.table()[rows[:, :16].long()]
+    finite = expected.isfinite()
+    constants = code_constants(fmt)
+    ways = {constants["CODE"]} | ({2} if constants["CODE"] == 3 else set())
+    assert ways == ({1} if name == "int8" else {2, 3})
+    for code in ways:
+        out = torch.empty(16, 16, device=device)
+        _decode_every_code[(1,)](rows.to(device), out, code, constants["MANT"], constants["BIAS"])
+        assert torch.equal(out.cpu()[finite], expected[finite]), code
 
 
 @pytest.mark.parametrize("device", DEVICES)
