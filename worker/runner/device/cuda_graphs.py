@@ -158,36 +158,10 @@ class DecodeGraphs:
         return bucket.logits, last_index
 
     def _load(self, bucket: _Bucket, items: list[ScheduledSeq], kept: KeptTables) -> list[int]:
-        """The step into the bucket's buffers; each item's last token's place among them."""
-        if bucket.width > 1:
-            return self._load_rows(bucket, items, kept)
-        n, seq_ids = len(items), [s.seq_id for s in items]
-        host = dict(
-            ids=[s.token_ids[0] for s in items], positions=[s.start for s in items],
-            lens=[s.context_len for s in items] + [1] * (bucket.size - n),
-            # as the eager step: a one-token chunk of a longer prompt rotates by the prompt's length
-            seq_lens=[max(s.seq_len, s.context_len) for s in items] + [1] * (bucket.size - n),
-        )
-        for name, values in host.items():
-            _copy(getattr(bucket, name), values)
-        slots = kept.slots(seq_ids, host["positions"], self.block_size, torch.device("cpu"))
-        every_lane = kept.tables(seq_ids, torch.device("cpu"))
-        for lane, (lane_slots, target) in enumerate(zip(bucket.lane_slots, bucket.lane_tables)):
-            lane_slots[:n].copy_(slots[lane], non_blocking=True)
-            lane_slots[n:].fill_(-1)
-            # Table entries past a row's length are never read: only the live part is copied. Padding
-            # rows read position 0 of their row: block 0, not what an earlier, larger step left there
-            # (a sliding-window row's first entry can be the released-block marker, -1).
-            tables = every_lane[lane]
-            target[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
-            target[n:, : tables.shape[1]].zero_()
-        if self.adapters is not None:
-            self.adapters.load(items, bucket.adapter_slots)
-        return list(range(n))
-
-    def _load_rows(self, bucket: _Bucket, items: list[ScheduledSeq], kept: KeptTables) -> list[int]:
-        """A step of rows of up to ``bucket.width`` tokens (drafts checked): each row's tokens at the
-        start of its ``width`` places, padding after (the module's docstring)."""
+        """The step into the bucket's buffers, each row's tokens at the start of its ``width`` places
+        and padding after (the module's docstring); each item's last token's place among them.
+        Padding rows attend over their own positions in block 0, never what an earlier, larger step
+        left in the tables (a sliding-window row's first entry can be the released-block marker, -1)."""
         width, n, cpu, tokens = bucket.width, len(items), torch.device("cpu"), bucket.size * bucket.width
         ids, positions, seq_lens, places = [0] * tokens, [0] * tokens, [1] * tokens, []
         for row, s in enumerate(items):
@@ -195,6 +169,7 @@ class DecodeGraphs:
             ids[at : at + s.num_tokens] = s.token_ids
             # the padding at the row's last position: a valid rotary position, never past the model's length
             positions[at : at + width] = [*range(s.start, s.context_len), *[s.context_len - 1] * (width - s.num_tokens)]
+            # as the eager step: a one-token chunk of a longer prompt rotates by the prompt's length
             seq_lens[at : at + width] = [max(s.seq_len, s.context_len)] * width
             places.extend(range(at, at + s.num_tokens))
         _copy(bucket.ids, ids)
@@ -216,7 +191,7 @@ class DecodeGraphs:
             host_tables = torch.zeros((bucket.size, reach), dtype=torch.int32)
             live = every_lane[lane].where(own, 0)[:, :reach]
             host_tables[:n, : live.shape[1]] = live
-            target[:, :reach].copy_(host_tables, non_blocking=True)
+            target[:, :reach].copy_(host_tables, non_blocking=True)  # entries past reach: never read
         if self.adapters is not None:
             self.adapters.load(items, bucket.adapter_slots, width)
         return [row * width + s.num_tokens - 1 for row, s in enumerate(items)]
