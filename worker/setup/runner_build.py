@@ -156,7 +156,8 @@ class RunnerBuild:
     def make_runner(self, num_gpu: int, num_cpu: int = 0, graphs: GraphLimits | None = None) -> ModelRunner:
         config = self.config
         eager_lora = self.adapters is not None and self.adapters.step.kernel is None  # the graphs need the per-token kernel
-        graphs = None if eager_lora or self.group is not None else graphs
+        # under tensor parallel every rank captures and replays the same graphs, its collectives inside them
+        graphs = None if eager_lora else graphs
         return ModelRunner(self.model, self.ops, self.device, self.info.dtype, self.kv, config.block_size, num_gpu,
                            num_cpu, Sampler(self.eos, seed=config.seed, device=self.device), BeamSearcher(self.eos),
                            graphs, self.draft, self.adapters)
