@@ -92,8 +92,8 @@ def test_decode_graphs_with_nccl_inside_give_the_eager_logits(zoo):
     prompt = tuple(range(20, 60))
     first = ScheduledSeq(seq_id=0, request_id="a", token_ids=prompt, start=0, block_table=(0, 1, 2), num_samples=1,
                          params=SamplingParams(temperature=0.0), seq_len=len(prompt))
-    after = ScheduledSeq(seq_id=0, request_id="a", token_ids=(7,), start=len(prompt), block_table=(), num_samples=1,
-                         params=SamplingParams(temperature=0.0), seq_len=len(prompt) + 1, table_from=3)
+    after = ScheduledSeq(seq_id=0, request_id="a", token_ids=(7,), start=len(prompt), block_table=(0, 1, 2), num_samples=1,
+                         params=SamplingParams(temperature=0.0), seq_len=len(prompt) + 1)
     logits = []
     for build, limits in ((RunnerBuild(config, info, device), None),
                           (RunnerBuild(config, info, device, group=group), GraphLimits(64, 4))):
@@ -102,4 +102,6 @@ def test_decode_graphs_with_nccl_inside_give_the_eager_logits(zoo):
         with torch.inference_mode():
             runner.forward(StepPlan(seqs=(first,), block_size=16))
             logits.append(runner.forward(StepPlan(seqs=(after,), block_size=16)).logits)
+        if limits is not None:
+            assert (1, 1, 64) in runner.graphs._buckets  # the decode step replayed the graph of one row
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
