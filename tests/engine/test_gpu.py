@@ -134,16 +134,21 @@ def test_cuda_graphs_give_the_eager_tokens(zoo, name):
     assert [a[i].outputs[0].token_ids for i in range(len(cases))] == [b[i].outputs[0].token_ids for i in range(len(cases))]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "gemma2"])
-def test_cuda_graphs_checking_drafts_give_the_eager_tokens(zoo, name):
-    """n-gram drafts checked in graphs of rows of 2 to 5 token places (prompts that repeat, so drafts
-    come) give the eager engine's tokens; the graphs of rows of drafts were replayed."""
+@pytest.mark.parametrize("name,method", [("llama-gqa", "ngram"), ("gemma2", "ngram"), ("llama-gqa", "draft_model")])
+def test_cuda_graphs_checking_drafts_give_the_eager_tokens(zoo, name, method):
+    """n-gram or draft-model drafts checked in graphs of rows of 2 to 5 token places (prompts that
+    repeat, so n-gram drafts come) give the eager engine's tokens and accept as many drafts; the
+    graphs of rows of drafts were replayed, and the draft model's rounds through graphs of its own."""
     cases = [(p * 6, n) for p, n in random_prompts(seed=9, count=24, max_len=12, vocab=VOCAB, max_new=60)]
     params = [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases]
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    spec = {"method": method, "num_speculative_tokens": 4, **({"model": str(zoo.path(name))} if method == "draft_model" else {})}
     graphed = cuda_llm(zoo, name, num_gpu_blocks=2048, speculative_config=spec)
     eager = cuda_llm(zoo, name, num_gpu_blocks=2048, enforce_eager=True, speculative_config=spec)
     a = run_checked(graphed, [p for p, _ in cases], params)
     b = run_checked(eager, [p for p, _ in cases], params)
     assert [a[i].outputs[0].token_ids for i in range(len(cases))] == [b[i].outputs[0].token_ids for i in range(len(cases))]
-    assert any(width > 1 for _, width, _ in graphed.engine.runner.graphs._buckets)
+    accepted = "spec_decode_num_accepted_tokens_total"
+    assert graphed.engine.stats()[accepted] == eager.engine.stats()[accepted] > 0
+    runner = graphed.engine.runner
+    assert any(width > 1 for _, width, _ in runner.graphs._buckets)
+    assert method != "draft_model" or runner.drafter.graphs._buckets

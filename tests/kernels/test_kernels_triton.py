@@ -431,7 +431,7 @@ def uncaptured_graphs(runner, limits):
             self._buckets[(size, width, context)], bucket.graph = bucket, Replay()
             return bucket
 
-    return Uncaptured(runner.model, runner.kv_caches, runner.device, runner.block_size, limits)
+    return Uncaptured(runner.model, runner.kv_caches, runner.device, runner.block_size, limits)  # a Drafter's too
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -474,27 +474,37 @@ def test_a_step_checking_drafts_through_a_graphs_buffers_gives_the_eager_logits(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_n_gram_speculation_through_the_graphs_gives_the_eager_tokens(zoo, device):
-    """Greedy generation with n-gram drafts, every step the graphs can take replayed through their
-    buffers (rows of 2 to 4 token places and plain decodes), gives the eager engine's tokens."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_through_the_graphs_gives_the_eager_tokens(zoo, device, method):
+    """Greedy generation with n-gram or draft-model drafts, every step the graphs can take replayed
+    through their buffers (rows of 2 to 4 token places and plain decodes; the draft model's rounds
+    through graphs of its own), gives the eager engine's tokens."""
     from pagedserve import LLM
     from pagedserve.shared.sampling import SamplingParams
     from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
 
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [12], list(range(30, 43))]
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    tokens, widths = {}, set()
+    spec = {"method": method, "num_speculative_tokens": 3,
+            **({"model": str(zoo.path("llama-gqa"))} if method == "draft_model" else {})}
+    limits = GraphLimits(max_model_len=64, max_num_seqs=16, max_draft=3)
+    tokens, widths, accepted = {}, set(), {}
     for graphs in (False, True):
         llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
-                  num_gpu_blocks=64, max_model_len=64, enforce_eager=True,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+                  num_gpu_blocks=64, max_model_len=64, enforce_eager=True, speculative_config=spec)
         runner = llm.engine.runner
         if graphs:
-            runner.graphs = uncaptured_graphs(runner, GraphLimits(max_model_len=64, max_num_seqs=16, max_draft=3))
+            runner.graphs = uncaptured_graphs(runner, limits)
+            if runner.drafter is not None:
+                runner.drafter.graphs = uncaptured_graphs(runner.drafter, limits)
         tokens[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, [params] * 3, use_tqdm=False)]
         widths = {width for _, width, _ in runner.graphs._buckets} if graphs else widths
+        accepted[graphs] = llm.engine.stats()["spec_decode_num_accepted_tokens_total"]
     assert tokens[True] == tokens[False]
+    assert accepted[True] == accepted[False] > 0  # the same drafts (a wrong one changes no token, only this)
     assert 1 in widths and widths - {1}  # decodes and rows of drafts both replayed
+    if method == "draft_model":
+        assert runner.drafter.graphs._buckets  # the draft model's rounds replayed too
 
 
 @pytest.mark.gpu

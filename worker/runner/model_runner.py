@@ -83,6 +83,8 @@ class ModelRunner:
         if graph_limits is not None and device.type == "cuda" and ops.backend == "triton":
             stack = None if adapters is None else GraphStack(adapters)
             self.graphs = DecodeGraphs(model, self.kv_caches, device, block_size, graph_limits, stack)
+            if self.drafter is not None:  # the draft model's rounds: graphs of its own, captured on first use
+                self.drafter.graphs = DecodeGraphs(draft, self.drafter.kv_caches, device, block_size, graph_limits)
             with tqdm(total=1, desc="capturing CUDA graphs", unit="set", leave=False, disable=None):
                 self.graphs.capture_all()
 

@@ -20,7 +20,7 @@ from pagedserve.kernels.ops import select_ops
 from pagedserve.runtime.env import cache_dir
 from pagedserve.worker.core.kv_cache.kv_layout import KvLayout
 from pagedserve.worker.runner.attention.key_rotation import calibrate
-from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
+from pagedserve.worker.runner.device.cuda_graphs import GraphLimits, graph_pool_bytes
 from pagedserve.worker.runner.device.memory_profile import peak_step_bytes, reserved_beside_pool
 from pagedserve.worker.runner.loader import ModelInfo, inspect_model, load_weights
 from pagedserve.worker.runner.lora.adapters import Adapters
@@ -102,6 +102,7 @@ class RunnerBuild:
         if group is not None:
             parallelize(self.model, group, info.config.vocab_size)
         self.draft: CausalLM | None = None  # speculative decoding's draft model (load_draft; rank 0's alone under TP)
+        self.draft_config = None  # its config (its decode graphs' pool is sized from it)
         self.adapters: Adapters | None = None  # LoRA (load_adapters)
 
     def load_adapters(self) -> Adapters | None:
@@ -133,6 +134,7 @@ class RunnerBuild:
                              f"tokens; the model's has {vocab}: a draft must share its tokenizer")
         with tqdm(total=1, desc="loading the draft model", unit="model", leave=False, disable=None):
             self.draft = load_weights(draft_info, self.ops, self.device, spec.quantization)
+        self.draft_config = draft_info.config
         # its KV on the target's first lane's blocks, a full lane: one lane of its own, every position kept
         self.draft.kv_layout = KvLayout.uniform(len(self.draft.model.layers))
         return self.draft
@@ -187,6 +189,8 @@ class RunnerBuild:
                                    self.model.kv_layout.num_lanes)
             dtype_bytes = torch.empty((), dtype=self.info.dtype, device="meta").element_size()
             reserved = reserved_beside_pool(peak, model_config, self.graph_limits(max_len), dtype_bytes, graphs)
+            if graphs and self.draft is not None:  # the draft model's rounds replay graphs of their own
+                reserved += graph_pool_bytes(self.graph_limits(max_len), self.draft_config, dtype_bytes)
             if graphs and self.adapters is not None and self.adapters.step.kernel is not None:
                 reserved += stack_bytes(self.adapters)  # the adapters' places the graphs read
         free, total = torch.cuda.mem_get_info(device)

@@ -9,7 +9,10 @@ positions. The scheduler tracks how far each sequence's draft KV is valid (``Seq
 the row's own that the draft has not taken in (``ScheduledSeq.draft_context``); the first round
 takes them in with the row's token (a prefill, in pieces of ``CATCH_UP_CHUNK``), each later round
 one draft. A wrong draft KV (a prefix block another row's draft wrote, a block reused) can only
-make drafts worse, never tokens wrong: the target checks every draft (``draft_check.py``).
+make drafts worse, never tokens wrong: the target checks every draft (``draft_check.py``). On CUDA
+its rounds replay decode graphs of their own (``graphs``, set by the runner: the draft model's
+weights and KV, the target's limits), as the target's steps do: a round is a decode step of a small
+model, where launching is most of the time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pagedserve.kernels.ops import AttentionOps
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
 from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.step_inputs import step_inputs
+from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs
 from pagedserve.worker.runner.kv_cache.pool import layer_caches, pool_shape, zeroed_pool
 from pagedserve.worker.runner.models.layers import CausalLM
 
@@ -36,6 +40,7 @@ class Drafter:
         self.kv_pool = zeroed_pool(pool_shape(model, num_blocks, block_size, kv), kv.storage_dtype(dtype), device)
         self.kv_caches = layer_caches(self.kv_pool, model)
         self._tables: KeptTables | None = None  # the runner's, during a draft()
+        self.graphs: DecodeGraphs | None = None  # the rounds' CUDA graphs (ModelRunner sets them on CUDA)
 
     @torch.inference_mode()
     def draft(self, seqs: tuple[ScheduledSeq, ...], tables: KeptTables) -> tuple[tuple[ScheduledSeq, ...], int]:
@@ -71,6 +76,10 @@ class Drafter:
 
     def _greedy(self, rows: list[ScheduledSeq]) -> dict[int, int]:
         """Each row's next token by the draft model: its argmax after the row's last token."""
+        if self.graphs is not None and self.graphs.can_run(rows):
+            logits, last_index = self.graphs.run(rows, self._tables)
+            last = torch.tensor(last_index, dtype=torch.int64, device=self.device)
+            return {s.seq_id: token for s, token in zip(rows, logits[last].argmax(dim=-1).tolist())}
         batch, hidden = self._forward(rows)
         last = torch.tensor(batch.last_index, dtype=torch.int64, device=self.device)
         picks = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
