@@ -134,7 +134,7 @@ def test_cuda_graphs_give_the_eager_tokens(zoo, name):
     assert [a[i].outputs[0].token_ids for i in range(len(cases))] == [b[i].outputs[0].token_ids for i in range(len(cases))]
 
 
-@pytest.mark.parametrize("name,method", [("llama-gqa", "ngram"), ("gemma2", "ngram"), ("llama-gqa", "draft_model")])
+@pytest.mark.parametrize("name,method", [("llama-gqa", "ngram"), ("qwen3", "ngram"), ("llama-gqa", "draft_model")])
 def test_cuda_graphs_checking_drafts_give_the_eager_tokens(zoo, name, method):
     """n-gram or draft-model drafts checked in graphs of rows of 2 to 5 token places (prompts that
     repeat, so n-gram drafts come) give the eager engine's tokens and accept as many drafts; the
