@@ -507,6 +507,30 @@ def test_speculation_through_the_graphs_gives_the_eager_tokens(zoo, device, meth
         assert runner.drafter.graphs._buckets  # the draft model's rounds replayed too
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_hybrid_lanes_through_the_triton_kernels_and_the_graphs_equal_transformers(zoo, device):
+    """Gemma 3's lanes of layers (five sliding layers of window 8 for each full one; a sliding lane's
+    blocks past its window released, their entries -1) on the Triton kernels, every decode step
+    replayed through the graphs' buffers (a slots buffer and a table per lane): transformers' greedy
+    tokens, far past the window."""
+    from pagedserve import LLM
+    from pagedserve.shared.sampling import SamplingParams
+    from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
+    from tests.conftest import random_prompts
+
+    cases = random_prompts(seed=61, count=3, max_len=30, vocab=512, max_new=30)
+    llm = LLM(zoo.path("gemma3"), dtype="float32", device=device, attention_backend="triton", block_size=4,
+              num_gpu_blocks=128, max_model_len=128, max_num_batched_tokens=32, enforce_eager=True)
+    runner = llm.engine.runner
+    assert runner.model.kv_layout.num_lanes > 1
+    runner.graphs = uncaptured_graphs(runner, GraphLimits(max_model_len=128, max_num_seqs=4))
+    done = llm.generate([p for p, _ in cases], [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases],
+                        use_tqdm=False)
+    for (prompt, n), out in zip(cases, done):
+        assert out.outputs[0].token_ids == zoo.hf_greedy("gemma3", prompt, n)
+    assert runner.graphs._buckets  # the decode steps went through the graphs' buffers
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_pool_past_2_31_elements_is_read_and_written_at_its_highest_blocks():
