@@ -101,15 +101,19 @@ def cases() -> dict[str, tuple]:
                 paged_attention._decode_partial, "bf16" if cache == "auto" else "u8",
                 dict(GROUP=group, ROWS=rows, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, TILE=paged_attention.decode_tile(dim),
                      SOFTCAP=model in SOFT_CAPPED, **constants), paged_attention.NUM_WARPS, aligned)
-            tiles = {chunk: prefill_attention.prefill_tiles(dim, tokens, cache != "auto")
+            tiles = {chunk: (*prefill_attention.prefill_tiles(dim, tokens, cache != "auto"), 0)
                      for chunk, tokens in (("long", 512), ("short", 16))}
-            for chunk, (block_m, block_n) in tiles.items():
+            packed = prefill_attention.packed_tiles(dim, 5, group, cache != "auto")  # a step checking 4 drafts
+            if packed is not None:
+                tiles["drafts"] = packed
+            for chunk, (block_m, block_n, group_pad) in tiles.items():
                 if chunk == "short" and tiles["short"] == tiles["long"]:
                     continue  # the same compile
                 out[f"prefill-{chunk}-{cache}-{model}"] = (
                     prefill_attention._prefill_kernel, "bf16" if cache == "auto" else "u8",
                     dict(GROUP=group, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_N=block_n,
-                         SOFTCAP=model in SOFT_CAPPED, **constants), prefill_attention.NUM_WARPS, aligned)
+                         SOFTCAP=model in SOFT_CAPPED, GROUP_PAD=group_pad, **constants), prefill_attention.NUM_WARPS,
+                    aligned)
     for dim in sorted({dim for _, dim in MODELS.values()}):  # the slices' reduction, at its default 4 warps
         out[f"decode-reduce-{dim}"] = (paged_attention._decode_reduce, "bf16",
                                        dict(DIM=dim, DIM_PAD=dim, CHUNK=paged_attention.REDUCE_CHUNK), 4)

@@ -18,8 +18,8 @@ import triton.language as tl
 
 from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
 from pagedserve.kernels.kv_format import AUTO, KVFormat
-from pagedserve.kernels.paged_tiles import (capped, code_constants, dot_in_float32, dot_pad, load_kv_tile, tile_scores,
-                                            tile_weighted)
+from pagedserve.kernels.paged_tiles import (MIN_DOT, capped, code_constants, dot_in_float32, dot_pad, load_kv_tile,
+                                            tile_scores, tile_weighted)
 
 NUM_WARPS = 8
 LOG2E = tl.constexpr(1.4426950408889634)  # the softmax in powers of two: exp(x) = exp2(x * log2(e))
@@ -40,40 +40,65 @@ def prefill_tiles(dim_pad: int, max_query_len: int, quantized: bool = False) -> 
     return 16, 32
 
 
+PACKED_ROWS = 64  # a chunk's query rows times its group's heads up to which the heads share one program
+
+
+def packed_tiles(dim_pad: int, max_query_len: int, group: int, quantized: bool = False) -> tuple[int, int, int] | None:
+    """(rows, key positions, heads a KV head's rows hold) per tile where a KV head's query heads
+    share one program (short chunks: a step checking drafts, a prompt's last few tokens), so each K/V
+    tile is read once for the group instead of once per head; None where each head takes its own
+    (one head per KV head, or chunks too long for the rows). Key tiles of 64 for heads up to 128 from
+    a 16-bit cache, else 32 (an 8-bit cache's decoding at 64 rows of 64 spilled inside the loop)."""
+    group_pad = triton.next_power_of_2(group)
+    if group == 1 or max_query_len * group_pad > PACKED_ROWS:
+        return None
+    keys = 64 if dim_pad <= 128 and not quantized else 32
+    return max(MIN_DOT, triton.next_power_of_2(max_query_len * group_pad)), keys, group_pad
+
+
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, starts_ptr, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kb, stride_kt, stride_kh, window, softcap,
     GROUP: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-    F32: tl.constexpr, SOFTCAP: tl.constexpr,
+    F32: tl.constexpr, SOFTCAP: tl.constexpr, GROUP_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     tile_m = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
     q_start = tl.load(starts_ptr + seq).to(tl.int64)
     q_len = (tl.load(starts_ptr + seq + 1) - q_start).to(tl.int32)
-    if tile_m * BLOCK_M < q_len:
+    if GROUP_PAD:  # a KV head's query heads packed into the rows: each K/V tile read once for all of them
+        kv_head = tl.program_id(2).to(tl.int64)
+        span = BLOCK_M // GROUP_PAD  # query positions a tile holds
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        query = rows // GROUP_PAD
+        head = (kv_head * GROUP + rows % GROUP_PAD)[:, None]  # each row's head
+        row_ok = (query < q_len) & (rows % GROUP_PAD < GROUP)
+    else:
+        head = tl.program_id(2).to(tl.int64)
+        kv_head = head // GROUP
+        span = BLOCK_M
+        query = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = query < q_len
+    if tile_m * span < q_len:
         seq_len = tl.load(lens_ptr + seq)
         prefix = seq_len - q_len
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, DIM_PAD)
-        row_ok = rows < q_len
-        q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+        q = tl.load(q_ptr + (q_start + query)[:, None] * stride_qt + head * stride_qh + d[None, :],
                     mask=row_ok[:, None] & (d[None, :] < DIM), other=0.0)
-        q_pos = prefix + rows
-        kv_head = head // GROUP
+        q_pos = prefix + query
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running maxima and sums in powers of two
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-        first = prefix + tile_m * BLOCK_M  # the tile's first row's position
-        limit = tl.minimum(seq_len, first + BLOCK_M)  # last key any row of the tile sees, plus one
+        first = prefix + tile_m * span  # the tile's first row's position
+        limit = tl.minimum(seq_len, first + span)  # last key any row of the tile sees, plus one
         lowest = tl.where(window > 0, tl.maximum(first - window + 1, 0), 0)  # first key any row sees
         # Keys every row sees: from where the last row's window starts to the first row's own position.
         # Tiles wholly inside take no mask; the window's edge and the diagonal take one.
         diagonal = first // BLOCK_N * BLOCK_N
         start = lowest // BLOCK_N * BLOCK_N
-        whole = tl.where(window > 0, tl.minimum(tl.cdiv(tl.maximum(first + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N,
+        whole = tl.where(window > 0, tl.minimum(tl.cdiv(tl.maximum(first + span - window, 0), BLOCK_N) * BLOCK_N,
                                                 diagonal), start)
         for part in tl.static_range(3):  # the window's edge (masked), the keys every row sees, the diagonal (masked)
             if part == 0:
@@ -87,7 +112,7 @@ def _prefill_kernel(
                                     stride_kh, kv_head, d, tile, q_pos, lowest, limit, window, scale, softcap, DIM,
                                     BLOCK_SIZE, BLOCK_N, CODE, MANT, BIAS, F32, SOFTCAP, part != 1)
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-        tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        tl.store(out_ptr + (q_start + query)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < DIM))
 
 
@@ -143,13 +168,19 @@ def prefill_attention(
     max_q = max_query_len if max_query_len is not None else int((query_start_loc[1:] - query_start_loc[:-1]).max())
     block_tables = block_tables.contiguous()
     dim_pad = dot_pad(q.shape[2])
-    block_m, block_n = prefill_tiles(dim_pad, max_q, kv_format.quantized)
-    grid = (num_seqs, triton.cdiv(max_q, block_m), q.shape[1])
+    packed = packed_tiles(dim_pad, max_q, group, kv_format.quantized)
+    if packed is not None:
+        block_m, block_n, group_pad = packed
+        grid = (num_seqs, triton.cdiv(max_q * group_pad, block_m), q.shape[1] // group)
+    else:
+        (block_m, block_n), group_pad = prefill_tiles(dim_pad, max_q, kv_format.quantized), 0
+        grid = (num_seqs, triton.cdiv(max_q, block_m), q.shape[1])
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), window, float(softcap),
         GROUP=group, DIM=q.shape[2], DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
-        F32=dot_in_float32(q.dtype), SOFTCAP=softcap > 0.0, **code_constants(kv_format, q.device), num_warps=NUM_WARPS,
+        F32=dot_in_float32(q.dtype), SOFTCAP=softcap > 0.0, GROUP_PAD=group_pad, **code_constants(kv_format, q.device),
+        num_warps=NUM_WARPS,
     )
     return out

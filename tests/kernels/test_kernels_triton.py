@@ -87,6 +87,23 @@ def test_prefill_with_cached_prefix(device, dtype, block_size, head_dim, heads, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,window,softcap", [(8, 2, 0, 0.0), (6, 2, 5, 0.0), (14, 2, 0, 3.0), (4, 4, 0, 0.0)])
+def test_short_chunks_share_each_kv_tile_across_the_groups_heads(device, dtype, heads, kv_heads, window, softcap):
+    """Chunks of up to 8 tokens (a step checking drafts, a prompt's last tokens) after cached
+    prefixes: a KV head's query heads packed into one program's rows (groups of 4, 3 and 7 padded to
+    4 and 8; windows; soft-capping), what the reference gives; one head per KV head takes the plain
+    tiles."""
+    from pagedserve.kernels.prefill_attention import packed_tiles
+
+    seq_lens, q_lens = [3, 40, 100, 17], [3, 5, 8, 1]
+    assert (packed_tiles(64, max(q_lens), heads // kv_heads) is None) == (heads == kv_heads)
+    case = make_case(seq_lens, 16, kv_heads, 64, dtype, device)
+    q = torch.randn(sum(q_lens), heads, 64).to(dtype).to(device) * 2
+    check_prefill(case, q, q_lens, 0.125, dtype, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window,softcap", [(1, 0.0), (16, 0.0), (33, 3.0), (520, 0.0), (0, 3.0)])
 def test_sliding_window_and_soft_capped_decode_and_prefill(device, window, softcap):
     """Windows shorter than a tile, across tiles, and past a 512-token partition (slices before
