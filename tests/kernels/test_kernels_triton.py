@@ -535,7 +535,7 @@ def test_hybrid_lanes_through_the_triton_kernels_and_the_graphs_equal_transforme
     from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
     from tests.conftest import random_prompts
 
-    cases = random_prompts(seed=61, count=3, max_len=30, vocab=512, max_new=30)
+    cases = random_prompts(seed=61, count=2, max_len=30, vocab=512, max_new=24)
     llm = LLM(zoo.path("gemma3"), dtype="float32", device=device, attention_backend="triton", block_size=4,
               num_gpu_blocks=128, max_model_len=128, max_num_batched_tokens=32, enforce_eager=True)
     runner = llm.engine.runner
