@@ -63,7 +63,7 @@ if ! step preflight 30 "$py" -m pagedserve.bench.gpu_preflight; then
 fi
 grep '^{"bench": "gpu_preflight"' "$log" | tail -n 1 > "$work/preflight.json"
 status=0
-step gpu_tests 240 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py tests/kernels/test_lora_kernel.py tests/parallel/test_world_size_one.py \
+step gpu_tests 270 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py tests/kernels/test_lora_kernel.py tests/parallel/test_world_size_one.py \
     -p no:cacheprovider -v -o addopts= --timeout 120 \
     --junitxml="$out/gpu_tests.xml" || status=1
 step kernel_bench 45 "$py" -m pagedserve.bench.kernel_bench --out "$work/kernel_bench.json" || status=1
@@ -74,7 +74,7 @@ for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then lau
         $([ "$mode" = eager ] && echo --enforce-eager) --out "$work/offline_throughput_$mode.json" || status=1
 done
 # n-gram drafts (a random model's greedy text loops: the copy-heavy case), the checks replayed from graphs
-step offline_ngram 60 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 128 \
+step offline_ngram 45 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 64 \
     --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" --ngram 4 --no-baseline \
     --out "$work/offline_throughput_ngram.json" || status=1
 # LoRA on (rows spread over 1, 4, 8 random rank-16 adapters, decode graphs reading their places) against off
