@@ -8,9 +8,9 @@
 # attention over int8/fp8 caches against bf16, offline throughput of a ~1.1B random-weight Llama in
 # bf16 with CUDA graphs and eagerly against transformers, then with n-gram drafts (graphs per draft
 # length), the same model with LoRA adapters on against off (graphs reading the adapters' places). Everything lands in $OUT (default
-# ./out) in five files, under the device tool's eight: check.log (every step's output, unbuffered),
-# gpu_tests.xml, results.json (every step's JSON), nvidia-smi.txt and summary.json (each step's
-# status and seconds), printed last.
+# ./out) in six files, under the device tool's eight: check.log (every step's output, unbuffered),
+# gpu_tests.xml, results.json (every step's JSON), nvidia-smi.txt, summary.json (each step's
+# status and seconds) and goals.txt (#63's goals read from results.json: bench/gpu_goals.py), printed last.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -67,7 +67,8 @@ step gpu_tests 270 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels
     -p no:cacheprovider -v -o addopts= --timeout 120 \
     --junitxml="$out/gpu_tests.xml" || status=1
 step kernel_bench 45 "$py" -m pagedserve.bench.kernel_bench --out "$work/kernel_bench.json" || status=1
-step kv_decode 30 bash -c "$py -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 | tee $work/kv_decode.json" || status=1
+step kv_decode 30 bash -c "$py -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 \
+    --contexts 1024 4096 8192 | tee $work/kv_decode.json" || status=1
 for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then launched eagerly
     step "offline_$mode" 80 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 \
         --requests 128 --hf-batch 64 --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \
@@ -82,4 +83,5 @@ step offline_ngram 60 "$py" -m pagedserve.bench.offline_throughput --preset llam
 step lora 45 bash -c "$py -m pagedserve.bench.lora --model ${TMPDIR:-/tmp}/pagedserve-llama-1b --dtype bfloat16 \
     --batch 32 --max-tokens 32 --repeats 1 | tee $work/lora.json" || status=1
 summary
+"$py" -m pagedserve.bench.gpu_goals "$out/results.json" | tee "$out/goals.txt" || true  # #63's goals, each met or not
 exit "$status"
