@@ -117,3 +117,17 @@ def test_steps_checking_drafts_replay_a_graph_of_their_draft_length_bucket():
     assert not graphs.can_run([ScheduledSeq(0, "0", (1,) * 6, 0, (2,), 1)])  # a chunk of 6 tokens
     one = DecodeGraphs(None, None, CPU, 16, GraphLimits(max_model_len=4096, max_num_seqs=1, max_draft=4))
     assert one.can_run([row(0, 4)])  # one row of drafts at least, whatever max_num_seqs
+
+
+def test_a_rows_padding_reads_block_zero_past_its_blocks_after_a_longer_step():
+    """Rows of drafts: a row whose padding passes its own blocks reads block 0 there, not the entry an
+    earlier step's longer row left in the bucket's table; its padding writes nothing."""
+    graphs = DecodeGraphs(None, None, CPU, 4, GraphLimits(max_model_len=64, max_num_seqs=8, max_draft=3))
+    bucket = _Bucket(2, 64, 4, CPU, width=4)
+    longer = [ScheduledSeq(0, "0", (1, 2), 10, (9, 9, 9, 9), 1, num_draft=1)]
+    graphs._load(bucket, longer, KeptTables.of(longer))
+    assert bucket.tables[0, :4].tolist() == [9, 9, 9, 9]
+    short = [ScheduledSeq(1, "1", (1,), 2, (5,), 1)]  # context 3: its padding reaches positions 3-5, block entry 1
+    assert graphs._load(bucket, short, KeptTables.of(short)) == [0]
+    assert bucket.tables[0, :2].tolist() == [5, 0] and bucket.lens.tolist() == [6, 4]
+    assert bucket.slots.tolist() == [4 * 5 + 2] + [-1] * 7 and bucket.positions.tolist()[:4] == [2, 2, 2, 2]

@@ -163,35 +163,30 @@ class DecodeGraphs:
         Padding rows attend over their own positions in block 0, never what an earlier, larger step
         left in the tables (a sliding-window row's first entry can be the released-block marker, -1)."""
         width, n, cpu, tokens = bucket.width, len(items), torch.device("cpu"), bucket.size * bucket.width
-        ids, positions, seq_lens, places = [0] * tokens, [0] * tokens, [1] * tokens, []
-        for row, s in enumerate(items):
-            at = row * width
-            ids[at : at + s.num_tokens] = s.token_ids
-            # the padding at the row's last position: a valid rotary position, never past the model's length
-            positions[at : at + width] = [*range(s.start, s.context_len), *[s.context_len - 1] * (width - s.num_tokens)]
-            # as the eager step: a one-token chunk of a longer prompt rotates by the prompt's length
-            seq_lens[at : at + width] = [max(s.seq_len, s.context_len)] * width
-            places.extend(range(at, at + s.num_tokens))
-        _copy(bucket.ids, ids)
-        _copy(bucket.positions, positions)
-        _copy(bucket.seq_lens, seq_lens)
-        _copy(bucket.lens, [s.context_len + width - s.num_tokens for s in items] + [width] * (bucket.size - n))
+        rows = _host_rows(items, width, bucket.size)
+        for name in ("ids", "positions", "seq_lens", "lens"):
+            _copy(getattr(bucket, name), rows[name])
         seq_ids = [s.seq_id for s in items]
-        real = torch.tensor(places, dtype=torch.int64)
-        slots = kept.slots([s.seq_id for s in items for _ in range(s.num_tokens)],
-                           [p for s in items for p in range(s.start, s.context_len)], self.block_size, cpu)
+        slots = kept.slots(rows["token_seqs"], rows["token_positions"], self.block_size, cpu)
         every_lane = kept.tables(seq_ids, cpu)
-        # entries past a row's own blocks zeroed: its padding may read a block past them (block 0, then)
-        own = torch.arange(every_lane.shape[2])[None, :] < torch.tensor([kept.length(i) for i in seq_ids])[:, None]
-        reach = min(bucket.max_blocks, -(-(max(s.context_len for s in items) + width - 1) // self.block_size))
+        reach = min(bucket.max_blocks, -(-max(rows["lens"][:n]) // self.block_size))  # entries any query reads
+        if width > 1:  # entries past a row's own blocks zeroed: its padding may read a block past them (block 0, then)
+            own = torch.arange(every_lane.shape[2])[None, :] < torch.tensor([kept.length(i) for i in seq_ids])[:, None]
+            every_lane = every_lane.where(own, 0)
+        cols = min(every_lane.shape[2], reach)
+        real = torch.tensor(rows["places"], dtype=torch.int64) if width > 1 else None
         for lane, (lane_slots, target) in enumerate(zip(bucket.lane_slots, bucket.lane_tables)):
-            host_slots = torch.full((tokens,), -1, dtype=torch.int64)
-            host_slots[real] = slots[lane]
-            lane_slots.copy_(host_slots, non_blocking=True)
-            host_tables = torch.zeros((bucket.size, reach), dtype=torch.int32)
-            live = every_lane[lane].where(own, 0)[:, :reach]
-            host_tables[:n, : live.shape[1]] = live
-            target[:, :reach].copy_(host_tables, non_blocking=True)  # entries past reach: never read
+            if real is None:  # a decode: one place a row
+                lane_slots[:n].copy_(slots[lane], non_blocking=True)
+                lane_slots[n:].fill_(-1)
+            else:
+                host_slots = torch.full((tokens,), -1, dtype=torch.int64)
+                host_slots[real] = slots[lane]
+                lane_slots.copy_(host_slots, non_blocking=True)
+            target[:n, :cols].copy_(every_lane[lane, :, :cols], non_blocking=True)
+            if cols < reach:
+                target[:n, cols:reach].zero_()
+            target[n:, :reach].zero_()  # padding rows: block 0; entries past reach are never read
         if self.adapters is not None:
             self.adapters.load(items, bucket.adapter_slots, width)
         return [row * width + s.num_tokens - 1 for row, s in enumerate(items)]
@@ -248,6 +243,36 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             if (size, 1, self.contexts[0]) not in self._buckets:
                 self._capture(size, 1, self.contexts[0])
+
+
+def _host_rows(items: list[ScheduledSeq], width: int, size: int) -> dict[str, list[int]]:
+    """A step's host lists for a bucket of ``size`` rows of ``width`` places: each place's token id,
+    position and rope length, each row's context with its padding (``lens``), and each real token's
+    sequence, position and place. A decode (one place a row, every step at batch 256) takes a
+    comprehension a list; rows of drafts a loop over the rows."""
+    n = len(items)
+    if width == 1:
+        positions = [s.start for s in items]
+        lens = [s.start + 1 for s in items]
+        return dict(ids=[s.token_ids[0] for s in items], positions=positions,
+                    # as the eager step: a one-token chunk of a longer prompt rotates by the prompt's length
+                    seq_lens=[max(s.seq_len, end) for s, end in zip(items, lens)] + [1] * (size - n),
+                    lens=lens + [1] * (size - n), token_seqs=[s.seq_id for s in items], token_positions=positions,
+                    places=list(range(n)))
+    tokens = size * width
+    rows = dict(ids=[0] * tokens, positions=[0] * tokens, seq_lens=[1] * tokens, lens=[width] * size, token_seqs=[],
+                token_positions=[], places=[])
+    for row, s in enumerate(items):
+        at, count, end = row * width, len(s.token_ids), s.start + len(s.token_ids)
+        rows["ids"][at : at + count] = s.token_ids
+        # the padding at the row's last position: a valid rotary position, never past the model's length
+        rows["positions"][at : at + width] = [*range(s.start, end), *[end - 1] * (width - count)]
+        rows["seq_lens"][at : at + width] = [max(s.seq_len, end)] * width
+        rows["lens"][row] = end + width - count
+        rows["places"].extend(range(at, at + count))
+        rows["token_seqs"].extend([s.seq_id] * count)
+        rows["token_positions"].extend(range(s.start, end))
+    return rows
 
 
 def _copy(target: torch.Tensor, values: list) -> None:
