@@ -132,6 +132,8 @@ def test_cuda_graphs_give_the_eager_tokens(zoo, name):
     a = run_checked(graphed, [p for p, _ in cases], params)
     b = run_checked(eager, [p for p, _ in cases], params)
     assert [a[i].outputs[0].token_ids for i in range(len(cases))] == [b[i].outputs[0].token_ids for i in range(len(cases))]
+    graphs = graphed.engine.runner.graphs  # every graph wrote its logits into the one buffer
+    assert len(graphs._buckets) > 1 and all(b.logits.data_ptr() == graphs._logits.data_ptr() for b in graphs._buckets.values())
 
 
 @pytest.mark.parametrize("name,method", [("llama-gqa", "ngram"), ("qwen3", "ngram"), ("llama-gqa", "draft_model")])

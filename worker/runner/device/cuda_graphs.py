@@ -14,7 +14,10 @@ longest context (programs past a sequence's length return at once). A graph size
 about 1 GiB at 256 sequences. A graph is captured per (batch size, context bucket): every batch
 size of the smallest bucket at start, largest first (so smaller ones reuse its memory), longer
 contexts on first use. All share one memory pool, which ``graph_pool_bytes`` estimates so the KV
-pool is sized without it. With LoRA adapters the graphs read their matrices from fixed buffers and
+pool is sized without it, and write their logits into one buffer of ``max_num_seqs`` rows: a graph
+that held its own output kept it allocated in the pool for good, so every later capture took new
+memory for its logits (a Llama-3 vocabulary: about 1 GB over the 19 batch sizes of one context
+bucket). With LoRA adapters the graphs read their matrices from fixed buffers and
 each row's adapter from a slots buffer (``worker/runner/lora/graph_stack.py``): a decode step mixing
 adapters, up to ``max_loras`` of them, replays a graph as the base model's does.
 
@@ -125,6 +128,7 @@ class DecodeGraphs:
         self.max_tokens = max(limits.max_num_seqs, self.widths[-1])
         self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._pool = None
+        self._logits: torch.Tensor | None = None  # [max_tokens, vocab]: what every graph's replay writes (_capture)
 
     def can_run(self, items: list[ScheduledSeq]) -> bool:
         if self.adapters is None and any(s.adapter is not None for s in items):
@@ -227,11 +231,17 @@ class DecodeGraphs:
         side.wait_stream(compute)
         with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
             for _ in range(2):
-                self._forward(bucket, meta)
+                warm = self._forward(bucket, meta)
         compute.wait_stream(side)
+        if self._logits is None:  # every graph's logits land here: one buffer, not one held per graph
+            self._logits = torch.empty((self.max_tokens, warm.shape[-1]), dtype=warm.dtype, device=self.device)
+        del warm
         bucket.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(bucket.graph, pool=self._pool):
-            bucket.logits = self._forward(bucket, meta)
+            logits = self._forward(bucket, meta)
+            self._logits[: logits.shape[0]].copy_(logits)
+            del logits  # freed into the shared pool at the capture's end: a later graph's capture reuses it
+        bucket.logits = self._logits[: size * width]
         self._pool = bucket.graph.pool()
         self._buckets[(size, width, context)] = bucket
         return bucket
