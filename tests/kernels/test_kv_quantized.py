@@ -38,6 +38,21 @@ def test_the_names_are_vllms_plus_int8():
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
+def test_a_cuda_cache_pads_its_rows_to_16_bytes_past_the_codes(name):
+    """CUDA's rows: the codes, the scale, 14 zero bytes (16-byte aligned loads at a head a multiple of
+    16); the same codes and scale as the CPU's tight rows, read back the same."""
+    tight, aligned = kv_format(name), kv_format(name, torch.device("cuda", 1))
+    assert kv_format(name, "cpu") is tight and kv_format("auto", "cuda") is FORMATS["auto"]
+    assert (tight.tail, aligned.tail, aligned.row_width(128), tight.row_width(128)) == (2, 16, 144, 130)
+    values = torch.randn(3, 2, 128) * 5
+    rows = aligned.quantize(values)
+    assert rows.shape == (3, 2, 144) and aligned.head_dim(rows) == 128 and tight.head_dim(rows[..., :130]) == 128
+    assert torch.equal(rows[..., :130], tight.quantize(values)) and not rows[..., 130:].any()
+    assert torch.equal(aligned.dequantize(rows), tight.dequantize(rows[..., :130]))
+    assert aligned.aligned() == aligned and aligned.bytes_per_element(torch.bfloat16) == 1
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
 def test_rows_round_trip_within_a_step(name):
     fmt = kv_format(name)
     x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
