@@ -20,20 +20,31 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipi
                                                                                   reason="no CUDA device")])]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-moe"])
-def test_one_rank_through_the_parallel_path_gives_the_plain_logits(zoo, device, name):
-    device = torch.device(device)
-    config = EngineConfig(model=str(zoo.path(name)), device=str(device), dtype="float32", num_gpu_blocks=16)
+PROMPT = tuple(range(20, 60))
+
+
+def row(token_ids: tuple[int, ...], start: int) -> ScheduledSeq:
+    """One greedy sequence's row: the prompt's, or a decode after it (blocks 0-2 of 16 tokens)."""
+    return ScheduledSeq(seq_id=0, request_id="a", token_ids=token_ids, start=start, block_table=(0, 1, 2), num_samples=1,
+                        params=SamplingParams(temperature=0.0), seq_len=start + len(token_ids))
+
+
+def plain_and_grouped(zoo, name: str, device: torch.device, **engine) -> tuple[RunnerBuild, RunnerBuild, RankGroup]:
+    """The model's runner build without a group and through a group of one (and the group)."""
+    config = EngineConfig(model=str(zoo.path(name)), device=str(device), dtype="float32", num_gpu_blocks=16, **engine)
     info = inspect_model(config.model, config.dtype)
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT, wait_for_workers=False)
     group = RankGroup(0, 1, store, device)
-    prompt = tuple(range(20, 60))
-    seq = ScheduledSeq(seq_id=0, request_id="a", token_ids=prompt, start=0, block_table=(0, 1, 2), num_samples=1,
-                       params=SamplingParams(temperature=0.0), seq_len=len(prompt))
-    plan = StepPlan(seqs=(seq,), block_size=16)
+    return RunnerBuild(config, info, device), RunnerBuild(config, info, device, group=group), group
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-moe"])
+def test_one_rank_through_the_parallel_path_gives_the_plain_logits(zoo, device, name):
+    *builds, group = plain_and_grouped(zoo, name, torch.device(device))
+    plan = StepPlan(seqs=(row(PROMPT, 0),), block_size=16)
     logits = []
-    for build in (RunnerBuild(config, info, device), RunnerBuild(config, info, device, group=group)):
+    for build in builds:
         with torch.inference_mode():
             logits.append(build.make_runner(16).forward(plan).logits)
     assert group.seconds["all_reduce"] > 0 and group.seconds["all_gather"] > 0  # the collectives ran
@@ -49,18 +60,10 @@ def test_the_graph_forward_through_a_group_of_one_keeps_the_capture_rules(zoo, n
     from tests.runner.test_capture_rules import CaptureRules, relax_the_kernels
 
     device = torch.device("cpu")  # the torch ops, as in tests/runner/test_capture_rules.py (the C stack is the CPU's alone)
-    config = EngineConfig(model=str(zoo.path(name)), device="cpu", dtype="float32", num_gpu_blocks=16,
-                          attention_backend="torch")
-    info = inspect_model(config.model, config.dtype)
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT, wait_for_workers=False)
-    group = RankGroup(0, 1, store, device)
-    prompt = tuple(range(20, 60))
-    first = ScheduledSeq(seq_id=0, request_id="a", token_ids=prompt, start=0, block_table=(0, 1, 2), num_samples=1,
-                         params=SamplingParams(temperature=0.0), seq_len=len(prompt))
-    after = ScheduledSeq(seq_id=0, request_id="a", token_ids=(7,), start=len(prompt), block_table=(0, 1, 2), num_samples=1,
-                         params=SamplingParams(temperature=0.0), seq_len=len(prompt) + 1)
+    *builds, group = plain_and_grouped(zoo, name, device, attention_backend="torch")
+    first, after = row(PROMPT, 0), row((7,), len(PROMPT))
     logits = []
-    for build in (RunnerBuild(config, info, device), RunnerBuild(config, info, device, group=group)):
+    for build in builds:
         runner = build.make_runner(16)
         with torch.inference_mode():
             runner.forward(StepPlan(seqs=(first,), block_size=16))
@@ -83,20 +86,10 @@ def test_decode_graphs_with_nccl_inside_give_the_eager_logits(zoo):
     a decode step replayed from them gives the eager plain path's logits."""
     from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
 
-    device = torch.device("cuda")
-    config = EngineConfig(model=str(zoo.path("llama-gqa")), device="cuda", dtype="float32", num_gpu_blocks=16,
-                          max_num_seqs=4)
-    info = inspect_model(config.model, config.dtype)
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=TIMEOUT, wait_for_workers=False)
-    group = RankGroup(0, 1, store, device)
-    prompt = tuple(range(20, 60))
-    first = ScheduledSeq(seq_id=0, request_id="a", token_ids=prompt, start=0, block_table=(0, 1, 2), num_samples=1,
-                         params=SamplingParams(temperature=0.0), seq_len=len(prompt))
-    after = ScheduledSeq(seq_id=0, request_id="a", token_ids=(7,), start=len(prompt), block_table=(0, 1, 2), num_samples=1,
-                         params=SamplingParams(temperature=0.0), seq_len=len(prompt) + 1)
+    plain, grouped, _ = plain_and_grouped(zoo, "llama-gqa", torch.device("cuda"), max_num_seqs=4)
+    first, after = row(PROMPT, 0), row((7,), len(PROMPT))
     logits = []
-    for build, limits in ((RunnerBuild(config, info, device), None),
-                          (RunnerBuild(config, info, device, group=group), GraphLimits(64, 4))):
+    for build, limits in ((plain, None), (grouped, GraphLimits(64, 4))):
         runner = build.make_runner(16, 0, limits)
         assert (runner.graphs is not None) == (limits is not None)
         with torch.inference_mode():
