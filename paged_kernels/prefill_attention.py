@@ -68,19 +68,7 @@ def _prefill_kernel(
     tile_m = tl.program_id(1)
     q_start = tl.load(starts_ptr + seq).to(tl.int64)
     q_len = (tl.load(starts_ptr + seq + 1) - q_start).to(tl.int32)
-    if GROUP_PAD:  # a KV head's query heads packed into the rows: each K/V tile read once for all of them
-        kv_head = tl.program_id(2).to(tl.int64)
-        span = BLOCK_M // GROUP_PAD  # query positions a tile holds
-        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        query = rows // GROUP_PAD
-        head = (kv_head * GROUP + rows % GROUP_PAD)[:, None]  # each row's head
-        row_ok = (query < q_len) & (rows % GROUP_PAD < GROUP)
-    else:
-        head = tl.program_id(2).to(tl.int64)
-        kv_head = head // GROUP
-        span = BLOCK_M
-        query = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = query < q_len
+    kv_head, head, query, row_ok, span = _tile_rows(tile_m, q_len, GROUP, BLOCK_M, GROUP_PAD)
     if tile_m * span < q_len:
         seq_len = tl.load(lens_ptr + seq)
         prefix = seq_len - q_len
@@ -114,6 +102,28 @@ def _prefill_kernel(
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
         tl.store(out_ptr + (q_start + query)[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < DIM))
+
+
+@triton.jit
+def _tile_rows(tile_m, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_PAD: tl.constexpr):
+    """Which rows a program holds: ``(kv_head, head, query, row_ok, span)``: its KV head, each row's
+    query head (one for the program, or a column of them where ``GROUP_PAD`` packs a KV head's query
+    heads into the rows, so each K/V tile is read once for all of them), each row's query within the
+    chunk, which rows are real, and how many query positions a tile holds."""
+    if GROUP_PAD:
+        kv_head = tl.program_id(2).to(tl.int64)
+        span: tl.constexpr = BLOCK_M // GROUP_PAD
+        rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        query = rows // GROUP_PAD
+        head = (kv_head * GROUP + rows % GROUP_PAD)[:, None]
+        row_ok = (query < q_len) & (rows % GROUP_PAD < GROUP)
+    else:
+        head = tl.program_id(2).to(tl.int64)
+        kv_head = head // GROUP
+        span: tl.constexpr = BLOCK_M
+        query = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = query < q_len
+    return kv_head, head, query, row_ok, span
 
 
 @triton.jit
