@@ -6,8 +6,9 @@
 # Order: set-up and a preflight (versions, the device, every import; fails loudly in seconds), the
 # GPU-marked tests (each test's line streamed, 120 s a test), the decode kernel benchmark, decode
 # attention over int8/fp8 caches against bf16, offline throughput of a ~1.1B random-weight Llama in
-# bf16 with CUDA graphs and eagerly against transformers, then with n-gram drafts (graphs per draft
-# length), the same model with LoRA adapters on against off (graphs reading the adapters' places). Everything lands in $OUT (default
+# bf16 with CUDA graphs and eagerly against transformers, then with async scheduling (the next step
+# planned while one runs), with n-gram drafts (graphs per draft length), the same model with LoRA
+# adapters on against off (graphs reading the adapters' places). Everything lands in $OUT (default
 # ./out) in six files, under the device tool's eight: check.log (every step's output, unbuffered),
 # gpu_tests.xml, results.json (every step's JSON), nvidia-smi.txt, summary.json (each step's
 # status and seconds) and goals.txt (#63's goals read from results.json: bench/gpu_goals.py), printed last.
@@ -74,6 +75,11 @@ for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then lau
         --requests 128 --hf-batch 64 --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \
         $([ "$mode" = eager ] && echo --enforce-eager) --out "$work/offline_throughput_$mode.json" || status=1
 done
+# async scheduling (step N+1 planned while step N runs), graphs on: the same 128 requests as offline_graphs,
+# whose transformers run is the baseline of the offline goal
+step offline_async 60 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 128 \
+    --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" --async-scheduling --no-baseline \
+    --out "$work/offline_throughput_async.json" || status=1
 # n-gram drafts (a random model's greedy text loops: the copy-heavy case), the checks replayed from graphs;
 # the same 128 requests as offline_graphs, so its tok/s over that step's is the speedup the issue asks for
 step offline_ngram 60 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 --requests 128 \

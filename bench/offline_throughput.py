@@ -8,6 +8,7 @@ output is done, which is what static batching does; both count only the requeste
     python -m pagedserve.bench.offline_throughput --model default   # the real default model (SmolLM2-135M)
     python -m pagedserve.bench.offline_throughput --model ./model.gguf
     python -m pagedserve.bench.offline_throughput --ngram 4 --no-baseline   # n-gram drafts (copy-heavy on a random model)
+    python -m pagedserve.bench.offline_throughput --async-scheduling       # step N+1 planned while step N runs
 
 ``--model``: any model pagedserve serves (a directory, a GGUF file, a hub id; ``default``: the
 default model); transformers reads a GGUF with its own reader. Without it, a random-weight preset.
@@ -46,14 +47,14 @@ def workload(seed: int, count: int, vocab: int) -> list[tuple[list[int], int]]:
 
 
 def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batched: int, eager: bool,
-                   kv_cache_dtype: str = "auto", ngram: int = 0) -> dict:
+                   kv_cache_dtype: str = "auto", ngram: int = 0, ahead: bool = False) -> dict:
     """``ngram`` > 0: prompt-lookup drafts of up to that many tokens (a random model's greedy text
-    loops, which lookup predicts: the copy-heavy case)."""
+    loops, which lookup predicts: the copy-heavy case); ``ahead``: async scheduling."""
     from pagedserve import LLM
 
     speculative = {"method": "ngram", "num_speculative_tokens": ngram} if ngram else None
     llm = LLM(path, dtype=dtype, kv_cache_memory=kv_bytes, max_num_batched_tokens=max_batched, max_num_seqs=256,
-              enforce_eager=eager, kv_cache_dtype=kv_cache_dtype, speculative_config=speculative)
+              enforce_eager=eager, kv_cache_dtype=kv_cache_dtype, speculative_config=speculative, async_scheduling=ahead)
     llm.generate(work[0][0], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up (kernel compilation on CUDA)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     start = time.perf_counter()
@@ -61,7 +62,8 @@ def run_pagedserve(path: Path, work, dtype: str, kv_bytes: int | None, max_batch
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     name = "pagedserve" + (" (CUDA graphs)" if llm.engine.runner.graphs is not None else "") + \
-        (f" kv {kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + (f" ngram k={ngram}" if ngram else "")
+        (f" kv {kv_cache_dtype}" if kv_cache_dtype != "auto" else "") + (f" ngram k={ngram}" if ngram else "") + \
+        (" async" if llm.engine.runs_ahead else "")
     stats = llm.engine.stats()
     result = {"engine": name, "seconds": round(seconds, 2), "output_tokens": tokens,
               "tokens_per_s": round(tokens / seconds, 1), "preemptions": stats["num_preemptions_total"]}
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers (pagedserve alone)")
     ap.add_argument("--ngram", type=int, default=0, metavar="K", help="n-gram (prompt lookup) drafts of up to K tokens")
+    ap.add_argument("--async-scheduling", action="store_true", help="plan each step while the one before runs")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model is not None:
@@ -133,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = args.kv_cache_memory if args.kv_cache_memory or device == "cuda" else 3 << 30
     work = workload(args.seed, args.requests, model.get("padded_vocab_size") or model["vocab_size"])
     ours = run_pagedserve(model_dir, work, args.dtype, kv_bytes, args.max_num_batched_tokens, args.enforce_eager,
-                          args.kv_cache_dtype, args.ngram)
+                          args.kv_cache_dtype, args.ngram, args.async_scheduling)
     base = None if args.no_baseline else run_transformers(model_dir, work, args.dtype, args.hf_batch, device)
     result = {
         "bench": "offline_throughput", "requests": args.requests, "dtype": args.dtype, "device": device,
         "threads": torch.get_num_threads(), "preset": None if args.model else args.preset, "model": model,
-        "kv_cache_dtype": args.kv_cache_dtype, "ngram": args.ngram, "kv_cache_memory": kv_bytes, "results": [r for r in (ours, base) if r],
+        "kv_cache_dtype": args.kv_cache_dtype, "ngram": args.ngram,
+        "async_scheduling": args.async_scheduling, "kv_cache_memory": kv_bytes, "results": [r for r in (ours, base) if r],
         "ratio": round(ours["tokens_per_s"] / base["tokens_per_s"], 2) if base else None,
     }
     print(json.dumps(result))

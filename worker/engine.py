@@ -1,11 +1,12 @@
 """The engine: a model, its KV cache and a scheduler, stepped three calls at a time. No I/O.
 
     plan = scheduler.schedule()          # which sequences compute how many tokens, block moves
-    result = runner.execute(plan)        # block moves, one forward, sampling and beam steps
+    result = runner.launch(plan).result()   # block moves, one forward, sampling and beam steps
     outputs = scheduler.update(plan, result)   # tokens applied, stops, detokenized outputs
 
-Callers (the offline ``LLM``, the worker service) add requests, call ``step()`` in a loop and
-read the outputs.
+With ``--async-scheduling`` a step stays in flight while the next is planned and launched, and its
+update comes after that launch (``worker/core/scheduling/run_ahead.py``). Callers (the offline
+``LLM``, the worker service) add requests, call ``step()`` in a loop and read the outputs.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
 from pagedserve.worker.core.scheduling.engine_stats import engine_stats
 from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
 from pagedserve.worker.core.scheduling.outputs import RequestOutput
-from pagedserve.worker.core.scheduling.plan import StepResult
+from pagedserve.worker.core.scheduling.plan import StepPlan, StepResult
 from pagedserve.worker.core.scheduling.request import Request
+from pagedserve.worker.core.scheduling.run_ahead import can_run_ahead
 from pagedserve.worker.core.scheduling.scheduler import Scheduler
 from pagedserve.worker.core.scheduling.step_time import pairs
 from pagedserve.worker.core.speculative.config import prices_drafts
+from pagedserve.worker.in_flight import InFlight
 from pagedserve.worker.runner.attention.key_rotation import calibration_text
 from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard, is_device_failure
 from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier, tier_fingerprint
@@ -108,6 +111,8 @@ class Engine:
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer), tiers=tiers,
         )
+        self.in_flight: InFlight | None = None  # a step launched ahead, its tokens not yet applied
+        self.runs_ahead = config.async_scheduling and self._may_run_ahead()
         self.sampling_defaults = generation_defaults(info.path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, info.config.vocab_size, eos)
         log.info(
@@ -116,6 +121,15 @@ class Engine:
             kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
+
+    def _may_run_ahead(self) -> bool:
+        """Whether ``--async-scheduling`` can plan ahead here (said in the log where it cannot)."""
+        without = [name for name, on in (("speculative decoding", self.config.speculative is not None),
+                                         ("tensor parallel", self.ranks is not None),
+                                         ("simulate", self.config.simulate is not None)) if on]
+        if without:
+            log.warning("async scheduling is off: its steps run one at a time", because=", ".join(without))
+        return not without
 
     def _calibration_ids(self, max_len: int) -> list[int]:
         """The shipped calibration text's token ids (a quantized cache's key turns), up to ``max_len``."""
@@ -206,7 +220,7 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     # ------------------------------------------------------------------ what the serve layer reads
     def stats(self) -> dict[str, float]:
@@ -275,38 +289,74 @@ class Engine:
             raise DeviceFailure(self.ranks.lost)
 
     def step(self) -> list[RequestOutput]:
+        """One step: plan, launch, and the outputs of the step whose tokens came in. Running ahead
+        (``--async-scheduling``, ``worker/core/scheduling/run_ahead.py``), the step launched here stays
+        on the device while the next call plans the one after, and this call's outputs are the
+        previous launch's."""
         self.check_ranks()
         step_started = time.perf_counter()
         plan = self.scheduler.schedule()
-        if plan.is_empty and (compiling := self.scheduler.compiling()):
+        previous, self.in_flight = self.in_flight, None
+        if previous is None and plan.is_empty and (compiling := self.scheduler.compiling()):
             wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built
-        elif plan.is_empty and self.scheduler.waits_on_disk:
+        elif previous is None and plan.is_empty and self.scheduler.waits_on_disk:
             time.sleep(0.001)  # nothing to run until a prefix is read from disk
-        started = time.perf_counter()
-        try:
-            with device_guard(self.device):
-                result = self.runner.execute(plan)
-        except Exception as err:  # a bad kernel launch, out of memory, a bug: fail those requests, not the engine
-            if isinstance(err, RankFailure) and self.ranks is not None:  # say which rank went, not gloo's words
-                raise DeviceFailure(self.ranks.explain(err)) from err
-            if is_device_failure(err):  # ... unless the device itself is broken: then nothing is failed, the worker ends
-                log.error("device failed: stopping for a restart", requests=len(plan.seqs), error=str(err))
-                raise DeviceFailure(f"the device failed: {type(err).__name__}: {err}") from err
-            log.exception("engine step failed", requests=len(plan.seqs))
-            self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
-            result = StepResult()
-        self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, time.perf_counter() - started)
-        if self.scheduler.step_time is not None and plan.seqs and not any(s.num_draft for s in plan.seqs):
-            attended = sum(pairs(s.start, s.num_tokens) for s in plan.seqs)
-            self.scheduler.step_time.observe(plan.num_tokens, attended, self.last_forward.seconds)
-        if self.scheduler.step_cost is not None and plan.seqs and all(map(prices_drafts, plan.seqs)):
-            drafted = any(s.num_draft for s in plan.seqs)
-            self.scheduler.step_cost.observe(len(plan.seqs), plan.num_tokens, self.last_forward.seconds, drafted,
-                                             result.draft_rounds, result.draft_seconds)
-        outputs = self.scheduler.update(plan, result)
-        if plan.seqs:  # a stream waits this long for its next token (scheduling, the forward, the outputs)
+        launched = self._launch(plan, previous)
+        outputs = self._finish(previous) if previous is not None else []
+        if launched.ahead:
+            self.scheduler.run_ahead(plan)
+            self.in_flight = launched
+        else:
+            outputs += self._finish(launched)
+        if plan.seqs or previous is not None:  # a stream waits this long for its next token (scheduling, the forward, the outputs)
             self.scheduler.stats.step_seconds.observe(time.perf_counter() - step_started)
         return outputs
+
+    def _launch(self, plan: StepPlan, previous: InFlight | None) -> InFlight:
+        """``plan`` queued on the device (its placeholder tokens from ``previous``'s); when that fails,
+        its requests fail with it (an empty result: they are ended)."""
+        ahead, started = self.runs_ahead and bool(plan.seqs) and can_run_ahead(plan), time.perf_counter()
+        try:
+            with device_guard(self.device):
+                if isinstance(self.runner, SimulatedRunner):
+                    return InFlight(plan, started, ready=self.runner.execute(plan))
+                return InFlight(plan, started, self.runner.launch(plan, previous and previous.launched), ahead)
+        except Exception as err:
+            self._step_failed(err, plan)
+            return InFlight(plan, started, ready=StepResult())
+
+    def _finish(self, step: InFlight) -> list[RequestOutput]:
+        """The step's result applied (its timing fed to the step-time fits): its requests' outputs."""
+        try:
+            with device_guard(self.device):
+                result = step.result()
+            self._observe(step.plan, result, step.seconds())
+        except Exception as err:
+            self._step_failed(err, step.plan)
+            result = StepResult()
+        return self.scheduler.update(step.plan, result, ahead=step.ahead)
+
+    def _observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
+        """A finished step's time, for ``last_forward`` and the fits that size steps and drafts."""
+        self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, seconds)
+        if self.scheduler.step_time is not None and plan.seqs and not any(s.num_draft for s in plan.seqs):
+            attended = sum(pairs(s.start, s.num_tokens) for s in plan.seqs)
+            self.scheduler.step_time.observe(plan.num_tokens, attended, seconds)
+        if self.scheduler.step_cost is not None and plan.seqs and all(map(prices_drafts, plan.seqs)):
+            drafted = any(s.num_draft for s in plan.seqs)
+            self.scheduler.step_cost.observe(len(plan.seqs), plan.num_tokens, seconds, drafted,
+                                             result.draft_rounds, result.draft_seconds)
+
+    def _step_failed(self, err: Exception, plan: StepPlan) -> None:
+        """A bad kernel launch, out of memory, a bug: fail the requests the step holds, not the engine;
+        a broken device or a lost rank raises ``DeviceFailure`` (nothing is failed: the worker ends)."""
+        if isinstance(err, RankFailure) and self.ranks is not None:  # say which rank went, not gloo's words
+            raise DeviceFailure(self.ranks.explain(err)) from err
+        if is_device_failure(err):
+            log.error("device failed: stopping for a restart", requests=len(plan.seqs), error=str(err))
+            raise DeviceFailure(f"the device failed: {type(err).__name__}: {err}") from err
+        log.exception("engine step failed", requests=len(plan.seqs))
+        self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
 
     def _fail_holders(self, plan, message: str) -> None:
         """End with an error every request the failed step touched or whose KV it may have moved

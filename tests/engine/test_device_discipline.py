@@ -61,3 +61,25 @@ def test_every_feature_steps_with_no_tensor_on_the_default_device(tight_llm):
     assert all(out.error is None for out in done.values())
     assert moves["swap_out"] and moves["swap_in"] and moves["copies"], moves
     assert engine.scheduler.blocks.usage().used == 0
+
+
+def test_steps_running_ahead_name_their_devices(zoo):
+    """``--async-scheduling``: the placeholders' fill, the queued copies to the host and the step
+    timer create no tensor on the default device either (swap preemption among the steps)."""
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=24, block_size=4, num_cpu_blocks=256,
+              preemption_mode="swap", max_num_batched_tokens=64, async_scheduling=True)
+    engine, ahead = llm.engine, []
+    real = engine.scheduler.run_ahead
+    engine.scheduler.run_ahead = lambda plan: (ahead.append(plan), real(plan))[1]
+    runs_ahead = ("greedy", "temperature", "top_k_p", "min_p", "seeded", "logprobs", "min_tokens_stop_ids")
+    for i, name in enumerate(runs_ahead * 2):
+        engine.add_request(f"{name}-{i}", [20 + i, *range(30, 45)], FEATURES[name])
+    done = {}
+    torch.set_default_device("meta")
+    try:
+        while engine.has_unfinished():
+            done.update((out.request_id, out) for out in engine.step() if out.finished)
+    finally:
+        torch.set_default_device(None)
+    assert len(done) == 2 * len(runs_ahead) and all(out.error is None for out in done.values())
+    assert len(ahead) > 10 and engine.scheduler.stats.num_preemptions > 0

@@ -36,15 +36,15 @@ def test_which_errors_are_the_devices(err, sticky):
 def engine_failing_with(zoo, err: BaseException):
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64)
     engine = llm.engine
-    execute = engine.runner.execute
+    launch = engine.runner.launch
     failures = [err]
 
-    def broken_once(plan):
+    def broken_once(plan, previous=None):
         if failures:
             raise failures.pop()
-        return execute(plan)
+        return launch(plan, previous)
 
-    engine.runner.execute = broken_once
+    engine.runner.launch = broken_once
     engine.add_request("a", list(range(20, 30)), SamplingParams(temperature=0.0, max_tokens=4))
     return engine
 

@@ -160,23 +160,30 @@ def test_seeded_sampling_is_identical_across_preemption(zoo, mode):
         assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(zoo):
+@pytest.mark.parametrize("ahead", [False, True], ids=["one_at_a_time", "async_scheduling"])
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(zoo, ahead):
     """A fault we cannot cause for real on a CPU (out of memory on the device) is injected by
-    replacing the runner's execute for one step: a mock for an unreachable fault. (A broken device
-    ends the engine instead: tests/engine/test_device_failure.py.)"""
-    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64)
-    engine, real = llm.engine, llm.engine.runner.execute
+    replacing the runner's launch for one step: a mock for an unreachable fault. (A broken device
+    ends the engine instead: tests/engine/test_device_failure.py.) With async scheduling the step
+    that fails is launched while another runs ahead: that one's requests fail too, and no
+    placeholder token (worker/core/scheduling/run_ahead.py) reaches their outputs."""
+    from pagedserve.worker.core.scheduling.run_ahead import PLACEHOLDER
+
+    llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64, async_scheduling=ahead)
+    engine, real = llm.engine, llm.engine.runner.launch
     engine.add_request("victim", [20, 21, 22], SamplingParams(max_tokens=5, ignore_eos=True))
     engine.step()  # its prompt: it now holds KV
+    assert (engine.in_flight is not None) == ahead
 
-    def broken(plan):
-        engine.runner.execute = real
+    def broken(plan, previous=None):
+        engine.runner.launch = real
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    engine.runner.execute = broken
+    engine.runner.launch = broken
     failed = {out.request_id: out for out in engine.step()}
     assert failed["victim"].finished and failed["victim"].outputs[0].finish_reason == "error"
     assert "OutOfMemoryError: CUDA out of memory" in failed["victim"].error
+    assert PLACEHOLDER not in failed["victim"].outputs[0].token_ids
     engine.add_request("later", [30, 31], SamplingParams(max_tokens=3, ignore_eos=True))
     assert drain(engine)["later"].outputs[0].finish_reason == "length"  # the engine goes on
     assert engine.scheduler.blocks.usage().used == 0

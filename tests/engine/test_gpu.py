@@ -154,3 +154,40 @@ def test_cuda_graphs_checking_drafts_give_the_eager_tokens(zoo, name, method):
     runner = graphed.engine.runner
     assert any(width > 1 for _, width, _ in runner.graphs._buckets)
     assert method != "draft_model" or runner.drafter.graphs._buckets
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time_and_its_decode_launches_never_wait(zoo, graphs):
+    """``--async-scheduling`` on CUDA: greedy and seeded tokens and logprobs equal one step at a time
+    (stops and preemption among the steps), and launching a decode step while the one before still
+    runs never synchronizes with the device (``torch.cuda.set_sync_debug_mode("error")`` raises on any
+    wait: an upload that waits for the stream, a value read back)."""
+    cases = random_prompts(seed=21, count=16, max_len=40, vocab=VOCAB, max_new=48)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=n, logprobs=1 if i % 3 else None,
+                             stop_token_ids=[7] if i % 5 == 0 else [])
+              for i, (_, n) in enumerate(cases)]
+    options = dict(num_gpu_blocks=64, block_size=8, max_num_batched_tokens=256, enforce_eager=not graphs)
+    plain, ahead = cuda_llm(zoo, **options), cuda_llm(zoo, async_scheduling=True, **options)
+    runner, checked = ahead.engine.runner, []
+    launch = runner.launch
+
+    def never_waiting(plan, previous=None):
+        decoding = previous is not None and plan.seqs and all(s.num_tokens == 1 for s in plan.seqs)
+        if not decoding or plan.swap_in or plan.swap_out or plan.copies:
+            return launch(plan, previous)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = launch(plan, previous)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        checked.append(plan)
+        return launched
+
+    runner.launch = never_waiting
+    a = run_checked(ahead, [p for p, _ in cases], params)
+    b = run_checked(plain, [p for p, _ in cases], params)
+    for i in range(len(cases)):
+        out_a, out_b = a[i].outputs[0], b[i].outputs[0]
+        assert out_a.token_ids == out_b.token_ids, f"request {i}"
+        assert (out_a.logprobs is None) == (out_b.logprobs is None)
+    assert len(checked) > 20 and ahead.engine.scheduler.stats.num_preemptions > 0

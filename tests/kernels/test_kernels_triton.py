@@ -525,6 +525,32 @@ def test_speculation_through_the_graphs_gives_the_eager_tokens(zoo, device, meth
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_steps_running_ahead_through_the_graphs_give_the_tokens_of_one_step_at_a_time(zoo, device):
+    """``--async-scheduling`` with every decode replayed through the graphs' buffers: each placeholder
+    is filled in the graph's token buffer, at its row's place, from the previous step's tokens on the
+    device; greedy and seeded tokens equal one step at a time without graphs."""
+    from pagedserve import LLM
+    from pagedserve.shared.sampling import SamplingParams
+    from pagedserve.worker.runner.device.cuda_graphs import GraphLimits
+
+    prompts = [list(range(30, 30 + n)) for n in (3, 9, 14, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=7, ignore_eos=True)] * 2
+    tokens, replays = {}, []
+    for ahead in (False, True):
+        llm = LLM(zoo.path("llama-gqa"), dtype="float32", device=device, attention_backend="triton", block_size=8,
+                  num_gpu_blocks=64, max_model_len=64, enforce_eager=True, async_scheduling=ahead)
+        runner = llm.engine.runner
+        if ahead:
+            runner.graphs = uncaptured_graphs(runner, GraphLimits(max_model_len=64, max_num_seqs=8))
+            real = runner.graphs.run
+            runner.graphs.run = lambda items, tables, holes=None: (replays.append(holes), real(items, tables, holes))[1]
+        tokens[ahead] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[True] == tokens[False]
+    assert sum(holes is not None for holes in replays) > 5  # decodes replayed with their tokens filled on the device
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_hybrid_lanes_through_the_triton_kernels_and_the_graphs_equal_transformers(zoo, device):
     """Gemma 3's lanes of layers (five sliding layers of window 8 for each full one; a sliding lane's
     blocks past its window released, their entries -1) on the Triton kernels, every decode step

@@ -108,7 +108,8 @@ def test_ranks_under_ties_are_vllms_and_an_entry_never_holds_one_rank_twice():
     included (vLLM's ``batched_count_greater_than`` is ``>=``); one among the top ``k`` takes its place
     there, as vLLM's entry overwrites it: one position's entry ranks its tokens 1..k (+ its own)."""
     from pagedserve.worker.offline_outputs import logprob_entry
-    from pagedserve.worker.runner.sampling.sampler import scored_token, vocab_ranks
+    from pagedserve.worker.runner.sampling.drawn_tokens import scored_token
+    from pagedserve.worker.runner.sampling.sampler import vocab_ranks
 
     row = torch.tensor([[-1.0, -2.0, -2.0, -3.0, -2.0]])
     assert vocab_ranks(row, torch.tensor([-1.0])).tolist() == [1]

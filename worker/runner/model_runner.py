@@ -26,15 +26,18 @@ from pagedserve.worker.core.scheduling.plan import SampledToken, ScheduledSeq, S
 from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.step_inputs import step_inputs
 from pagedserve.worker.runner.device.cuda_graphs import DecodeGraphs, GraphLimits
+from pagedserve.worker.runner.device.launched_step import LaunchedStep, Placeholders, StepTimer
 from pagedserve.worker.runner.kv_cache.pool import layer_caches, pool_shape, zeroed_pool
 from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier
 from pagedserve.worker.runner.lora.adapters import Adapters
 from pagedserve.worker.runner.lora.graph_stack import GraphStack
 from pagedserve.worker.runner.models.layers import CausalLM
 from pagedserve.worker.runner.sampling.beam_search import BeamSearcher
-from pagedserve.worker.runner.sampling.sampler import Sampler, scored_token, vocab_ranks
+from pagedserve.worker.runner.sampling.drawn_tokens import scored_token
+from pagedserve.worker.runner.sampling.sampler import Sampler, vocab_ranks
 from pagedserve.worker.runner.speculative.draft_check import check_drafts
 from pagedserve.worker.runner.speculative.draft_model import Drafter
+from pagedserve.worker.runner.transfers.host_copies import device_tensor
 
 
 @dataclass(frozen=True)
@@ -137,19 +140,25 @@ class ModelRunner:
             yield
         compute.wait_stream(self.swap_stream)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan; the sampled tokens of every sampling row and the beam steps it completes."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the plan on the device; its sampled tokens reach the host when ``result()`` is asked.
+        ``previous``: the step before, still running, whose tokens fill this one's placeholders
+        (``worker/core/scheduling/run_ahead.py``)."""
+        timer = StepTimer(self.device)
         self.beams.forget(plan.finished_request_ids)
-        step = self.forward(plan)
+        step = self.forward(plan, previous)
         beam_rows = [i for i, item in enumerate(step.items) if item.params.use_beam_search]
         sampled = [i for i, item in enumerate(step.items) if not item.params.use_beam_search and not item.num_draft]
-        samples, beams = {}, {}
+        samples, beams, drawn = {}, {}, None
         if sampled:
-            items = [step.items[i] for i in sampled]
-            logits = step.logits if len(sampled) == len(step.items) else step.logits[sampled]  # all: no copy
-            drawn = self.sampler.sample(logits, items)
-            samples = {item.seq_id: tuple(tokens) for item, tokens in zip(items, drawn)}
+            logits = step.logits if len(sampled) == len(step.items) else \
+                step.logits.index_select(0, device_tensor(sampled, torch.int64, self.device))  # all: no copy
+            drawn = self.sampler.draw(logits, [step.items[i] for i in sampled])
         drafting = [i for i, item in enumerate(step.items) if item.num_draft]
         if drafting:  # speculative rows: every drafted position checked, all rows in one sampler call
             items = [step.items[i] for i in drafting]
@@ -157,11 +166,14 @@ class ModelRunner:
             samples.update((item.seq_id, tokens) for item, tokens in zip(items, checked))
         if beam_rows:
             beams = self.beams.step([step.items[i] for i in beam_rows], step.logits[beam_rows])
-        return StepResult(samples, beams, step.prompt, step.draft_rounds, step.draft_seconds, step.pooled)
+        timer.stop()
+        known = StepResult(samples, beams, step.prompt, step.draft_rounds, step.draft_seconds, step.pooled)
+        return LaunchedStep(known, tuple(step.items[i] for i in sampled), drawn, timer)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan) -> StepLogits:
-        """Block moves, then one forward: logits of the rows that sample this step."""
+    def forward(self, plan: StepPlan, previous: LaunchedStep | None = None) -> StepLogits:
+        """Block moves, then one forward: logits of the rows that sample this step (placeholder tokens
+        filled from ``previous``'s)."""
         self.tables.forget(plan.finished_request_ids, plan.dropped_seq_ids)
         self.tables.update(plan.seqs)
         self.apply_block_moves(plan)
@@ -176,19 +188,20 @@ class ModelRunner:
         items = sorted(plan.seqs, key=lambda s: s.num_tokens > 1)
         if not items:
             return StepLogits(torch.empty(0, 0, device=self.device), ())
+        holes = previous.placeholders(items) if previous is not None else None
         sampling = [i for i, s in enumerate(items) if s.num_samples]
         wants_prompt = any(s.prompt_targets or s.pool_from is not None for s in items)  # every position's state
         if self.graphs is not None and not wants_prompt and self.graphs.can_run(items):
-            every_logits, last_index = self.graphs.run(items, self.tables)  # each token place's logits
+            every_logits, last_index = self.graphs.run(items, self.tables, holes)  # each token place's logits
             head, prompt, pooled = every_logits.__getitem__, {}, {}
         else:
-            head, last_index, prompt, pooled = self._eager(items, wants_prompt)
-        rows = torch.tensor([last_index[i] for i in sampling], dtype=torch.int64, device=self.device)
+            head, last_index, prompt, pooled = self._eager(items, wants_prompt, holes)
+        rows = device_tensor([last_index[i] for i in sampling], torch.int64, self.device)
         # Speculative rows: the logits before each draft too (the positions ahead of a row's last), in the
         # same head call as the sampling rows' (one read of the head's weights).
         spans = [(s.seq_id, last - s.num_draft, last) for s, last in zip(items, last_index) if s.num_draft]
         if spans:
-            ahead = torch.tensor([i for _, lo, hi in spans for i in range(lo, hi)], dtype=torch.int64, device=self.device)
+            ahead = device_tensor([i for _, lo, hi in spans for i in range(lo, hi)], torch.int64, self.device)
             rows = torch.cat([rows, ahead])
         logits = head(rows)
         starts = itertools.accumulate((hi - lo for _, lo, hi in spans), initial=len(sampling))
@@ -196,12 +209,14 @@ class ModelRunner:
         return StepLogits(logits[: len(sampling)], tuple(items[i] for i in sampling), prompt, drafts, draft_rounds,
                           draft_seconds, pooled)
 
-    def _eager(self, items: list[ScheduledSeq], wants_prompt: bool):
+    def _eager(self, items: list[ScheduledSeq], wants_prompt: bool, holes: Placeholders | None = None):
         """The step's forward without a graph: the logits of chosen token rows (a function, so only the
         rows asked for go through the head), each item's last token's row, and the prompt logprobs and
         pooled states asked for."""
         batch = step_inputs(items, self.block_size, self.device, self.model.rotary.needs_seq_lens,
                             self.model.kv_layout.num_lanes, self.tables)
+        if holes is not None:
+            holes.fill(batch.ids, range(len(batch.ids)))
         hidden = self._run_model(batch)
         last_index = batch.last_index
         prompt = {s.seq_id: self._prompt_logprobs(hidden, last - s.num_tokens + 1, s)
@@ -228,7 +243,7 @@ class ModelRunner:
         for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
             hi = min(lo + PROMPT_LOGPROB_ROWS, len(targets))
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[first + lo : first + hi]).float(), dim=-1)
-            wanted = torch.tensor(targets[lo:hi], dtype=torch.int64, device=logprobs.device)
+            wanted = device_tensor(targets[lo:hi], torch.int64, logprobs.device)
             chosen = logprobs.gather(1, wanted[:, None])[:, 0]
             ranks = vocab_ranks(logprobs, chosen).tolist()
             top = logprobs.topk(top_n, dim=-1) if top_n else None  # read to the host once a slice

@@ -38,6 +38,7 @@ from pagedserve.worker.core.scheduling.outputs import RequestOutput
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq, StepBuilder, StepPlan, StepResult
 from pagedserve.worker.core.scheduling.request import FinishReason, Request, RequestStatus, Sequence
 from pagedserve.worker.core.scheduling.request_table import RequestTable
+from pagedserve.worker.core.scheduling.run_ahead import PLACEHOLDER
 from pagedserve.worker.core.scheduling.step_apply import StepApplier
 from pagedserve.worker.core.scheduling.step_time import (MIN_PREFILL, PREFILLING_AT_ONCE, PrefillBudget, StepSeconds,
                                                           StepTime)
@@ -129,9 +130,15 @@ class Scheduler:
         """End one sequence (e.g. a stop string found outside the engine)."""
         self.table.finish_seq(seq_id, reason)
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """Apply the runner's result to the plan's requests; their outputs, in plan order."""
-        return self.outputs.build(self.applier.apply(plan, result))
+    def update(self, plan: StepPlan, result: StepResult, ahead: bool = False) -> list[RequestOutput]:
+        """Apply the runner's result to the plan's requests; their outputs, in plan order. ``ahead``:
+        ``run_ahead(plan)`` was called when it was launched."""
+        return self.outputs.build(self.applier.apply(plan, result, ahead))
+
+    def run_ahead(self, plan: StepPlan) -> None:
+        """Move ``plan``'s rows on before their tokens are in, so the next step can be planned while
+        it runs (``run_ahead.py``; only where ``can_run_ahead(plan)``)."""
+        self.applier.run_ahead(plan)
 
     @property
     def has_work(self) -> bool:
@@ -186,6 +193,8 @@ class Scheduler:
         if turns:  # a running prompt asks once a step
             step.prefill_turns[req.priority] = turns - 1
         for seq in req.live_seqs:
+            if seq.token_ids[-1] == PLACEHOLDER and seq.num_output >= req.params.max_tokens:
+                continue  # its token running ahead is its last: no row after it (run_ahead.py)
             count = self._timed(step, seq.num_computed, min(seq.num_uncomputed, budget), turns)
             budget -= count
             sizes.append((seq.seq_id, count))

@@ -6,6 +6,8 @@ under a sliding window, blocks no query will read again are released), ``n > 1``
 Beam search: each new beam extends a parent beam; the first child of a parent takes the parent's
 sequence, further children fork it (shared blocks, copy-on-write), and parents nobody extends are
 dropped with their blocks. A finished search replaces the beams by its best hypotheses.
+A step that ran ahead (``run_ahead.py``) had its positions' half applied when it was launched
+(``run_ahead``); its tokens replace their placeholders here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pagedserve.worker.core.scheduling.config import SchedulerConfig
 from pagedserve.worker.core.scheduling.plan import BeamStep, SampledToken, StepPlan, StepResult
 from pagedserve.worker.core.scheduling.request import FinishReason, Request, Sequence
 from pagedserve.worker.core.scheduling.request_table import RequestTable
+from pagedserve.worker.core.scheduling.run_ahead import PLACEHOLDER
 from pagedserve.worker.core.speculative.config import SpecStats
 
 
@@ -25,11 +28,28 @@ class StepApplier:
         self.eos_token_ids = eos_token_ids
         self.config = config
         self.spec_stats = SpecStats()
+        self._placeholders: list[Sequence] = []  # the sequences run_ahead gave a placeholder token, in order
 
-    def apply(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """The requests that got tokens or ended, in plan order (those ended outside ``update`` first)."""
+    def run_ahead(self, plan: StepPlan) -> None:
+        """The plan's rows moved on before their tokens are in (``run_ahead.py``): computed, published,
+        windows released, and a placeholder for each sampled token, which ``apply(..., ahead=True)``
+        takes out again."""
+        for item in plan.seqs:
+            seq = self.table.seq(item.seq_id)
+            if seq is None or seq.finished:
+                continue
+            self._computed(self.table.owner(item.seq_id), seq, item)
+            if item.num_samples:
+                seq.token_ids.append(PLACEHOLDER)
+                self._placeholders.append(seq)
+
+    def apply(self, plan: StepPlan, result: StepResult, ahead: bool = False) -> list[Request]:
+        """The requests that got tokens or ended, in plan order (those ended outside ``update`` first);
+        ``ahead``: the plan ran ahead (its rows are computed already; their tokens replace the placeholders)."""
         touched: dict[str, Request] = {r.request_id: r for r in self.table.ended_outside_update}
         self.table.ended_outside_update.clear()
+        if ahead:
+            self._take_placeholders()
         for item in plan.seqs:
             seq = self.table.seq(item.seq_id)
             if seq is None or seq.finished:
@@ -40,12 +60,8 @@ class StepApplier:
                 self.table.blocks.release_outside_windows(seq.seq_id, seq.num_computed)
                 touched[req.request_id] = req
                 continue
-            seq.num_computed += item.num_tokens
-            key = self.config.prefix_key(req.extra_key, seq.num_tokens)  # before this step's token is appended
-            if req.params.pooling is None:  # an embedding's KV is not kept after it: its blocks go back uncached
-                self._publish(req, seq, key)
-            # a sliding lane's next query is at num_computed and sees positions > it - W
-            self.table.blocks.release_outside_windows(seq.seq_id, seq.num_computed)
+            if not ahead:
+                self._computed(req, seq, item)
             if item.prompt_targets:
                 _record_prompt_logprobs(req, item.start, result.prompt_logprobs[item.seq_id])
             if item.pool_from is not None:  # an embedding: no token; it ends once its prompt is in
@@ -69,6 +85,24 @@ class StepApplier:
                 self._beam_step(req, step)
                 touched[request_id] = req
         return list(touched.values())
+
+    def _computed(self, req: Request, seq: Sequence, item) -> None:
+        """The row's KV is in: the computed count advances, full blocks are published, blocks out of
+        every sliding window go back (positions only: no token of this step is read)."""
+        seq.num_computed += item.num_tokens
+        key = self.config.prefix_key(req.extra_key, seq.num_tokens)  # before this step's token is appended
+        if req.params.pooling is None:  # an embedding's KV is not kept after it: its blocks go back uncached
+            self._publish(req, seq, key)
+        # a sliding lane's next query is at num_computed and sees positions > it - W
+        self.table.blocks.release_outside_windows(seq.seq_id, seq.num_computed)
+
+    def _take_placeholders(self) -> None:
+        """Each placeholder ``run_ahead`` appended, out again (a sequence ended since keeps none)."""
+        for seq in self._placeholders:
+            if seq.token_ids[-1] != PLACEHOLDER:
+                raise ValueError(f"seq {seq.seq_id}: its placeholder is gone (a token was appended after it)")
+            seq.token_ids.pop()
+        self._placeholders.clear()
 
     def _apply_drafted(self, req: Request, seq: Sequence, item, tokens: tuple[SampledToken, ...]) -> None:
         """Speculative decoding: the drafts the runner accepted (their KV is computed) and its own

@@ -11,6 +11,7 @@ import torch
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
 from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata
+from pagedserve.worker.runner.transfers.host_copies import device_tensor
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,8 @@ def step_inputs(rows, block_size: int, device: torch.device, needs_seq_lens: boo
              for lane in range(num_lanes)]
     meta = _metadata(items, num_decodes, device, needs_seq_lens, lanes[0])
     meta = replace(meta, other_lanes=tuple(replace(meta, **lane) for lane in lanes[1:]))
-    return StepInputs(items, torch.tensor(ids, dtype=torch.int64, device=device),
-                      torch.tensor(positions, dtype=torch.int64, device=device), meta, last_index)
+    return StepInputs(items, device_tensor(ids, torch.int64, device),
+                      device_tensor(positions, torch.int64, device), meta, last_index)
 
 
 def _metadata(items: list[ScheduledSeq], num_decodes: int, dev: torch.device, needs_seq_lens: bool,
@@ -56,13 +57,13 @@ def _metadata(items: list[ScheduledSeq], num_decodes: int, dev: torch.device, ne
         query_start.append(query_start[-1] + s.num_tokens)
     return AttentionMetadata(
         num_decodes=num_decodes,
-        decode_seq_lens=torch.tensor([s.context_len for s in decodes], dtype=torch.int32, device=dev),
-        prefill_seq_lens=torch.tensor([s.context_len for s in prefills], dtype=torch.int32, device=dev),
-        prefill_query_start=torch.tensor(query_start, dtype=torch.int32, device=dev),
+        decode_seq_lens=device_tensor([s.context_len for s in decodes], torch.int32, dev),
+        prefill_seq_lens=device_tensor([s.context_len for s in prefills], torch.int32, dev),
+        prefill_query_start=device_tensor(query_start, torch.int32, dev),
         decode_max_seq_len=max((s.context_len for s in decodes), default=0),
         prefill_max_query_len=max((s.num_tokens for s in prefills), default=0),
         prefill_max_seq_len=max((s.context_len for s in prefills), default=0),
-        token_seq_lens=torch.tensor([max(s.seq_len, s.context_len) for s in items for _ in s.token_ids],
-                                    dtype=torch.int32, device=dev) if needs_seq_lens else None,
+        token_seq_lens=device_tensor([max(s.seq_len, s.context_len) for s in items for _ in s.token_ids],
+                                     torch.int32, dev) if needs_seq_lens else None,
         **first_lane,
     )

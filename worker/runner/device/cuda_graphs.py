@@ -44,6 +44,7 @@ from pagedserve.kernels.decode_partitions import decode_scratch_bytes
 from pagedserve.worker.core.scheduling.plan import ScheduledSeq
 from pagedserve.worker.runner.attention.kept_tables import KeptTables
 from pagedserve.worker.runner.attention.paged_attention import AttentionMetadata
+from pagedserve.worker.runner.device.launched_step import Placeholders
 from pagedserve.worker.runner.lora.graph_stack import GraphStack
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -152,18 +153,23 @@ class DecodeGraphs:
         return (next(s for s in self.sizes if s >= len(items)), width,
                 next(c for c in self.contexts if c >= longest))
 
-    def run(self, items: list[ScheduledSeq], tables: KeptTables) -> tuple[torch.Tensor, list[int]]:
+    def run(self, items: list[ScheduledSeq], tables: KeptTables, holes: Placeholders | None = None
+            ) -> tuple[torch.Tensor, list[int]]:
         """Logits of every token slot of a step ``can_run`` takes, and where each item's last token is
-        among them (``tables``: the runner's, updated)."""
+        among them (``tables``: the runner's, updated; ``holes``: placeholder tokens to fill from the
+        previous step's, on the device)."""
         key = self.key(items)
         bucket = self._buckets.get(key) or self._capture(*key)
-        last_index = self._load(bucket, items, tables)
+        last_index, places = self._load(bucket, items, tables)
+        if holes is not None:
+            holes.fill(bucket.ids, places)
         bucket.graph.replay()
         return bucket.logits, last_index
 
-    def _load(self, bucket: _Bucket, items: list[ScheduledSeq], kept: KeptTables) -> list[int]:
+    def _load(self, bucket: _Bucket, items: list[ScheduledSeq], kept: KeptTables) -> tuple[list[int], list[int]]:
         """The step into the bucket's buffers, each row's tokens at the start of its ``width`` places
-        and padding after (the module's docstring); each item's last token's place among them.
+        and padding after (the module's docstring); each item's last token's place among them, and
+        each token's place.
         Padding rows attend over their own positions in block 0, never what an earlier, larger step
         left in the tables (a sliding-window row's first entry can be the released-block marker, -1)."""
         width, n, cpu, tokens = bucket.width, len(items), torch.device("cpu"), bucket.size * bucket.width
@@ -193,7 +199,7 @@ class DecodeGraphs:
             target[n:, :reach].zero_()  # padding rows: block 0; entries past reach are never read
         if self.adapters is not None:
             self.adapters.load(items, bucket.adapter_slots, width)
-        return [row * width + s.num_tokens - 1 for row, s in enumerate(items)]
+        return [row * width + s.num_tokens - 1 for row, s in enumerate(items)], rows["places"]
 
     def _metadata(self, bucket: _Bucket) -> AttentionMetadata:
         first = self._lane_metadata(bucket, 0)

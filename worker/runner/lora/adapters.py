@@ -22,6 +22,7 @@ import torch
 from pagedserve.worker.runner.lora.lora_linear import LoraLinear, LoraStep, layer_keys
 from pagedserve.worker.runner.lora.peft_adapter import Cut, LoraError, PeftAdapter, read_adapter
 from pagedserve.worker.runner.models.layers import MLP, Attention, CausalLM
+from pagedserve.worker.runner.transfers.host_copies import device_tensor
 
 log = structlog.get_logger("pagedserve.lora")
 
@@ -94,12 +95,12 @@ class Adapters:
             for n, name in enumerate(names):
                 for i in rows[name]:
                     slots[i] = n
-            step.slots = torch.tensor(slots, dtype=torch.int32, device=self.device)
+            step.slots = device_tensor(slots, torch.int32, self.device)
         else:  # one block of rows per adapter, padded to the longest: two batched products per layer
             width = max(len(r) for r in rows.values())
             gather = [i for name in names for i in rows[name] + rows[name][:1] * (width - len(rows[name]))]
             valid = [n * width + j for n, name in enumerate(names) for j in range(len(rows[name]))]
-            as_index = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+            as_index = lambda values: device_tensor(values, torch.int64, self.device)  # noqa: E731
             step.gather, step.rows, step.width = as_index(gather), as_index([i for n in names for i in rows[n]]), width
             step.valid = None if len(valid) == len(gather) else as_index(valid)
         step.weights = self._weights(names)

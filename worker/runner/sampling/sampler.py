@@ -7,7 +7,8 @@ distribution, min-p, and a draw. Rows with a grammar (structured outputs) have e
 forbids set to -inf after the penalties (``worker/runner/sampling/structured_masks.py``). Every per-row parameter is a tensor built once per step from the
 rows; token histories become one padded matrix, scattered into masks and counts, so no Python
 loop touches vocabulary-sized work. Reported logprobs are of the raw model distribution
-(``log_softmax`` before any processing), like vLLM's default; they reach the host once per step.
+(``log_softmax`` before any processing), like vLLM's default; they reach the host once per step,
+in one queued copy (``drawn_tokens.py``: ``draw`` returns before it lands, ``sample`` waits).
 
 Seeded rows draw with a generator (on the logits' device) seeded from ``(seed, output index,
 position)``, so the same seed gives the same tokens whatever else is in the batch and across
@@ -23,7 +24,9 @@ import torch
 
 from pagedserve.shared.sampling import SamplingParams
 from pagedserve.worker.core.scheduling.plan import SampledToken
+from pagedserve.worker.runner.sampling.drawn_tokens import DrawnTokens
 from pagedserve.worker.runner.sampling.structured_masks import mask_logits
+from pagedserve.worker.runner.transfers.host_copies import device_tensor
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> list[list[SampledToken]]:
         """``logits`` ``[len(rows), vocab]`` -> ``num_samples`` tokens per row."""
+        return self.draw(logits, rows).read()
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> DrawnTokens:
+        """``sample`` without the wait: the tokens drawn on the device, their copy to the host queued."""
         dev = logits.device
         logits = logits.float()
         if any(r.num_samples > 1 for r in rows):
-            logits = logits.repeat_interleave(torch.tensor([r.num_samples for r in rows], device=dev), dim=0)
+            logits = logits.repeat_interleave(device_tensor([r.num_samples for r in rows], torch.int64, dev), dim=0)
         flat = [(r, r.seq_index + k if r.num_samples > 1 else r.seq_index) for r in rows for k in range(r.num_samples)]
         params = [r.params for r, _ in flat]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -58,23 +65,18 @@ class Sampler:
         processed = mask_logits(processed, [r.grammar for r, _ in flat])
         tokens = self._draw(processed, flat)
         picked = raw_logprobs.gather(1, tokens[:, None])[:, 0]
-        tops = _top_logprobs(raw_logprobs, params)
-        ranks = vocab_ranks(raw_logprobs, picked).tolist() if any(p.logprobs is not None for p in params) else None
-        token_list, picked_list = tokens.tolist(), picked.tolist()  # the step's one move to the host
-        out, i = [], 0
-        for r in rows:
-            out.append([scored_token(token_list[i + k], picked_list[i + k], tops.get(i + k), r.params.logprobs is not None,
-                                     ranks[i + k] if ranks else None)
-                        for k in range(r.num_samples)])
-            i += r.num_samples
-        return out
+        wants = [p.logprobs is not None for p in params]
+        ranks = vocab_ranks(raw_logprobs, picked) if any(wants) else None
+        top_k = {i: p.logprobs for i, p in enumerate(params) if p.logprobs}
+        return DrawnTokens.queue([r.num_samples for r in rows], wants, top_k, tokens, picked, ranks,
+                                 _top_logprobs(raw_logprobs, top_k))
 
     def _draw(self, logits: torch.Tensor, flat: list[tuple[SampleRow, int]]) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, (r, _) in enumerate(flat) if not r.params.greedy]
         if not random_rows:
             return tokens
-        idx = torch.tensor(random_rows, dtype=torch.int64, device=logits.device)
+        idx = device_tensor(random_rows, torch.int64, logits.device)
         probs = filtered_probs(logits[idx], [flat[i][0].params for i in random_rows])
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for j, i in enumerate(random_rows):
@@ -100,13 +102,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_i
     rep = [r.params.repetition_penalty for r in rows]
     if any(p != 1.0 for p in rep):
         seen = _token_mask([(*r.prompt_ids, *r.output_ids) if p != 1.0 else () for r, p in zip(rows, rep)], vocab, dev)
-        penalty = torch.tensor(rep, dtype=logits.dtype, device=dev)[:, None]
+        penalty = device_tensor(rep, logits.dtype, dev)[:, None]
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, scaled, logits)
     if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
         counts = _token_counts([r.output_ids for r in rows], vocab, dev).to(logits.dtype)
-        presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=dev)[:, None]
-        frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=dev)[:, None]
+        presence = device_tensor([r.params.presence_penalty for r in rows], logits.dtype, dev)[:, None]
+        frequency = device_tensor([r.params.frequency_penalty for r in rows], logits.dtype, dev)[:, None]
         logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
     return logits
 
@@ -116,7 +118,7 @@ def _padded(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.devi
     past the vocabulary (e.g. stop ids of another tokenizer) also land in that column."""
     width = max((len(t) for t in token_lists), default=0) or 1
     rows = [[t if 0 <= t < vocab else vocab for t in tokens] + [vocab] * (width - len(tokens)) for tokens in token_lists]
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    return device_tensor(rows, torch.int64, device)
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -135,12 +137,12 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """Temperature, then top-k, then top-p over the renormalised top-k, then min-p, as a
     probability distribution per row (rows need not sum to one; the draw does not care)."""
     dev, dtype = logits.device, logits.dtype
-    temps = torch.tensor([p.temperature for p in params], dtype=dtype, device=dev)
+    temps = device_tensor([p.temperature for p in params], dtype, dev)
     probs = torch.softmax(logits / temps[:, None], dim=-1)
     vocab = probs.shape[1]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p for p in params], dtype=dtype, device=dev)
-    min_p = torch.tensor([p.min_p for p in params], dtype=dtype, device=dev)
+    top_k = device_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int64, dev)
+    top_p = device_tensor([p.top_p for p in params], dtype, dev)
+    min_p = device_tensor([p.min_p for p in params], dtype, dev)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=dev)[None, :]
     sorted_probs = sorted_probs * (rank < top_k[:, None])
@@ -152,16 +154,13 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
 
 
-def _top_logprobs(raw_logprobs: torch.Tensor, params: Sequence[SamplingParams]) -> dict[int, tuple[list[int], list[float]]]:
-    """Row -> (ids, logprobs) of its ``logprobs`` most likely tokens, with one top-k for the step."""
-    wanted = [i for i, p in enumerate(params) if p.logprobs]
-    if not wanted:
-        return {}
-    k = max(params[i].logprobs for i in wanted)
-    idx = torch.tensor(wanted, dtype=torch.int64, device=raw_logprobs.device)
-    values, ids = raw_logprobs[idx].topk(k, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
-    return {i: (ids[j][: params[i].logprobs], values[j][: params[i].logprobs]) for j, i in enumerate(wanted)}
+def _top_logprobs(raw_logprobs: torch.Tensor, top_k: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(values, ids) of the most likely tokens of the rows in ``top_k`` (row -> how many), in row
+    order, with one top-k for the step (each row reads its own part: ``DrawnTokens.read``)."""
+    if not top_k:
+        return None
+    idx = device_tensor(sorted(top_k), torch.int64, raw_logprobs.device)
+    return raw_logprobs[idx].topk(max(top_k.values()), dim=-1)
 
 
 def vocab_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -169,20 +168,6 @@ def vocab_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     token itself included (1: the only most likely; vLLM's ``rank``, ties counted against the token,
     so a token tied with the k-th best and not among the k ranks k + 1, never a k twice)."""
     return (logprobs >= chosen[:, None]).sum(dim=-1)
-
-
-def scored_token(token: int, logprob: float, top: tuple[list[int], list[float]] | None, alternatives: bool,
-                 rank: int | None = None) -> SampledToken:
-    """``token`` with its logprob and, when ``alternatives``, the top ``(ids, logprobs)`` with the
-    token itself always among them, and its rank in the vocabulary (sampled tokens, and prompt
-    tokens for ``prompt_logprobs``)."""
-    found = None
-    if alternatives:
-        found = dict(zip(*top)) if top else {}
-        if token in found:  # among the top: its place there is its rank (as vLLM's entry says), whatever ties
-            rank = top[0].index(token) + 1
-        found[token] = logprob
-    return SampledToken(token, logprob, found, rank if alternatives else None)
 
 
 def _mix(seed: int, seq_index: int, position: int) -> int:

@@ -1,0 +1,1 @@
+"""Copies between the host and the device (worker/runner/transfers/host_copies.py)."""
