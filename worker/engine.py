@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable, Sequence as Seq
 
@@ -34,22 +32,17 @@ from pagedserve.worker.core.scheduling.detokenizer import Detokenizer
 from pagedserve.worker.core.scheduling.engine_stats import engine_stats
 from pagedserve.worker.core.scheduling.kv_snapshot import kv_snapshot
 from pagedserve.worker.core.scheduling.outputs import RequestOutput
-from pagedserve.worker.core.scheduling.plan import StepPlan, StepResult
 from pagedserve.worker.core.scheduling.request import Request
-from pagedserve.worker.core.scheduling.run_ahead import can_run_ahead
 from pagedserve.worker.core.scheduling.scheduler import Scheduler
-from pagedserve.worker.core.scheduling.step_time import pairs
-from pagedserve.worker.core.speculative.config import prices_drafts
 from pagedserve.worker.in_flight import InFlight
 from pagedserve.worker.runner.attention.key_rotation import calibration_text
-from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard, is_device_failure
+from pagedserve.worker.runner.device.failures import DeviceFailure, device_guard
 from pagedserve.worker.runner.kv_cache.tier_storage import TierCopier, tier_fingerprint
 from pagedserve.worker.runner.loader import inspect_model
 from pagedserve.worker.runner.lora.adapters import Adapters
 from pagedserve.worker.runner.lora.peft_adapter import AdapterBusy, LoraError
 from pagedserve.worker.runner.models.layers import kv_layout
 from pagedserve.worker.runner.models.rope import rope_switch
-from pagedserve.worker.runner.parallel.group import RankFailure
 from pagedserve.worker.runner.sampling.structured_masks import GrammarCompiler
 from pagedserve.worker.runner.simulated import SimulatedRunner
 from pagedserve.worker.runner.simulated_cost import SimulatedCost
@@ -57,16 +50,9 @@ from pagedserve.worker.setup.engine_config import EngineConfig
 from pagedserve.worker.setup.kv_budget import KvBudget
 from pagedserve.worker.setup.ranks import Ranks
 from pagedserve.worker.setup.runner_build import build_runner
+from pagedserve.worker.step_loop import StepLoop, StepTiming
 
 log = structlog.get_logger("pagedserve.engine")
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """The last step's forward: how many sequences and tokens, and how long the runner took."""
-    seqs: int
-    tokens: int
-    seconds: float
 
 
 class Engine:
@@ -99,7 +85,6 @@ class Engine:
         max_len = KvBudget(num_gpu, config.block_size, self.kv_bytes_per_token, layout.lane_windows,
                            config.max_num_batched_tokens).context(max_len, asked=bool(config.max_model_len))
         tiers = None if config.simulate else self._kv_tiers(block_bytes)
-        self.last_forward: StepTiming | None = None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_gpu_blocks=num_gpu, block_size=config.block_size, num_cpu_blocks=num_cpu,
@@ -111,8 +96,8 @@ class Engine:
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer), tiers=tiers,
         )
-        self.in_flight: InFlight | None = None  # a step launched ahead, its tokens not yet applied
         self.runs_ahead = config.async_scheduling and self._may_run_ahead()
+        self.steps = StepLoop(self.scheduler, self.runner, device, self.ranks, self.runs_ahead)
         self.sampling_defaults = generation_defaults(info.path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, info.config.vocab_size, eos)
         log.info(
@@ -289,79 +274,15 @@ class Engine:
             raise DeviceFailure(self.ranks.lost)
 
     def step(self) -> list[RequestOutput]:
-        """One step: plan, launch, and the outputs of the step whose tokens came in. Running ahead
-        (``--async-scheduling``, ``worker/core/scheduling/run_ahead.py``), the step launched here stays
-        on the device while the next call plans the one after, and this call's outputs are the
-        previous launch's."""
+        """One step (``worker/step_loop.py``): the outputs of the step whose tokens came in."""
         self.check_ranks()
-        step_started = time.perf_counter()
-        plan = self.scheduler.schedule()
-        previous, self.in_flight = self.in_flight, None
-        if previous is None and plan.is_empty and (compiling := self.scheduler.compiling()):
-            wait(compiling, timeout=0.05, return_when=FIRST_COMPLETED)  # nothing to run until a grammar is built
-        elif previous is None and plan.is_empty and self.scheduler.waits_on_disk:
-            time.sleep(0.001)  # nothing to run until a prefix is read from disk
-        launched = self._launch(plan, previous)
-        outputs = self._finish(previous) if previous is not None else []
-        if launched.ahead:
-            self.scheduler.run_ahead(plan)
-            self.in_flight = launched
-        else:
-            outputs += self._finish(launched)
-        if plan.seqs or previous is not None:  # a stream waits this long for its next token (scheduling, the forward, the outputs)
-            self.scheduler.stats.step_seconds.observe(time.perf_counter() - step_started)
-        return outputs
+        return self.steps.step()
 
-    def _launch(self, plan: StepPlan, previous: InFlight | None) -> InFlight:
-        """``plan`` queued on the device (its placeholder tokens from ``previous``'s); when that fails,
-        its requests fail with it (an empty result: they are ended)."""
-        ahead, started = self.runs_ahead and bool(plan.seqs) and can_run_ahead(plan), time.perf_counter()
-        try:
-            with device_guard(self.device):
-                if isinstance(self.runner, SimulatedRunner):
-                    return InFlight(plan, started, ready=self.runner.execute(plan))
-                return InFlight(plan, started, self.runner.launch(plan, previous and previous.launched), ahead)
-        except Exception as err:
-            self._step_failed(err, plan)
-            return InFlight(plan, started, ready=StepResult())
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The step launched ahead whose tokens are not applied yet (``--async-scheduling``)."""
+        return self.steps.in_flight
 
-    def _finish(self, step: InFlight) -> list[RequestOutput]:
-        """The step's result applied (its timing fed to the step-time fits): its requests' outputs."""
-        try:
-            with device_guard(self.device):
-                result = step.result()
-            self._observe(step.plan, result, step.seconds())
-        except Exception as err:
-            self._step_failed(err, step.plan)
-            result = StepResult()
-        return self.scheduler.update(step.plan, result, ahead=step.ahead)
-
-    def _observe(self, plan: StepPlan, result: StepResult, seconds: float) -> None:
-        """A finished step's time, for ``last_forward`` and the fits that size steps and drafts."""
-        self.last_forward = StepTiming(len(plan.seqs), plan.num_tokens, seconds)
-        if self.scheduler.step_time is not None and plan.seqs and not any(s.num_draft for s in plan.seqs):
-            attended = sum(pairs(s.start, s.num_tokens) for s in plan.seqs)
-            self.scheduler.step_time.observe(plan.num_tokens, attended, seconds)
-        if self.scheduler.step_cost is not None and plan.seqs and all(map(prices_drafts, plan.seqs)):
-            drafted = any(s.num_draft for s in plan.seqs)
-            self.scheduler.step_cost.observe(len(plan.seqs), plan.num_tokens, seconds, drafted,
-                                             result.draft_rounds, result.draft_seconds)
-
-    def _step_failed(self, err: Exception, plan: StepPlan) -> None:
-        """A bad kernel launch, out of memory, a bug: fail the requests the step holds, not the engine;
-        a broken device or a lost rank raises ``DeviceFailure`` (nothing is failed: the worker ends)."""
-        if isinstance(err, RankFailure) and self.ranks is not None:  # say which rank went, not gloo's words
-            raise DeviceFailure(self.ranks.explain(err)) from err
-        if is_device_failure(err):
-            log.error("device failed: stopping for a restart", requests=len(plan.seqs), error=str(err))
-            raise DeviceFailure(f"the device failed: {type(err).__name__}: {err}") from err
-        log.exception("engine step failed", requests=len(plan.seqs))
-        self._fail_holders(plan, f"the engine step failed: {type(err).__name__}: {err}")
-
-    def _fail_holders(self, plan, message: str) -> None:
-        """End with an error every request the failed step touched or whose KV it may have moved
-        (running and swapped ones); waiting requests hold no KV and go on."""
-        sched = self.scheduler
-        doomed = {s.request_id for s in plan.seqs} | {r.request_id for r in (*sched.running, *sched.swapped)}
-        for request_id in doomed:
-            sched.abort(request_id, error=message)
+    @property
+    def last_forward(self) -> StepTiming | None:
+        return self.steps.last_forward

@@ -71,9 +71,11 @@ def test_cuda_n_is_made_current_around_loading_and_steps(zoo, monkeypatch):
         pass
     assert entered == ["cuda:1"]
     import pagedserve.worker.engine as engine_module
+    import pagedserve.worker.step_loop as step_loop_module
 
     guarded = []
-    monkeypatch.setattr(engine_module, "device_guard", lambda device: guarded.append(str(device)) or contextlib.nullcontext())
+    for module in (engine_module, step_loop_module):  # loading; each step's launch and read
+        monkeypatch.setattr(module, "device_guard", lambda device: guarded.append(str(device)) or contextlib.nullcontext())
     llm = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=64)
     llm.generate([list(range(20, 26))], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     assert guarded[0] == "cpu" and len(guarded) >= 3  # loading, then every step
