@@ -60,7 +60,7 @@ def counted(llm):
 
 def plain_params(stop_text: str) -> list[SamplingParams]:
     """Rows that run ahead: greedy and seeded, EOS, stop strings and stop ids, logprobs, min_tokens,
-    max_tokens of 1."""
+    max_tokens of 1, penalties (their history's last token a placeholder, filled on the device)."""
     return [
         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=25, logprobs=2),
@@ -68,12 +68,14 @@ def plain_params(stop_text: str) -> list[SamplingParams]:
         SamplingParams(temperature=0.0, max_tokens=1),
         SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=20, stop_token_ids=[50, 51, 52]),
         SamplingParams(temperature=0.0, max_tokens=8, min_tokens=3),
+        SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.6, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=30, presence_penalty=1.5, frequency_penalty=1.0,
+                       ignore_eos=True),
     ]
 
 
-# rows whose steps run one at a time (the token history, forks, beams, prompt logprobs)
+# rows whose steps run one at a time (forks, beams, prompt logprobs)
 ONE_AT_A_TIME = [
-    SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3),
     SamplingParams(temperature=0.7, seed=11, n=2, max_tokens=10),
     SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=1),
     SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=8),

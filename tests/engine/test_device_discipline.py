@@ -71,7 +71,7 @@ def test_steps_running_ahead_name_their_devices(zoo):
     engine, ahead = llm.engine, []
     real = engine.scheduler.run_ahead
     engine.scheduler.run_ahead = lambda plan: (ahead.append(plan), real(plan))[1]
-    runs_ahead = ("greedy", "temperature", "top_k_p", "min_p", "seeded", "logprobs", "min_tokens_stop_ids")
+    runs_ahead = ("greedy", "temperature", "top_k_p", "min_p", "penalties", "seeded", "logprobs", "min_tokens_stop_ids")
     for i, name in enumerate(runs_ahead * 2):
         engine.add_request(f"{name}-{i}", [20 + i, *range(30, 45)], FEATURES[name])
     done = {}

@@ -159,12 +159,13 @@ def test_cuda_graphs_checking_drafts_give_the_eager_tokens(zoo, name, method):
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time_and_its_decode_launches_never_wait(zoo, graphs):
     """``--async-scheduling`` on CUDA: greedy and seeded tokens and logprobs equal one step at a time
-    (stops and preemption among the steps), and launching a decode step while the one before still
+    (stops, penalties and preemption among the steps), and launching a decode step while the one before still
     runs never synchronizes with the device (``torch.cuda.set_sync_debug_mode("error")`` raises on any
     wait: an upload that waits for the stream, a value read back)."""
     cases = random_prompts(seed=21, count=16, max_len=40, vocab=VOCAB, max_new=48)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=n, logprobs=1 if i % 3 else None,
-                             stop_token_ids=[7] if i % 5 == 0 else [])
+                             stop_token_ids=[7] if i % 5 == 0 else [], repetition_penalty=1.4 if i % 4 == 1 else 1.0,
+                             frequency_penalty=0.5 if i % 4 == 2 else 0.0)
               for i, (_, n) in enumerate(cases)]
     options = dict(num_gpu_blocks=64, block_size=8, max_num_batched_tokens=256, enforce_eager=not graphs)
     plain, ahead = cuda_llm(zoo, **options), cuda_llm(zoo, async_scheduling=True, **options)

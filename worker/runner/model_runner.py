@@ -158,7 +158,9 @@ class ModelRunner:
         if sampled:
             logits = step.logits if len(sampled) == len(step.items) else \
                 step.logits.index_select(0, device_tensor(sampled, torch.int64, self.device))  # all: no copy
-            drawn = self.sampler.draw(logits, [step.items[i] for i in sampled])
+            items = [step.items[i] for i in sampled]
+            tails = previous.history_tails(items, logits.shape[-1]) if previous is not None else None
+            drawn = self.sampler.draw(logits, items, tails)
         drafting = [i for i, item in enumerate(step.items) if item.num_draft]
         if drafting:  # speculative rows: every drafted position checked, all rows in one sampler call
             items = [step.items[i] for i in drafting]

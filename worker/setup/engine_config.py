@@ -121,8 +121,8 @@ class EngineConfig:
                                            "swapped to CPU memory (--swap-space)", choices=PREEMPTION_MODES)
     async_scheduling: bool = flag(
         False, "plan each step on the host while the device runs the one before, and read that one's tokens while "
-        "the next runs (the same tokens; steps with penalties, grammars, beams, n > 1, prompt logprobs or "
-        "embeddings, and engines with speculative decoding or tensor parallel, run one step at a time)",
+        "the next runs (the same tokens; steps with grammars, beams, n > 1, prompt logprobs or embeddings, and "
+        "engines with speculative decoding or tensor parallel, run one step at a time)",
         switch="both")
     seed: int = 0
     enforce_eager: bool = flag(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs", switch="on")

@@ -11,10 +11,11 @@ appends the real tokens as a plain step would (stops, logprobs, detokenized outp
 that step N ended (a stop token, a stop string, an abort) wastes its row in step N+1, whose
 result skips it; one whose placeholder is its last token (``max_tokens``) gets no row.
 
-A step runs ahead only when no row's next step needs its token on the host first: penalties
-(the token history), grammars, beam search, forks (``n > 1``), drafts, prompt logprobs and
-embeddings run one step at a time, as before. The engine decides (``worker/engine.py``); the
-tokens are exactly those of the step-at-a-time path.
+Penalties read the token history, whose last token may be a placeholder: the runner hands the
+sampler that token from the previous step's, on the device (``LaunchedStep.history_tails``). A step
+runs ahead only when no row's next step needs its token on the host first: grammars, beam search,
+forks (``n > 1``), drafts, prompt logprobs and embeddings run one step at a time, as before. The
+step loop decides (``worker/step_loop.py``); the tokens are exactly those of the step-at-a-time path.
 """
 
 from __future__ import annotations
@@ -31,5 +32,5 @@ def can_run_ahead(plan: StepPlan) -> bool:
 
 def _row_runs_ahead(row: ScheduledSeq) -> bool:
     plain = row.num_samples <= 1 and not row.params.use_beam_search and row.grammar is None
-    host_reads = row.prompt_ids or row.output_ids or row.prompt_targets or row.pool_from is not None
+    host_reads = row.prompt_targets or row.pool_from is not None
     return plain and not host_reads and not row.num_draft and row.draft_context is None

@@ -76,13 +76,29 @@ class LaunchedStep:
         samples = {item.seq_id: tuple(tokens) for item, tokens in zip(self.sampled, self.drawn.read())}
         return replace(self.known, samples={**self.known.samples, **samples})
 
-    def placeholders(self, items: list[ScheduledSeq]) -> Placeholders | None:
-        """The placeholder tokens of ``items`` (the next step's rows, in batch order), filled from this
-        step's tokens; None when they have none. A ValueError for one this step did not sample."""
+    def history_tails(self, items: list[ScheduledSeq], vocab: int) -> torch.Tensor | None:
+        """For rows whose token history (penalties) ends in a placeholder, this step's token for it,
+        on the device (``vocab`` for the others); None when no row's does."""
+        first = self._first_rows()
+        tails = [first.get(item.seq_id, -1) if item.output_ids[-1:] == (PLACEHOLDER,) else -1 for item in items]
+        if all(t < 0 for t in tails):
+            return None
+        picks = device_tensor([max(t, 0) for t in tails], torch.int64, self.drawn.tokens.device)
+        held = device_tensor([t >= 0 for t in tails], torch.bool, self.drawn.tokens.device)
+        return torch.where(held, self.drawn.tokens.index_select(0, picks), vocab)
+
+    def _first_rows(self) -> dict[int, int]:
+        """Each sampled sequence's first token among ``drawn``'s."""
         first, at = {}, 0
         for item in self.sampled:
             first[item.seq_id] = at
             at += item.num_samples
+        return first
+
+    def placeholders(self, items: list[ScheduledSeq]) -> Placeholders | None:
+        """The placeholder tokens of ``items`` (the next step's rows, in batch order), filled from this
+        step's tokens; None when they have none. A ValueError for one this step did not sample."""
+        first = self._first_rows()
         offsets, picks, at = [], [], 0
         for item in items:  # a placeholder ends its sequence: a row starts at it
             if item.token_ids[0] == PLACEHOLDER:

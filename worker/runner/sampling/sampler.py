@@ -52,16 +52,20 @@ class Sampler:
         """``logits`` ``[len(rows), vocab]`` -> ``num_samples`` tokens per row."""
         return self.draw(logits, rows).read()
 
-    def draw(self, logits: torch.Tensor, rows: Sequence[SampleRow]) -> DrawnTokens:
-        """``sample`` without the wait: the tokens drawn on the device, their copy to the host queued."""
+    def draw(self, logits: torch.Tensor, rows: Sequence[SampleRow], history_tails: torch.Tensor | None = None) -> DrawnTokens:
+        """``sample`` without the wait: the tokens drawn on the device, their copy to the host queued.
+        ``history_tails``: int64 ``[len(rows)]`` on the device, the token each row's history lacks (its
+        placeholder's, ``worker/core/scheduling/run_ahead.py``), the vocabulary size where none."""
         dev = logits.device
         logits = logits.float()
         if any(r.num_samples > 1 for r in rows):
-            logits = logits.repeat_interleave(device_tensor([r.num_samples for r in rows], torch.int64, dev), dim=0)
+            repeats = device_tensor([r.num_samples for r in rows], torch.int64, dev)
+            logits = logits.repeat_interleave(repeats, dim=0)
+            history_tails = None if history_tails is None else history_tails.repeat_interleave(repeats)
         flat = [(r, r.seq_index + k if r.num_samples > 1 else r.seq_index) for r in rows for k in range(r.num_samples)]
         params = [r.params for r, _ in flat]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = apply_penalties(logits, [r for r, _ in flat], self.eos_token_ids)  # a new tensor where it changes any
+        processed = apply_penalties(logits, [r for r, _ in flat], self.eos_token_ids, history_tails)  # a new tensor where it changes any
         processed = mask_logits(processed, [r.grammar for r, _ in flat])
         tokens = self._draw(processed, flat)
         picked = raw_logprobs.gather(1, tokens[:, None])[:, 0]
@@ -89,9 +93,12 @@ class Sampler:
         return tokens
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_ids: tuple[int, ...],
+                    history_tails: torch.Tensor | None = None) -> torch.Tensor:
     """min_tokens masking, then repetition, presence and frequency penalties: a new tensor where any
-    applies, ``logits`` itself (untouched) where none does (no vocabulary-sized copy on a plain step)."""
+    applies, ``logits`` itself (untouched) where none does (no vocabulary-sized copy on a plain step).
+    ``history_tails``: each row's last output token where its history holds a placeholder instead
+    (``Sampler.draw``)."""
     vocab = logits.shape[1]
     dev = logits.device
     # A grammar decides when a constrained row may end: min_tokens does not ban its EOS.
@@ -101,12 +108,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_i
         logits = logits.masked_fill(_token_mask(banned, vocab, dev), float("-inf"))
     rep = [r.params.repetition_penalty for r in rows]
     if any(p != 1.0 for p in rep):
-        seen = _token_mask([(*r.prompt_ids, *r.output_ids) if p != 1.0 else () for r, p in zip(rows, rep)], vocab, dev)
+        seen = _token_counts([(*r.prompt_ids, *r.output_ids) if p != 1.0 else () for r, p in zip(rows, rep)], vocab, dev,
+                             history_tails) > 0
         penalty = device_tensor(rep, logits.dtype, dev)[:, None]
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, scaled, logits)
     if any(r.params.presence_penalty or r.params.frequency_penalty for r in rows):
-        counts = _token_counts([r.output_ids for r in rows], vocab, dev).to(logits.dtype)
+        counts = _token_counts([r.output_ids for r in rows], vocab, dev, history_tails).to(logits.dtype)
         presence = device_tensor([r.params.presence_penalty for r in rows], logits.dtype, dev)[:, None]
         frequency = device_tensor([r.params.frequency_penalty for r in rows], logits.dtype, dev)[:, None]
         logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
@@ -121,9 +129,15 @@ def _padded(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.devi
     return device_tensor(rows, torch.int64, device)
 
 
-def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """``[rows, vocab]`` occurrence counts of each row's tokens (one ``scatter_add_``)."""
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device,
+                  tails: torch.Tensor | None = None) -> torch.Tensor:
+    """``[rows, vocab]`` occurrence counts of each row's tokens (one ``scatter_add_``), and of its
+    ``tails`` entry (on the device; ``vocab``: none) where a row holds tokens (a placeholder, -1, is
+    counted in no column: its token is the tail)."""
     ids = _padded(token_lists, vocab, device)
+    if tails is not None:
+        holds = device_tensor([bool(tokens) for tokens in token_lists], torch.bool, device)
+        ids = torch.cat([ids, torch.where(holds, tails, vocab)[:, None]], dim=1)
     counts = torch.zeros((ids.shape[0], vocab + 1), dtype=torch.int32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
     return counts[:, :vocab]
