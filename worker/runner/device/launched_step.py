@@ -4,7 +4,8 @@ sampled tokens still on their way to the host (``DrawnTokens``).
 
 ``result()`` waits for those tokens alone. ``placeholders(items)`` tells the next step where its
 rows' placeholder tokens (``worker/core/scheduling/run_ahead.py``) come from: this step's tokens,
-still on the device.
+still on the device; ``history_tails(items, vocab)`` gives its penalties the same tokens, for the
+histories that end in a placeholder.
 """
 
 from __future__ import annotations
