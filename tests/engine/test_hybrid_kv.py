@@ -234,3 +234,18 @@ def test_a_quantized_cache_calibrates_and_serves_every_lane(zoo):
     params = [SamplingParams(temperature=0.0, max_tokens=n) for _, n in cases]
     done = run_checked(llm, [p for p, _ in cases], params, check=lanes_within_windows)
     assert all(done[i].outputs[0].token_ids for i in range(len(cases)))
+
+
+def test_running_ahead_releases_each_lanes_blocks_as_one_step_at_a_time(zoo):
+    """``--async-scheduling`` on Gemma 3's lanes: a step launched ahead releases the sliding lanes'
+    blocks its window left when it is launched (positions only), so between steps every lane holds
+    what one step at a time holds, preemption included; greedy tokens equal one step at a time's."""
+    cases = [(p * 2, n) for p, n in random_prompts(seed=12, count=16, max_len=24, vocab=VOCAB, max_new=30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in cases]
+    done = {}
+    for ahead in (False, True):
+        llm = LLM(zoo.path("gemma3"), device="cpu", dtype="float32", seed=0, block_size=BLOCK, num_gpu_blocks=90,
+                  max_num_batched_tokens=CHUNK, async_scheduling=ahead)
+        done[ahead] = run_checked(llm, [p for p, _ in cases], params, check=lanes_within_windows)
+        assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert all(done[True][i].outputs[0].token_ids == done[False][i].outputs[0].token_ids for i in range(len(cases)))
