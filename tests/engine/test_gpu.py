@@ -191,4 +191,4 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time_and_its_decode_
         out_a, out_b = a[i].outputs[0], b[i].outputs[0]
         assert out_a.token_ids == out_b.token_ids, f"request {i}"
         assert (out_a.logprobs is None) == (out_b.logprobs is None)
-    assert len(checked) > 20 and ahead.engine.scheduler.stats.num_preemptions > 0
+    assert len(checked) > 10 and ahead.engine.scheduler.stats.num_preemptions > 0
