@@ -167,3 +167,19 @@ def test_a_steps_time_covers_its_launch_both_ways(zoo):
             engine.step()
             read.append(engine.last_forward.seconds if engine.last_forward else 0.0)
         assert max(read) >= max(step.timer.host_seconds for step in launched) > 0
+
+
+def test_speculative_decoding_keeps_async_scheduling_off_and_says_so(zoo):
+    """Drafts need each token on the host (n-gram lookup reads the history), so an engine with both
+    runs one step at a time, says why in its log, and serves as it would without the flag."""
+    from structlog.testing import capture_logs
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with capture_logs() as logs:
+        both = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256, async_scheduling=True,
+                   speculative_config=spec)
+    assert not both.engine.runs_ahead
+    assert any(e["event"].startswith("async scheduling is off") and e["because"] == "speculative decoding" for e in logs)
+    plain = LLM(zoo.path("llama-gqa"), device="cpu", dtype="float32", num_gpu_blocks=256, speculative_config=spec)
+    prompts, params = [[5, 6, 7, 8] * 4, list(range(30, 45))], SamplingParams(temperature=0.0, max_tokens=16)
+    assert completions(both, prompts, [params] * 2) == completions(plain, prompts, [params] * 2)
