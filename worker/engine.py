@@ -96,8 +96,8 @@ class Engine:
             ),
             eos_token_ids=eos, detokenizer=Detokenizer(self.tokenizer), tiers=tiers,
         )
-        self.runs_ahead = config.async_scheduling and self._may_run_ahead()
-        self.steps = StepLoop(self.scheduler, self.runner, device, self.ranks, self.runs_ahead)
+        self.steps = StepLoop(self.scheduler, self.runner, device, self.ranks,
+                              runs_ahead=config.async_scheduling and self._may_run_ahead())
         self.sampling_defaults = generation_defaults(info.path, config.generation_config)
         self.grammars = GrammarCompiler(self.tokenizer, info.config.vocab_size, eos)
         log.info(
@@ -286,3 +286,8 @@ class Engine:
     @property
     def last_forward(self) -> StepTiming | None:
         return self.steps.last_forward
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether steps may be planned while the one before runs (``--async-scheduling``, where it can)."""
+        return self.steps.runs_ahead

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
 
@@ -80,7 +81,7 @@ class LaunchedStep:
     def history_tails(self, items: list[ScheduledSeq], vocab: int) -> torch.Tensor | None:
         """For rows whose token history (penalties) ends in a placeholder, this step's token for it,
         on the device (``vocab`` for the others); None when no row's does."""
-        first = self._first_rows()
+        first = self.first_rows
         tails = [first.get(item.seq_id, -1) if item.output_ids[-1:] == (PLACEHOLDER,) else -1 for item in items]
         if all(t < 0 for t in tails):
             return None
@@ -88,8 +89,10 @@ class LaunchedStep:
         held = device_tensor([t >= 0 for t in tails], torch.bool, self.drawn.tokens.device)
         return torch.where(held, self.drawn.tokens.index_select(0, picks), vocab)
 
-    def _first_rows(self) -> dict[int, int]:
-        """Each sampled sequence's first token among ``drawn``'s."""
+    @cached_property
+    def first_rows(self) -> dict[int, int]:
+        """Each sampled sequence's first token among ``drawn``'s (asked by the next step twice: its
+        placeholders and its penalties' history)."""
         first, at = {}, 0
         for item in self.sampled:
             first[item.seq_id] = at
@@ -99,7 +102,7 @@ class LaunchedStep:
     def placeholders(self, items: list[ScheduledSeq]) -> Placeholders | None:
         """The placeholder tokens of ``items`` (the next step's rows, in batch order), filled from this
         step's tokens; None when they have none. A ValueError for one this step did not sample."""
-        first = self._first_rows()
+        first = self.first_rows
         offsets, picks, at = [], [], 0
         for item in items:  # a placeholder ends its sequence: a row starts at it
             if item.token_ids[0] == PLACEHOLDER:

@@ -108,8 +108,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow], eos_token_i
         logits = logits.masked_fill(_token_mask(banned, vocab, dev), float("-inf"))
     rep = [r.params.repetition_penalty for r in rows]
     if any(p != 1.0 for p in rep):
-        seen = _token_counts([(*r.prompt_ids, *r.output_ids) if p != 1.0 else () for r, p in zip(rows, rep)], vocab, dev,
-                             history_tails) > 0
+        seen = _token_mask([(*r.prompt_ids, *r.output_ids) if p != 1.0 else () for r, p in zip(rows, rep)], vocab, dev,
+                           history_tails)
         penalty = device_tensor(rep, logits.dtype, dev)[:, None]
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, scaled, logits)
@@ -143,8 +143,9 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torc
     return counts[:, :vocab]
 
 
-def _token_mask(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    return _token_counts(token_lists, vocab, device) > 0
+def _token_mask(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device,
+                tails: torch.Tensor | None = None) -> torch.Tensor:
+    return _token_counts(token_lists, vocab, device, tails) > 0
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

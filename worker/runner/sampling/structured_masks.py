@@ -19,6 +19,7 @@ import torch
 
 from pagedserve.runtime.structured_grammar import grammar_text
 from pagedserve.shared.structured import StructuredOutputs
+from pagedserve.worker.runner.transfers.host_copies import device_tensor
 
 CACHE_SIZE = 256
 
@@ -85,7 +86,7 @@ def mask_logits(logits: torch.Tensor, states: Sequence) -> torch.Tensor:
     bits = host_bitmask(distinct, vocab)[[position[id(states[i])] for i in rows]].to(dev, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=dev)
     allowed = ((bits[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
-    index = torch.tensor(rows, dtype=torch.int64, device=dev)
+    index = device_tensor(rows, torch.int64, dev)
     logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
