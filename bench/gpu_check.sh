@@ -5,13 +5,14 @@
 #   device run:  command "bash bench/gpu_check.sh", carry ["gpu_wheels"], timeout_s 360
 # Order: set-up and a preflight (versions, the device, every import; fails loudly in seconds), the
 # GPU-marked tests (each test's line streamed, 120 s a test), the decode kernel benchmark, decode
-# attention over int8/fp8 caches against bf16, offline throughput of a ~1.1B random-weight Llama in
-# bf16 with CUDA graphs and eagerly against transformers, then with async scheduling (the next step
-# planned while one runs), with n-gram drafts (graphs per draft length), the same model with LoRA
-# adapters on against off (graphs reading the adapters' places). Everything lands in $OUT (default
-# ./out) in six files, under the device tool's eight: check.log (every step's output, unbuffered),
-# gpu_tests.xml, results.json (every step's JSON), nvidia-smi.txt, summary.json (each step's
-# status and seconds) and goals.txt (#63's goals read from results.json: bench/gpu_goals.py), printed last.
+# attention over int8/fp8 caches against bf16 (also with their codes multiplied as stored:
+# --quantized-products), offline throughput of a ~1.1B random-weight Llama in bf16 with CUDA graphs
+# and eagerly against transformers, then with async scheduling (the next step planned while one
+# runs), with n-gram drafts (graphs per draft length), the same model with LoRA adapters on against
+# off (graphs reading the adapters' places). Everything lands in $OUT (default ./out) in six files,
+# under the device tool's eight: check.log (every step's output, unbuffered), gpu_tests.xml,
+# results.json (every step's JSON), nvidia-smi.txt, summary.json (each step's status and seconds)
+# and goals.txt (#63's goals read from results.json: bench/gpu_goals.py), printed last.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -64,7 +65,8 @@ if ! step preflight 30 "$py" -m pagedserve.bench.gpu_preflight; then
 fi
 grep '^{"bench": "gpu_preflight"' "$log" | tail -n 1 > "$work/preflight.json"
 status=0
-step gpu_tests 270 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py tests/kernels/test_lora_kernel.py tests/parallel/test_world_size_one.py \
+step gpu_tests 270 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels/test_kernels_triton.py \
+    tests/kernels/test_quantized_products.py tests/kernels/test_lora_kernel.py tests/parallel/test_world_size_one.py \
     -p no:cacheprovider -v -o addopts= --timeout 120 \
     --junitxml="$out/gpu_tests.xml" || status=1
 step kernel_bench 45 "$py" -m pagedserve.bench.kernel_bench --out "$work/kernel_bench.json" || status=1

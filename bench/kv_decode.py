@@ -2,7 +2,8 @@
 kernel (``--backend native``) or the Triton kernel on CUDA (``--backend triton --device cuda``):
 32 sequences at each context length, GQA 9/3 with heads of 64 (SmolLM2's shape), the median of
 ``--repeats`` calls. An 8-bit cache reads a quarter (float32) or half (bfloat16) of the bytes; the
-codes are decoded inside the kernel's loop.
+codes are decoded inside the kernel's loop, or on Triton also multiplied as stored (``*_products``:
+``--quantized-products``, queries and probabilities quantized to the cache's codes).
 
     python -m pagedserve.bench.kv_decode [--contexts 64 1024 4096] [--dtype float32] [--backend native] [--device cpu]
 """
@@ -24,6 +25,7 @@ from pagedserve.kernels.kv_format import kv_format
 from pagedserve.kernels.ops import AttentionOps, select_ops
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+SPEEDUPS = {"fp8_e4m3": "fp8", "fp8_e4m3_products": "fp8_products"}  # speedup columns named unlike their format
 
 
 def caches(ops: AttentionOps, seqs: int, context: int, dtype: torch.dtype, device: torch.device):
@@ -71,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     folder = Path(tempfile.gettempdir()) / "pagedserve-kernels"
-    kernels = {name: select_ops(device, args.backend, folder, kv_format(name, device)) for name in ("auto", "int8", "fp8_e4m3")}
+    formats = {name: kv_format(name, device) for name in ("auto", "int8", "fp8_e4m3")}
+    if args.backend == "triton":  # the codes multiplied as stored (paged_kernels/quantized_products.py)
+        formats |= {f"{name}_products": kv_format(name, device, quantized_products=True) for name in ("int8", "fp8_e4m3")}
+    kernels = {name: select_ops(device, args.backend, folder, fmt) for name, fmt in formats.items()}
     rows = []
     for context in args.contexts:
         ms = {name: time_decode(ops, args.seqs, context, dtype, device, args.repeats) for name, ops in kernels.items()}
         rows.append({"context": context, **{f"{name}_ms": round(t, 3) for name, t in ms.items()},
-                     "int8_speedup": round(ms["auto"] / ms["int8"], 2), "fp8_speedup": round(ms["auto"] / ms["fp8_e4m3"], 2)})
+                     **{f"{SPEEDUPS.get(name, name)}_speedup": round(ms["auto"] / t, 2) for name, t in ms.items()
+                        if name != "auto"}})
     print(json.dumps({"bench": "kv_decode", "backend": args.backend, "device": args.device, "dtype": args.dtype, "seqs": args.seqs, "threads": torch.get_num_threads(),
                       "results": rows}))
     print_table(rows, [(k, lambda r, k=k: r[k]) for k in rows[0]])

@@ -22,6 +22,7 @@ import triton
 
 from pagedserve.bench.table import print_table
 from pagedserve.kernels import lora_update, paged_attention, prefill_attention
+from pagedserve.kernels.decode_partitions import decode_tile
 from pagedserve.kernels.kv_format import kv_format
 from pagedserve.kernels.paged_tiles import code_constants, dot_pad
 
@@ -97,10 +98,12 @@ def cases() -> dict[str, tuple]:
         for cache in ("auto", "int8", "fp8_e4m3"):
             constants = dict(code_constants(kv_format(cache)), F32=False)
             aligned = cache == "auto" or kv_format(cache, "cuda").row_width(dim) % 16 == 0
-            out[f"decode-{cache}-{model}"] = (
-                paged_attention._decode_partial, "bf16" if cache == "auto" else "u8",
-                dict(GROUP=group, ROWS=rows, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16, TILE=paged_attention.decode_tile(dim),
-                     SOFTCAP=model in SOFT_CAPPED, **constants), paged_attention.NUM_WARPS, aligned)
+            for products in (False, True) if cache != "auto" else (False,):  # quantized products: the codes multiplied
+                out[f"decode-{cache}{'-products' if products else ''}-{model}"] = (
+                    paged_attention._decode_partial, "bf16" if cache == "auto" else "u8",
+                    dict(GROUP=group, ROWS=rows, DIM=dim, DIM_PAD=dim, BLOCK_SIZE=16,
+                         TILE=decode_tile(dim, products), SOFTCAP=model in SOFT_CAPPED, PRODUCTS=products,
+                         INTERPRETED=False, **constants), paged_attention.NUM_WARPS, aligned)
             tiles = {chunk: (*prefill_attention.prefill_tiles(dim, tokens, cache != "auto"), 0)
                      for chunk, tokens in (("long", 512), ("short", 16))}
             packed = prefill_attention.packed_tiles(dim, 5, group, cache != "auto")  # a step checking 4 drafts

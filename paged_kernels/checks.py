@@ -49,3 +49,15 @@ def check_heads(q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat = AU
     if dim not in (16, 32, 64, 80, 96, 128, 256):
         raise ValueError(f"head_dim {dim} is not supported (16, 32, 64, 80, 96, 128, 256)")
     return heads // kv_heads
+
+
+def check_products(kv_format: KVFormat, device: torch.device) -> None:
+    """Quantized products (``paged_kernels/quantized_products.py``) need a GPU that multiplies the
+    cache's codes: int8 from sm_80 (Ampere), e4m3 from sm_89 (Ada, Hopper)."""
+    if not kv_format.quantized_products or device.type != "cuda":
+        return
+    needs = (8, 0) if kv_format.code == torch.int8 else (8, 9)
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < needs:
+        raise ValueError(f"quantized products over a {kv_format.name} cache need sm_{needs[0]}{needs[1]} or newer; "
+                         f"{device} is sm_{major}{minor}")

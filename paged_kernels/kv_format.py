@@ -15,6 +15,8 @@ release) carries it without knowing it is there, and a block's bytes are simply 
 Scales are per token and head (absmax / the format's largest value), set once when the token is
 stored: no calibration, no requantization when a block fills up. Codes are decoded through a
 256-entry table (the C kernel uses the same one for fp8; int8 it converts arithmetically).
+With ``quantized_products`` (int8 and fp8_e4m3) the decode kernels skip that decoding and multiply
+the codes themselves (``paged_kernels/quantized_products.py``); the bytes stored are the same.
 
 Before a quantized cache stores its keys, q and k are turned by one fixed orthogonal matrix
 (``rotation``): scores are unchanged (q R . k R = q . k), and the few channels where keys carry
@@ -36,6 +38,7 @@ import torch
 from pagedserve.kernels.backends import KV_CACHE_DTYPES
 
 SCALE_BYTES = 2  # a bfloat16 scale after every row's codes
+PRODUCT_CODES = (torch.int8, torch.float8_e4m3fn)  # the codes 8-bit tensor-core products take (quantized_products)
 ALIGNED_TAIL = 16  # on CUDA: the scale and 14 unused bytes, so rows of a head a multiple of 16 stay 16-byte aligned
 
 
@@ -46,6 +49,7 @@ class KVFormat:
     largest: float = 0.0  # the largest magnitude a code holds
     rotation_values: bool = False  # values turned too (evenly spaced codes gain; fp8's relative steps lose)
     tail: int = SCALE_BYTES  # bytes of a quantized row after its codes: the scale, then padding (``aligned``)
+    quantized_products: bool = False  # decode attention multiplies the codes as stored (paged_kernels/quantized_products.py)
 
     @property
     def quantized(self) -> bool:
@@ -88,10 +92,15 @@ class KVFormat:
 
     def dequantize(self, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[..., row_width]`` uint8 rows -> float32 ``[..., head_dim]`` (into ``out`` if given)."""
+        values, scale = self.codes(rows)
+        return torch.mul(values, scale, out=out) if out is not None else values * scale
+
+    def codes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[..., row_width]`` uint8 rows -> the codes' float32 values ``[..., head_dim]`` and each
+        row's float32 scale ``[..., 1]``."""
         dim = rows.shape[-1] - self.tail
         scale = rows[..., dim : dim + SCALE_BYTES].contiguous().view(torch.bfloat16).float()
-        values = self.table(rows.device)[rows[..., :dim].long()]
-        return torch.mul(values, scale, out=out) if out is not None else values * scale
+        return self.table(rows.device)[rows[..., :dim].long()], scale
 
     def rotation(self, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """float32 ``[head_dim, head_dim]``, orthogonal: what q and k (and v where
@@ -135,8 +144,13 @@ FORMATS["fp8"] = FORMATS["fp8_e4m3"]
 AUTO = FORMATS["auto"]
 
 
-def kv_format(name: str, device: torch.device | str = "cpu") -> KVFormat:
-    """The format named ``name`` as a cache on ``device`` keeps it (aligned rows on CUDA)."""
+def kv_format(name: str, device: torch.device | str = "cpu", quantized_products: bool = False) -> KVFormat:
+    """The format named ``name`` as a cache on ``device`` keeps it (aligned rows on CUDA);
+    ``quantized_products``: its decode attention takes its products on the codes (int8 and fp8_e4m3)."""
     if name not in FORMATS:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    return FORMATS[name].aligned() if torch.device(device).type == "cuda" else FORMATS[name]
+    if quantized_products and FORMATS[name].code not in PRODUCT_CODES:
+        raise ValueError(f"quantized products multiply an int8 or fp8_e4m3 cache's codes (kv_cache_dtype int8, fp8 or "
+                         f"fp8_e4m3); got {name!r}")
+    chosen = replace(FORMATS[name], quantized_products=True) if quantized_products else FORMATS[name]
+    return chosen.aligned() if torch.device(device).type == "cuda" else chosen

@@ -60,6 +60,9 @@ def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path |
                 raise ValueError(f"attention backend 'triton' needs the triton package: {err}") from err
             log.warning("triton unavailable: using the torch attention reference", device=str(device), error=str(err))
     elif backend == "native" or (backend == "auto" and device.type == "cpu"):
+        if kv_format.quantized_products:
+            raise ValueError("quantized products run on the Triton kernels (a CUDA GPU) or the torch reference "
+                             "(--attention-backend torch); this CPU's C kernels decode the codes")
         try:
             return native_ops(kernel_cache or Path(tempfile.gettempdir()) / "pagedserve-kernels", kv_format)
         except NativeKernelUnavailable as err:

@@ -17,24 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
-from pagedserve.kernels.decode_partitions import decode_partition, decode_splits
+from pagedserve.kernels.checks import check_cache, check_heads, check_products, check_same, check_tables
+from pagedserve.kernels.decode_partitions import decode_partition, decode_splits, decode_tile
 from pagedserve.kernels.kv_format import AUTO, KVFormat
-from pagedserve.kernels.paged_tiles import (capped, code_constants, dot_in_float32, dot_pad, load_kv_tile, tile_scores,
-                                            tile_weighted)
+from pagedserve.kernels.quantized_products import code_scores, code_weighted, column_codes, load_code_tile
+from pagedserve.kernels.paged_tiles import (capped, code_constants, dot_in_float32, dot_pad, interpreted, load_kv_tile,
+                                            tile_rows, tile_scores, tile_weighted)
 
-TILE_ELEMENTS = 8192  # a tile's keys x head elements (TILE x DIM_PAD) per K or V load
 NUM_WARPS = 8
 REDUCE_CHUNK = 32  # slices the reduction reads at once
-
-
-def decode_tile(dim_pad: int) -> int:
-    """Key positions per tile: 64, 32 for heads of 256 (at 8 warps no spills at sm_90, plain or int8
-    caches: tests/kernels/test_register_budget.py; 4 warps spilled at heads of 128)."""
-    tile = 64
-    while tile > 16 and tile * dim_pad > TILE_ELEMENTS:
-        tile //= 2
-    return tile
 
 
 @triton.jit(do_not_specialize=["max_splits", "partition"])  # one variant for every slice count and size
@@ -44,6 +35,7 @@ def _decode_partial(
     GROUP: tl.constexpr, ROWS: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     CODE: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, F32: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRODUCTS: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -57,6 +49,8 @@ def _decode_partial(
         heads = kv_head * GROUP + g
         q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
                     mask=(g[:, None] < GROUP) & (d[None, :] < DIM), other=0.0)
+        if PRODUCTS:  # products on the codes (quantized_products.py): the queries quantized once
+            q_codes, q_back = column_codes(tl.trans(q.to(tl.float32)), CODE, INTERPRETED)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         l = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
@@ -64,9 +58,16 @@ def _decode_partial(
         for tile in range(tl.maximum(start, first // TILE * TILE), end, TILE):  # tiles wholly before the window skipped
             pos = tile + tl.arange(0, TILE)
             valid = (pos < end) & (pos >= first)
-            k, k_scale, v, v_scale = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
-                                                  stride_kh, kv_head, pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
-            scores = tile_scores(q, k, k_scale, scale, F32)  # [ROWS, TILE]
+            if PRODUCTS:
+                offs = tile_rows(tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head, pos, valid,
+                                 BLOCK_SIZE)
+                k, k_scale = load_code_tile(k_ptr, offs, d, valid, DIM, CODE)
+                v, v_scale = load_code_tile(v_ptr, offs, d, valid, DIM, CODE)
+                scores = code_scores(q_codes, q_back, k, k_scale, scale)
+            else:
+                k, k_scale, v, v_scale = load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
+                                                      stride_kh, kv_head, pos, valid, d, DIM, BLOCK_SIZE, CODE, MANT, BIAS)
+                scores = tile_scores(q, k, k_scale, scale, F32)  # [ROWS, TILE]
             if SOFTCAP:  # compiled in only for the models that cap their scores
                 scores = capped(scores, softcap)
             scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -74,7 +75,10 @@ def _decode_partial(
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tile_weighted(p, v, v_scale, q.dtype, F32)
+            if PRODUCTS:
+                acc = acc * alpha[:, None] + code_weighted(p, v, v_scale, CODE, INTERPRETED)
+            else:
+                acc = acc * alpha[:, None] + tile_weighted(p, v, v_scale, q.dtype, F32)
             m = m_new
         row = (seq * tl.num_programs(1) * GROUP + heads) * max_splits + split
         tl.store(part_max_ptr + row, m, mask=g < GROUP)
@@ -133,6 +137,7 @@ def paged_attention_decode(
     group = check_heads(q, k_cache, kv_format)
     check_tables(block_tables, seq_lens, q.shape[0])
     check_same(q.device, k_cache.device, block_tables.device, seq_lens.device)
+    check_products(kv_format, q.device)
     num_seqs, num_heads, dim = q.shape
     out = torch.empty_like(q)
     if num_seqs == 0:
@@ -150,8 +155,9 @@ def paged_attention_decode(
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_max, part_sum, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         splits, partition, window, float(softcap), GROUP=group, ROWS=rows, DIM=dim,
-        DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], TILE=decode_tile(dim_pad),
-        F32=dot_in_float32(q.dtype), SOFTCAP=softcap > 0.0, **code_constants(kv_format, q.device), num_warps=NUM_WARPS,
+        DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], TILE=decode_tile(dim, kv_format.quantized_products),
+        F32=dot_in_float32(q.dtype), SOFTCAP=softcap > 0.0, **code_constants(kv_format, q.device),
+        PRODUCTS=kv_format.quantized_products, INTERPRETED=interpreted(), num_warps=NUM_WARPS,
     )
     _decode_reduce[(num_seqs, num_heads)](
         part_out, part_max, part_sum, seq_lens, out, out.stride(0), out.stride(1), num_heads, splits, partition, window,

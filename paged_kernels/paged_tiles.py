@@ -34,6 +34,23 @@ def code_constants(kv_format: KVFormat, device: torch.device | str = "cpu") -> d
 
 
 @triton.jit
+def tile_rows(tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head, pos, valid, BLOCK_SIZE: tl.constexpr):
+    """int64 ``[len(pos)]``: where each position's row of ``kv_head`` starts in a cache, its block
+    looked up in the sequence's table (invalid positions: block 0's, never read unmasked)."""
+    block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head * stride_kh
+
+
+@triton.jit
+def row_scales(ptr, offs, valid, DIM: tl.constexpr):
+    """float32 ``[len(offs)]``: each quantized row's bfloat16 scale, the two bytes after its codes
+    (``paged_kernels/kv_format.py``)."""
+    low = tl.load(ptr + offs + DIM, mask=valid, other=0).to(tl.uint32)
+    high = tl.load(ptr + offs + DIM + 1, mask=valid, other=0).to(tl.uint32)
+    return ((high << 24) | (low << 16)).to(tl.float32, bitcast=True)  # a bfloat16 is float32's upper half
+
+
+@triton.jit
 def load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head, pos, valid, d,
                  DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CODE: tl.constexpr, MANT: tl.constexpr,
                  BIAS: tl.constexpr):
@@ -42,8 +59,7 @@ def load_kv_tile(k_ptr, v_ptr, tables_ptr, seq, stride_bt, stride_kb, stride_kt,
     row's float32 scale (ones for a plain cache). The kernels take their dot products on the
     values and apply the scales to the scores and the probabilities, so the matrix units see exact
     inputs. Positions where ``valid`` is false read as zeros."""
-    block = tl.load(tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    offs = block * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt + kv_head * stride_kh
+    offs = tile_rows(tables_ptr, seq, stride_bt, stride_kb, stride_kt, stride_kh, kv_head, pos, valid, BLOCK_SIZE)
     kv_mask = valid[:, None] & (d[None, :] < DIM)
     if CODE == 0:
         k = tl.load(k_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -61,12 +77,9 @@ def _load_codes(ptr, offs, d, valid, mask, DIM: tl.constexpr, CODE: tl.constexpr
                 BIAS: tl.constexpr):
     """float32 ``[len(offs), DIM_PAD]`` values and ``[len(offs)]`` scales: one-byte codes decoded
     exactly as the torch reference's table (int8 by sign extension, fp8 by the hardware's conversion,
-    or integer arithmetic where it has none: ``code_constants``) and the row's bfloat16 scale (the
-    two bytes after the codes; ``paged_kernels/kv_format.py``)."""
+    or integer arithmetic where it has none: ``code_constants``) and the row's scale (``row_scales``)."""
     raw = tl.load(ptr + offs[:, None] + d[None, :], mask=mask, other=0)
-    low = tl.load(ptr + offs + DIM, mask=valid, other=0).to(tl.uint32)
-    high = tl.load(ptr + offs + DIM + 1, mask=valid, other=0).to(tl.uint32)
-    scale = ((high << 24) | (low << 16)).to(tl.float32, bitcast=True)  # a bfloat16 is float32's upper half
+    scale = row_scales(ptr, offs, valid, DIM)
     if CODE == 1:
         values = raw.to(tl.int8, bitcast=True).to(tl.float32)
     elif CODE == 3:  # the hardware's conversion (code_constants)
@@ -83,12 +96,18 @@ def _load_codes(ptr, offs, d, valid, mask, DIM: tl.constexpr, CODE: tl.constexpr
     return values, scale
 
 
+def interpreted() -> bool:
+    """Whether the kernels run under ``TRITON_INTERPRET=1`` (numpy on the CPU), where a few
+    conversions and products need an exact path of their own (``dot_in_float32``, ``quantized_products.to_codes``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def dot_in_float32(dtype: torch.dtype) -> bool:
     """Whether the kernels' ``tile_dot`` takes IEEE float32 products for queries of ``dtype``: for
     float32 (a float32 model's parity with transformers), and for bfloat16 under
     ``TRITON_INTERPRET=1``, whose dot reads bfloat16 operands wrongly (the products of two bfloat16
     values are exact in float32, so the result is the matrix units' up to the order of the sums)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted())
 
 
 def dot_pad(n: int) -> int:

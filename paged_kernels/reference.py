@@ -2,7 +2,7 @@
 
 Cache layout (one K and one V tensor per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``
 (a quantized cache: uint8 rows of ``head_dim + 2``, ``paged_kernels/kv_format.py``; the gathered context is
-decoded to float32 before attending).
+decoded to float32 before attending; with quantized products, ``quantized_products_reference.py``'s roundings instead).
 Block tables are ``int32 [num_seqs, max_blocks]``; a slot is ``block * block_size + offset``;
 a negative slot means "skip" (padding). Attention accumulates in float32.
 Everything is vectorised over the batch: no Python loop per sequence or token (decode splits a
@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from pagedserve.kernels.quantized_products_reference import decode_products
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 
 
@@ -151,13 +152,16 @@ def gather_values(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int,
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, scale, workspace, max_len: int | None = None,
             window: int = 0, softcap: float = 0.0, kv_format: KVFormat = AUTO) -> torch.Tensor:
     max_len = max_len if max_len is not None else int(seq_lens.max())
-    k = gather_values(k_cache, block_tables, max_len, workspace, "k", kv_format)
-    v = gather_values(v_cache, block_tables, max_len, workspace, "v", kv_format)
     positions = torch.arange(max_len, device=q.device)
     lens = seq_lens[:, None].long()
     allowed = positions[None, :] < lens
     if window > 0:
         allowed &= positions[None, :] >= lens - window
+    if kv_format.quantized_products:  # the codes' own products, as the Triton kernel takes them
+        k_rows, v_rows = (gather_context(cache, block_tables, max_len) for cache in (k_cache, v_cache))
+        return decode_products(q, k_rows, v_rows, allowed, scale, softcap, kv_format).to(q.dtype)
+    k = gather_values(k_cache, block_tables, max_len, workspace, "k", kv_format)
+    v = gather_values(v_cache, block_tables, max_len, workspace, "v", kv_format)
     return _attend(q[:, None], k, v, allowed[:, None, :], scale, workspace, softcap)[:, 0].to(q.dtype)
 
 

@@ -43,13 +43,14 @@ def make_case(
     return PagedCase(k.to(device), v.to(device), tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device), block_size)
 
 
-def quantized_case(name: str, block_size: int, kv_heads: int, lengths: list[int]):
+def quantized_case(name: str, block_size: int, kv_heads: int, lengths: list[int], head_dim: int = 64):
     """A paged case whose caches went through ``store_kv`` quantized, and the same caches decoded."""
     fmt = kv_format(name)
-    plain = make_case(lengths, block_size, kv_heads, 64)
-    k_rows, v_rows = (torch.zeros((*c.shape[:3], 66), dtype=torch.uint8) for c in (plain.k_cache, plain.v_cache))
+    plain = make_case(lengths, block_size, kv_heads, head_dim)
+    k_rows, v_rows = (torch.zeros((*c.shape[:3], fmt.row_width(head_dim)), dtype=torch.uint8)
+                      for c in (plain.k_cache, plain.v_cache))
     slots = torch.arange(plain.k_cache.shape[0] * block_size)
-    flat = lambda c: c.reshape(-1, kv_heads, 64)  # noqa: E731
+    flat = lambda c: c.reshape(-1, kv_heads, head_dim)  # noqa: E731
     reference.store_kv(flat(plain.k_cache), flat(plain.v_cache), k_rows, v_rows, slots, kv_format=fmt)
     plain.k_cache, plain.v_cache = fmt.dequantize(k_rows), fmt.dequantize(v_rows)
     return plain, k_rows, v_rows

@@ -103,7 +103,8 @@ class Engine:
         log.info(
             "kv cache allocated", sampling_defaults=self.sampling_defaults or "none", device=str(device), dtype=str(info.dtype).replace("torch.", ""),
             gpu_blocks=num_gpu, cpu_blocks=num_cpu, block_size=config.block_size,
-            kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
+            kv_bytes=num_gpu * block_bytes, kv_cache_dtype=config.kv_cache_dtype,
+            quantized_products=config.quantized_products, quantization=config.quantization,
             kv_bytes_per_token=self.kv_bytes_per_token, max_tokens_in_cache=num_gpu * config.block_size, max_model_len=max_len,
         )
 

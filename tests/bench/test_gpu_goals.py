@@ -14,8 +14,8 @@ def run_results() -> dict:
     decode = [{"batch": b, "context": c, "fraction_of_copy_bw": f} for b, c, f in
               [(1, 1024, 0.2), (1, 32768, 0.64), (128, 16384, 0.84)]]
     prefill = [{"length": n, "kernel_vs_sdpa": r} for n, r in [(512, 0.9), (2048, 0.72), (8192, 0.8)]]
-    kv = [{"context": c, "int8_speedup": i, "fp8_speedup": f} for c, i, f in [(64, 0.5, 0.5), (1024, 1.1, 0.95),
-                                                                              (8192, 1.6, 1.7)]]
+    kv = [{"context": c, "int8_speedup": i, "fp8_speedup": f, "int8_products_speedup": ip, "fp8_products_speedup": fp}
+          for c, i, f, ip, fp in [(64, 0.5, 0.5, 0.3, 0.4), (1024, 1.1, 0.95, 1.2, 1.05), (8192, 1.6, 1.7, 1.5, 1.4)]]
     offline = lambda *tok_s: {"bench": "offline_throughput", "results": [{"tokens_per_s": t} for t in tok_s]}  # noqa: E731
     return {"kernel_bench": {"bench": "kernel_decode", "results": decode, "prefill": prefill},
             "kv_decode": [{"bench": "kv_decode", "results": kv}, {"context": "a table line"}],
@@ -31,6 +31,9 @@ def test_each_goal_is_the_worst_of_its_rows_against_its_bar():
     assert met["int8 cache decode over bf16 at >= 1024 tokens (the worst)"] == (1.1, True)  # 64 tokens left out
     assert met["fp8 cache decode over bf16 at >= 1024 tokens (the worst)"] == (0.95, False)
     assert met["int8 cache decode over bf16 at >= 8192 tokens (the worst)"] == (1.6, True)
+    assert met["fp8 with --quantized-products cache decode over bf16 at >= 1024 tokens (the worst)"] == (1.05, True)
+    assert met["fp8 with --quantized-products cache decode over bf16 at >= 8192 tokens (the worst)"] == (1.4, False)
+    assert met["int8 with --quantized-products cache decode over bf16 at >= 8192 tokens (the worst)"] == (1.5, True)
     assert met["1 x 32768 decode, fraction of copy bandwidth"] == (0.64, True)
     assert met["128 x 16384 decode, fraction of copy bandwidth"] == (0.84, False)
     assert met["LoRA on over off, graphs (the worst spread)"] == (0.86, True)  # the base rows' 1.0 left out
@@ -48,6 +51,7 @@ def test_a_step_the_run_lacks_is_not_measured(tmp_path, capsys):
     assert main([str(path)]) == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
     unmeasured = {row["goal"] for row in line["goals"] if row["met"] is None}
-    # 4 cache goals, and those over the graphs step's figures: async's two, n-gram's
-    assert len(unmeasured) == 7 and line["not_measured"] == 7
+    # 8 cache goals (int8, fp8, each with and without quantized products), and those over the graphs step's
+    # figures: async's two, n-gram's
+    assert len(unmeasured) == 11 and line["not_measured"] == 11
     assert all(row["figure"] is None for row in line["goals"] if row["goal"] in unmeasured)

@@ -40,3 +40,25 @@ def test_a_quantized_cache_moves_each_tokens_logprob_little(real_model, exact, n
     assert len(quantized) == len(exact) == POSITIONS
     moved = sum(abs(a - b) for a, b in zip(exact, quantized)) / POSITIONS
     assert moved < BOUNDS[name], f"{name}: mean |logprob change| {moved:.4f} (bound {BOUNDS[name]})"
+
+
+# Decode steps on the codes (--quantized-products), against what they measured here (AVX-512,
+# 2026-12-07): top-1 agreement and mean |logprob change|, the cache alone -> with quantized products:
+# int8 100% / 0.0109 -> 99.0% / 0.0142; fp8_e4m3 96.9% / 0.0412 -> 93.8% / 0.0515.
+PRODUCT_BOUNDS = {"int8": (0.97, 0.02), "fp8_e4m3": (0.9, 0.08)}
+
+
+@pytest.mark.parametrize("name", sorted(PRODUCT_BOUNDS))
+def test_quantized_products_keep_decode_steps_on_the_exact_paths_tokens(real_model, name):
+    """Decode steps on a cache's codes (``--quantized-products``, the torch reference's numbers:
+    queries and probabilities quantized to the codes too), 4 passages continued for 24 tokens, each
+    token read by the exact path: agreement with its top-1 and the mean logprob move (the full
+    measure: ``bench/decode_quality.py``)."""
+    from pagedserve.bench.decode_quality import continuations, engine, judged, passages
+
+    exact = engine(real_model.gguf)
+    prompts = passages(exact.tokenizer, 96, count=4)
+    products = judged(exact, prompts, continuations(
+        engine(real_model.gguf, kv_cache_dtype=name, quantized_products=True), prompts, 24))
+    agreement, moved = PRODUCT_BOUNDS[name]
+    assert products["top1_agreement"] >= agreement and products["mean_abs_logprob_change"] < moved, products

@@ -4,14 +4,11 @@ CUDA (``gpu`` marker) when a device is present."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Must be set before the kernels are decorated (imported): the interpreter is chosen then.
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.kernels.triton_devices import DEVICES  # first: it picks the interpreter on a CPU
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -27,10 +24,6 @@ from pagedserve.kernels.prefill_attention import prefill_attention  # noqa: E402
 from pagedserve.kernels.store_kv import store_kv  # noqa: E402
 from tests.paged_cases import TOLERANCE, make_case, quantized_case  # noqa: E402
 
-DEVICES = [
-    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="runs on the GPU instead")),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
-]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

@@ -5,23 +5,15 @@ TRITON_INTERPRET=1 on the CPU, and on CUDA (``gpu`` marker) when a device is pre
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (imported)
+from tests.kernels.triton_devices import DEVICES  # first: it picks the interpreter on a CPU
 
 pytest.importorskip("triton")
 
 from pagedserve.kernels.lora_update import lora_update  # noqa: E402
 from pagedserve.worker.runner.lora.lora_linear import LoraStep, add_updates  # noqa: E402
-
-DEVICES = [
-    pytest.param("cpu", id="interpreter", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="runs on the GPU instead")),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
-]
 
 
 def per_adapter_loop(y, x, a, b, slots):

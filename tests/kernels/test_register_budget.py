@@ -60,6 +60,8 @@ def test_an_8_bit_cache_is_read_in_aligned_loads_copied_ahead(usage, cache):
 def test_the_tiles_shrink_as_the_head_grows():
     assert paged_attention.decode_tile(64) == 64 and paged_attention.decode_tile(128) == 64
     assert paged_attention.decode_tile(256) == 32 and paged_attention.decode_tile(1024) == 16  # never below 16
+    assert paged_attention.decode_tile(80) == paged_attention.decode_tile(128)  # a head padded to 128
+    assert paged_attention.decode_tile(1024, quantized_products=True) == 32  # an 8-bit product's depth
     tiles = prefill_attention.prefill_tiles
     assert tiles(128, 65) == tiles(64, 4096) == (128, 64) and tiles(128, 64) == tiles(128, 4096, True) == (64, 32)
     assert tiles(256, 4096) == (64, 32) and tiles(256, 4096, True) == tiles(512, 4096) == (16, 32)
@@ -73,3 +75,16 @@ def test_long_chunks_prefill_on_whole_warpgroup_products_with_pipelined_loads(us
     dim = MODELS[model][1]
     got = usage[f"prefill-long-auto-{model}"]
     assert got["wgmma"] == sorted({"m64n64k16", f"m64n{dim}k16"}) and got["async_copies"] > 0, got
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("model", ["Llama-3-8B", "Gemma-2-9B", "SmolLM2-135M"])
+def test_quantized_products_feed_the_codes_to_8_bit_tensor_cores_with_keys_as_rows(usage, cache, model):
+    """``--quantized-products``: both of a tile's products are Hopper's 8-bit wgmma (k32; bf16's are
+    k16), 64 keys or head channels as their rows and the group's queries as their columns (n8 or n16,
+    where queries as rows would pad a group of 4 to 64: 1,579 loop instructions and 225 registers at
+    Llama-3-8B's heads over fp8, against 754 and 113), the codes copied into shared memory
+    asynchronously."""
+    got = usage[f"decode-{cache}-products-{model}"]
+    assert got["wgmma"] and got["async_copies"] > 0, got
+    assert all(shape.startswith("m64n") and shape.endswith("k32") and int(shape[4:-3]) <= 16 for shape in got["wgmma"]), got

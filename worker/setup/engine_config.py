@@ -64,6 +64,10 @@ class EngineConfig:
     kv_cache_dtype: str = flag("auto", "how K/V are stored: auto (the model's dtype) or one byte per element, with a "
                                "bfloat16 scale per token and KV head (fp8 = fp8_e4m3)",
                                choices=KV_CACHE_DTYPES)
+    quantized_products: bool = flag(
+        False, "with an int8 or fp8_e4m3 cache, decode attention multiplies the codes as stored on the GPU's 8-bit "
+        "tensor cores, queries and probabilities quantized to the cache's codes too (lossy beyond the cache: "
+        "docs/engine.md; Triton on CUDA, or --attention-backend torch for its numbers on a CPU)", switch="on")
     kv_cache_memory: int | None = flag(None, "bytes for the KV pool (default: on CUDA what --gpu-memory-utilization "
                                        "leaves; on a CPU a quarter of the available RAM, at most 1 GiB)", kind=positive(int))
     quantization: str = flag("auto", "the linear layers' weights: auto (gguf for a quantized GGUF file on a CPU, else "
@@ -163,6 +167,9 @@ class EngineConfig:
         self._check_tensor_parallel()
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, got {self.gguf_activations!r}")
+        if self.quantized_products and self.kv_cache_dtype not in ("int8", "fp8", "fp8_e4m3"):
+            raise ValueError(f"quantized_products multiplies an 8-bit cache's codes: it needs kv_cache_dtype int8, fp8 or "
+                             f"fp8_e4m3, got {self.kv_cache_dtype!r}")
         spec = SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
         if spec is not None and spec.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative quantization must be one of {', '.join(QUANTIZATIONS)}, got {spec.quantization!r}")

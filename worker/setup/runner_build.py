@@ -94,7 +94,7 @@ class RunnerBuild:
     def __init__(self, config: EngineConfig, info: ModelInfo, device: torch.device, eos: frozenset[int] = frozenset(),
                  group: RankGroup | None = None) -> None:
         self.config, self.info, self.device, self.eos, self.group = config, info, device, eos, group
-        self.kv = kv_format(config.kv_cache_dtype, device)
+        self.kv = kv_format(config.kv_cache_dtype, device, config.quantized_products)
         self.ops = select_ops(device, config.attention_backend, cache_dir() / "kernels", self.kv)
         self.shard = None if group is None else Shard(group.rank, group.size)  # this rank's part of each tensor
         self.model = load_weights(info, self.ops, device, config.quantization, self.shard, config.gguf_activations)
