@@ -70,7 +70,7 @@ step gpu_tests 270 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels
     -p no:cacheprovider -v -o addopts= --timeout 120 \
     --junitxml="$out/gpu_tests.xml" || status=1
 step kernel_bench 45 "$py" -m pagedserve.bench.kernel_bench --out "$work/kernel_bench.json" || status=1
-step kv_decode 30 bash -c "$py -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 \
+step kv_decode 45 bash -c "$py -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 \
     --contexts 1024 4096 8192 | tee $work/kv_decode.json" || status=1
 for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then launched eagerly
     step "offline_$mode" 80 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 \

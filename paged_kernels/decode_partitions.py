@@ -21,7 +21,8 @@ MAX_SPLITS = 256  # slices of one sequence at most (128k tokens in slices of 512
 def decode_tile(head_dim: int, quantized_products: bool = False) -> int:
     """Key positions per tile of the decode kernel: 64, 32 for heads of 256 (at 8 warps no spills at
     sm_90, plain or int8 caches: tests/kernels/test_register_budget.py; 4 warps spilled at heads of
-    128); with quantized products (``paged_kernels/quantized_products.py``) never below their depth of 32 keys."""
+    128); with quantized products (``paged_kernels/quantized_products.py``) never below their depth
+    of 32 keys."""
     dim_pad = max(1 << (head_dim - 1).bit_length(), 16)  # the kernels' head padded for their products
     tile = 64
     while tile > 16 and tile * dim_pad > TILE_ELEMENTS:

@@ -8,7 +8,9 @@ and its weighted values as matrix products (the group padded to ``MIN_DOT`` rows
 partial result. A second kernel combines the slices, ``REDUCE_CHUNK`` at a time, so a batch of a few
 long sequences still spreads over the whole GPU. The slice size and count are run-time values: one
 compiled variant serves every batch and context. With ``window`` > 0 (sliding-window attention)
-slices and tiles before the window are skipped and the rest masked to it.
+slices and tiles before the window are skipped and the rest masked to it. An 8-bit cache's codes are
+decoded in registers (``paged_tiles``), or with ``quantized_products`` multiplied as stored
+(``quantized_products.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import triton.language as tl
 from pagedserve.kernels.checks import check_cache, check_heads, check_products, check_same, check_tables
 from pagedserve.kernels.decode_partitions import decode_partition, decode_splits, decode_tile
 from pagedserve.kernels.kv_format import AUTO, KVFormat
-from pagedserve.kernels.quantized_products import code_scores, code_weighted, column_codes, load_code_tile
 from pagedserve.kernels.paged_tiles import (capped, code_constants, dot_in_float32, dot_pad, interpreted, load_kv_tile,
                                             tile_rows, tile_scores, tile_weighted)
+from pagedserve.kernels.quantized_products import code_scores, code_weighted, column_codes, load_code_tile
 
 NUM_WARPS = 8
 REDUCE_CHUNK = 32  # slices the reduction reads at once
