@@ -5,14 +5,15 @@
 #   device run:  command "bash bench/gpu_check.sh", carry ["gpu_wheels"], timeout_s 360
 # Order: set-up and a preflight (versions, the device, every import; fails loudly in seconds), the
 # GPU-marked tests (each test's line streamed, 120 s a test), the decode kernel benchmark, decode
-# attention over int8/fp8 caches against bf16 (also with their codes multiplied as stored:
-# --quantized-products), offline throughput of a ~1.1B random-weight Llama in bf16 with CUDA graphs
-# and eagerly against transformers, then with async scheduling (the next step planned while one
-# runs), with n-gram drafts (graphs per draft length), the same model with LoRA adapters on against
-# off (graphs reading the adapters' places). Everything lands in $OUT (default ./out) in six files,
-# under the device tool's eight: check.log (every step's output, unbuffered), gpu_tests.xml,
-# results.json (every step's JSON), nvidia-smi.txt, summary.json (each step's status and seconds)
-# and goals.txt (#63's goals read from results.json: bench/gpu_goals.py), printed last.
+# attention over int8/fp8 caches against bf16 at SmolLM2's and Llama-3-8B's heads (also with their
+# codes multiplied as stored: --quantized-products), offline throughput of a ~1.1B random-weight
+# Llama in bf16 with CUDA graphs and eagerly against transformers, then with async scheduling (the
+# next step planned while one runs), with n-gram drafts (graphs per draft length), the same model
+# with LoRA adapters on against off (graphs reading the adapters' places). Everything lands in $OUT
+# (default ./out) in six files, under the device tool's eight: check.log (every step's output,
+# unbuffered), gpu_tests.xml, results.json (every step's JSON), nvidia-smi.txt, summary.json (each
+# step's status and seconds) and goals.txt (#63's goals read from results.json: bench/gpu_goals.py),
+# printed last.
 set -uo pipefail
 out="${OUT:-out}"
 mkdir -p "$out"
@@ -72,6 +73,8 @@ step gpu_tests 270 "$py" -m pytest -m gpu tests/engine/test_gpu.py tests/kernels
 step kernel_bench 45 "$py" -m pagedserve.bench.kernel_bench --out "$work/kernel_bench.json" || status=1
 step kv_decode 45 bash -c "$py -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 \
     --contexts 1024 4096 8192 | tee $work/kv_decode.json" || status=1
+step kv_decode_llama 45 bash -c "$py -m pagedserve.bench.kv_decode --backend triton --device cuda --dtype bfloat16 \
+    --contexts 1024 4096 8192 --heads 32 --kv-heads 8 --head-dim 128 | tee $work/kv_decode_llama.json" || status=1
 for mode in graphs eager; do  # decode steps replayed from CUDA graphs, then launched eagerly
     step "offline_$mode" 80 "$py" -m pagedserve.bench.offline_throughput --preset llama-1b --dtype bfloat16 \
         --requests 128 --hf-batch 64 --max-num-batched-tokens 4096 --model-dir "${TMPDIR:-/tmp}/pagedserve-llama-1b" \

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedserve.bench.kv_decode import DIM, HEADS, KV_HEADS, caches
+from pagedserve.bench.kv_decode import SMOLLM2, caches
 from pagedserve.bench.table import print_table
 from pagedserve.kernels.kv_format import kv_format
 from pagedserve.kernels.native_attention import NativeAttention
@@ -45,16 +45,16 @@ def median_ms(call, repeats: int) -> float:
 
 def row(length: int, dtype: torch.dtype, repeats: int, kernel_cache: Path) -> dict:
     device = torch.device("cpu")
-    q = torch.randn(length, HEADS, DIM).to(dtype)
+    q = torch.randn(length, SMOLLM2.query, SMOLLM2.dim).to(dtype)
     starts = torch.tensor([0, length], dtype=torch.int32)
     lens = torch.tensor([length], dtype=torch.int32)
     result = {"tokens": length}
     for backend in ("native", "torch"):
         ops = select_ops(device, backend, kernel_cache, kv_format("auto"))
-        k, v, tables = caches(ops, 1, length, dtype, device)
+        k, v, tables = caches(ops, SMOLLM2, 1, length, dtype, device)
         result[f"{backend}_ms"] = median_ms(lambda: ops.prefill(q, k, v, tables, starts, lens, 0.125, max_query_len=length,
                                                                max_seq_len=length), repeats)
-    dense = [torch.randn(1, heads, length, DIM).to(dtype) for heads in (HEADS, KV_HEADS, KV_HEADS)]
+    dense = [torch.randn(1, heads, length, SMOLLM2.dim).to(dtype) for heads in (SMOLLM2.query, SMOLLM2.kv, SMOLLM2.kv)]
     result["flash_contiguous_ms"] = median_ms(
         lambda: F.scaled_dot_product_attention(*dense, is_causal=True, enable_gqa=True), repeats)
     return result
@@ -64,8 +64,8 @@ def chunk_row(spec: str, repeats: int, kernel_cache: Path) -> dict:
     """A bfloat16 chunk ``TOKENS@CONTEXT``: the pair-product kernel against the vector kernel."""
     tokens, context = (int(part) for part in spec.split("@"))
     ops = select_ops(torch.device("cpu"), "native", kernel_cache, kv_format("auto"))
-    k, v, tables = caches(ops, 1, context + tokens, torch.bfloat16, torch.device("cpu"))
-    q = torch.randn(tokens, HEADS, DIM).to(torch.bfloat16)
+    k, v, tables = caches(ops, SMOLLM2, 1, context + tokens, torch.bfloat16, torch.device("cpu"))
+    q = torch.randn(tokens, SMOLLM2.query, SMOLLM2.dim).to(torch.bfloat16)
     starts = torch.tensor([0, tokens], dtype=torch.int32)
     lens = torch.tensor([context + tokens], dtype=torch.int32)
     pairs = tokens * context + tokens * (tokens + 1) // 2  # the query-key pairs the chunk attends

@@ -19,6 +19,7 @@ def run_results() -> dict:
     offline = lambda *tok_s: {"bench": "offline_throughput", "results": [{"tokens_per_s": t} for t in tok_s]}  # noqa: E731
     return {"kernel_bench": {"bench": "kernel_decode", "results": decode, "prefill": prefill},
             "kv_decode": [{"bench": "kv_decode", "results": kv}, {"context": "a table line"}],
+            "kv_decode_llama": [{"bench": "kv_decode", "results": [{**row, "int8_products_speedup": 2.0} for row in kv]}],
             "lora": [{"bench": "lora", "results": [{"adapters": 0, "vs_off": 1.0}, {"adapters": 1, "vs_off": 0.9},
                                                    {"adapters": 8, "vs_off": 0.86}]}],
             "offline_throughput_graphs": offline(5000.0, 625.0), "offline_throughput_ngram": offline(8000.0),
@@ -34,6 +35,8 @@ def test_each_goal_is_the_worst_of_its_rows_against_its_bar():
     assert met["fp8 with --quantized-products cache decode over bf16 at >= 1024 tokens (the worst)"] == (1.05, True)
     assert met["fp8 with --quantized-products cache decode over bf16 at >= 8192 tokens (the worst)"] == (1.4, False)
     assert met["int8 with --quantized-products cache decode over bf16 at >= 8192 tokens (the worst)"] == (1.5, True)
+    llama = "int8 with --quantized-products cache decode over bf16 at >= 1024 tokens, Llama-3-8B heads (the worst)"
+    assert met[llama] == (2.0, True)  # the second shape's step read on its own
     assert met["1 x 32768 decode, fraction of copy bandwidth"] == (0.64, True)
     assert met["128 x 16384 decode, fraction of copy bandwidth"] == (0.84, False)
     assert met["LoRA on over off, graphs (the worst spread)"] == (0.86, True)  # the base rows' 1.0 left out
@@ -51,7 +54,7 @@ def test_a_step_the_run_lacks_is_not_measured(tmp_path, capsys):
     assert main([str(path)]) == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
     unmeasured = {row["goal"] for row in line["goals"] if row["met"] is None}
-    # 8 cache goals (int8, fp8, each with and without quantized products), and those over the graphs step's
-    # figures: async's two, n-gram's
+    # 8 cache goals (int8, fp8, each with and without quantized products) at SmolLM2's heads (the Llama shape's
+    # step is there), and those over the graphs step's figures: async's two, n-gram's
     assert len(unmeasured) == 11 and line["not_measured"] == 11
     assert all(row["figure"] is None for row in line["goals"] if row["goal"] in unmeasured)
