@@ -53,7 +53,8 @@ def check_heads(q: torch.Tensor, k_cache: torch.Tensor, kv_format: KVFormat = AU
 
 def check_products(kv_format: KVFormat, device: torch.device) -> None:
     """Quantized products (``paged_kernels/quantized_products.py``) need a GPU that multiplies the
-    cache's codes: int8 from sm_80 (Ampere), e4m3 from sm_89 (Ada, Hopper)."""
+    cache's codes: int8 from sm_80 (Ampere), e4m3 from sm_89 (Ada, Hopper). Checked once, when the
+    Triton ops are chosen (``ops.select_ops``), not on every launch."""
     if not kv_format.quantized_products or device.type != "cuda":
         return
     needs = (8, 0) if kv_format.code == torch.int8 else (8, 9)

@@ -14,11 +14,11 @@ token are summed at the end (no atomics, so the result is deterministic). Refere
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.kernels.paged_tiles import interpreted
 
 BLOCK_M = 16
 
@@ -121,7 +121,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_in
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     blocks = block_expert.numel()
-    fp32 = x.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    fp32 = x.dtype == torch.float32 or interpreted()
     _gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, gate_up, act, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, FP32=fp32)

@@ -35,10 +35,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedserve.kernels.backends import KV_CACHE_DTYPES
+from pagedserve.kernels.backends import KV_CACHE_DTYPES, PRODUCT_CACHE_DTYPES
 
 SCALE_BYTES = 2  # a bfloat16 scale after every row's codes
-PRODUCT_CODES = (torch.int8, torch.float8_e4m3fn)  # the codes 8-bit tensor-core products take (quantized_products)
 ALIGNED_TAIL = 16  # on CUDA: the scale and 14 unused bytes, so rows of a head a multiple of 16 stay 16-byte aligned
 
 
@@ -149,7 +148,7 @@ def kv_format(name: str, device: torch.device | str = "cpu", quantized_products:
     ``quantized_products``: its decode attention takes its products on the codes (int8 and fp8_e4m3)."""
     if name not in FORMATS:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    if quantized_products and FORMATS[name].code not in PRODUCT_CODES:
+    if quantized_products and name not in PRODUCT_CACHE_DTYPES:
         raise ValueError(f"quantized products multiply an int8 or fp8_e4m3 cache's codes (kv_cache_dtype int8, fp8 or "
                          f"fp8_e4m3); got {name!r}")
     chosen = replace(FORMATS[name], quantized_products=True) if quantized_products else FORMATS[name]

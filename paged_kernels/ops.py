@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.kernels import reference
 from pagedserve.kernels.backends import BACKENDS
+from pagedserve.kernels.checks import check_products
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.moe_reference import grouped_moe
 from pagedserve.kernels.native_attention import NativeAttention
@@ -53,6 +54,7 @@ def select_ops(device: torch.device, backend: str = "auto", kernel_cache: Path |
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if backend == "triton" or (backend == "auto" and device.type == "cuda"):
+        check_products(kv_format, device)
         try:
             return triton_ops(kv_format)
         except ImportError as err:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.checks import check_cache, check_heads, check_products, check_same, check_tables
+from pagedserve.kernels.checks import check_cache, check_heads, check_same, check_tables
 from pagedserve.kernels.decode_partitions import decode_partition, decode_splits, decode_tile
 from pagedserve.kernels.kv_format import AUTO, KVFormat
 from pagedserve.kernels.paged_tiles import (capped, code_constants, dot_in_float32, dot_pad, interpreted, load_kv_tile,
@@ -139,7 +139,6 @@ def paged_attention_decode(
     group = check_heads(q, k_cache, kv_format)
     check_tables(block_tables, seq_lens, q.shape[0])
     check_same(q.device, k_cache.device, block_tables.device, seq_lens.device)
-    check_products(kv_format, q.device)
     num_seqs, num_heads, dim = q.shape
     out = torch.empty_like(q)
     if num_seqs == 0:

@@ -22,9 +22,10 @@ columns: a group of 4 padded to 64 rows would double the kernel's instructions.
 import triton
 import triton.language as tl
 
+from pagedserve.kernels import quantized_products_reference
 from pagedserve.kernels.paged_tiles import row_scales
 
-FLOOR = tl.constexpr(2.0 ** -100)  # a factor at least this: its reciprocal stays finite (zeros' codes are zeros)
+FLOOR = tl.constexpr(quantized_products_reference.FLOOR)  # the reference's floor on a scale-back factor
 
 
 @triton.jit

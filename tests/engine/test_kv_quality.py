@@ -48,16 +48,25 @@ def test_a_quantized_cache_moves_each_tokens_logprob_little(real_model, exact, n
 PRODUCT_BOUNDS = {"int8": (0.97, 0.02), "fp8_e4m3": (0.9, 0.08)}
 
 
+@pytest.fixture(scope="module")
+def exact_reader(real_model):
+    """The exact engine that reads the continuations (torch attention, the model-dtype cache), and
+    the 4 passages they continue: made once for every format."""
+    from pagedserve.bench.decode_quality import engine, passages
+
+    exact = engine(real_model.gguf)
+    return exact, passages(exact.tokenizer, 96, count=4)
+
+
 @pytest.mark.parametrize("name", sorted(PRODUCT_BOUNDS))
-def test_quantized_products_keep_decode_steps_on_the_exact_paths_tokens(real_model, name):
+def test_quantized_products_keep_decode_steps_on_the_exact_paths_tokens(real_model, exact_reader, name):
     """Decode steps on a cache's codes (``--quantized-products``, the torch reference's numbers:
     queries and probabilities quantized to the codes too), 4 passages continued for 24 tokens, each
     token read by the exact path: agreement with its top-1 and the mean logprob move (the full
     measure: ``bench/decode_quality.py``)."""
-    from pagedserve.bench.decode_quality import continuations, engine, judged, passages
+    from pagedserve.bench.decode_quality import continuations, engine, judged
 
-    exact = engine(real_model.gguf)
-    prompts = passages(exact.tokenizer, 96, count=4)
+    exact, prompts = exact_reader
     products = judged(exact, prompts, continuations(
         engine(real_model.gguf, kv_cache_dtype=name, quantized_products=True), prompts, 24))
     agreement, moved = PRODUCT_BOUNDS[name]

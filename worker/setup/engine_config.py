@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pagedserve.kernels.backends import BACKENDS, KV_CACHE_DTYPES, QUANTIZATIONS
+from pagedserve.kernels.backends import BACKENDS, KV_CACHE_DTYPES, PRODUCT_CACHE_DTYPES, QUANTIZATIONS
 from pagedserve.runtime.env import checked, fraction, non_negative, positive
 from pagedserve.worker.core.kv_cache.block_pool import BLOCK_SIZE
 from pagedserve.worker.core.scheduling.config import PREEMPTION_MODES, PreemptionMode
@@ -167,7 +167,7 @@ class EngineConfig:
         self._check_tensor_parallel()
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise ValueError(f"gguf_activations must be one of {', '.join(GGUF_ACTIVATIONS)}, got {self.gguf_activations!r}")
-        if self.quantized_products and self.kv_cache_dtype not in ("int8", "fp8", "fp8_e4m3"):
+        if self.quantized_products and self.kv_cache_dtype not in PRODUCT_CACHE_DTYPES:
             raise ValueError(f"quantized_products multiplies an 8-bit cache's codes: it needs kv_cache_dtype int8, fp8 or "
                              f"fp8_e4m3, got {self.kv_cache_dtype!r}")
         spec = SpeculativeConfig.parse(self.speculative_config)  # a bad --speculative-config fails here, with its reason
